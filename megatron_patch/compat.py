@@ -1,0 +1,369 @@
+"""The one place that knows which megatron-core we run on and how to run it without a GPU.
+
+Example::
+
+    from megatron_patch import compat
+    compat.apply_cpu_shim()          # no-op when torch.cuda.is_available()
+    spec_backend = "te" if compat.transformer_engine_available() else "local"
+
+Everything version-specific lives here. The CPU shim was checked against megatron-core 0.16.1 and
+torch 2.13.0+cpu; every patch names the upstream call sites it works around and only replaces behaviour
+that would raise on a CPU-only build ("Torch not compiled with CUDA enabled"), so it can never change what
+happens on a GPU. See ``shared/notes/megatron-core-on-cpu.md`` for the survey behind each patch.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.machinery
+import importlib.metadata
+import importlib.util
+import inspect
+import sys
+import textwrap
+import types
+import warnings
+
+SUPPORTED_MEGATRON_CORE = "0.16.1"
+
+# megatron-core warns at import time, once per module, that TE/apex are missing; the choice between TE and local
+# layers is made (and reported) by our spec builder, so these repeat what the user already knows.
+warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex|apex).*(not installed|Falling back).*")
+
+
+class UnsupportedMegatronCore(ImportError):
+    """Raised when the installed megatron-core is not the version this package was verified against."""
+
+
+def check_megatron_core_version(installed: str | None = None) -> str:
+    """Return the installed megatron-core version, or raise with the fix if it is not the supported one.
+
+    Example::
+
+        >>> check_megatron_core_version("0.16.1")
+        '0.16.1'
+    """
+    if installed is None:
+        try:
+            installed = importlib.metadata.version("megatron-core")
+        except importlib.metadata.PackageNotFoundError:
+            raise UnsupportedMegatronCore(
+                f"megatron-core is not installed; megatron_patch needs megatron-core=={SUPPORTED_MEGATRON_CORE} "
+                f"(pip install megatron-core=={SUPPORTED_MEGATRON_CORE})"
+            ) from None
+    if installed != SUPPORTED_MEGATRON_CORE:
+        raise UnsupportedMegatronCore(
+            f"megatron-core {installed} is installed, but megatron_patch supports megatron-core=="
+            f"{SUPPORTED_MEGATRON_CORE} only (its CPU shim and checkpoint layout are verified against that "
+            f"release). Fix: pip install megatron-core=={SUPPORTED_MEGATRON_CORE}"
+        )
+    return installed
+
+
+def _importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+@functools.cache
+def transformer_engine_available() -> bool:
+    """True when Transformer Engine's PyTorch extension imports (GPU installs only).
+
+    Example::
+
+        >>> transformer_engine_available()
+        False
+    """
+    if not _importable("transformer_engine"):
+        return False
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # a broken TE install (wrong CUDA, missing .so) must not take the package down
+        return False
+    return True
+
+
+@functools.cache
+def apex_available() -> bool:
+    """True when NVIDIA apex's fused layer norm imports."""
+    if not _importable("apex"):
+        return False
+    try:
+        from apex.normalization import FusedLayerNorm  # noqa: F401
+    except Exception:  # PyPI's unrelated "apex" package lacks it
+        return False
+    return True
+
+
+# ----------------------------------------------------------------------------------------------------------
+# CPU shim
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _cpu_device(device):
+    """Map a CUDA device spec to the CPU; leave anything else alone."""
+    if isinstance(device, str) and device.startswith("cuda"):
+        return "cpu"
+    if isinstance(device, int):  # torch.cuda.current_device() style indices
+        return "cpu"
+    import torch
+
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return torch.device("cpu")
+    return device
+
+
+class _CpuCuda(types.ModuleType):
+    """``torch.cuda`` as megatron-core modules see it on a CPU-only build.
+
+    megatron-core allocates on ``torch.cuda.current_device()`` at ~175 sites (e.g.
+    ``tensor_parallel/utils.py:70``, ``tensor_parallel/mappings.py:91``, ``transformer/utils.py:631``),
+    synchronises after p2p (``pipeline_parallel/p2p_communication.py:242,398``) and checkpoint writes
+    (``dist_checkpointing/strategies/filesystem_async.py:230``), and forks the CUDA generator for
+    tensor-parallel dropout (``tensor_parallel/random.py:235-238,422``). On CPU the current device is the CPU,
+    synchronisation is a no-op and the CPU generator plays the CUDA generator's role.
+    """
+
+    def __init__(self):
+        super().__init__("torch.cuda")
+        import torch
+
+        self._real = torch.cuda
+        self.random = types.SimpleNamespace(get_rng_state=lambda device="cuda": torch.get_rng_state())
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    @staticmethod
+    def current_device():
+        import torch
+
+        return torch.device("cpu")
+
+    @staticmethod
+    def synchronize(device=None):
+        return None
+
+    @staticmethod
+    def get_rng_state(device="cuda"):
+        import torch
+
+        return torch.get_rng_state()
+
+    @staticmethod
+    def manual_seed(seed):
+        import torch
+
+        torch.manual_seed(seed)
+
+
+_FACTORIES = (
+    "tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn", "randint",
+    "zeros_like", "ones_like", "empty_like", "full_like", "randperm", "linspace",
+)
+
+
+class _CpuTorch(types.ModuleType):
+    """``torch`` as megatron-core modules see it on a CPU-only build: factories ignore ``device="cuda"``.
+
+    The literal ``device="cuda"`` appears in the code paths we use at ``pipeline_parallel/schedules.py:596,983,
+    2138``, ``optimizer/optimizer.py:473,481,485,907``, ``optimizer/clip_grads.py:90,103,115,174,207``,
+    ``optimizer/grad_scaler.py:15,88,91,94``, ``transformer/utils.py:35,40``,
+    ``distributed/param_and_grad_buffer.py:768``, ``tensor_parallel/data.py:37``, ``utils.py:656,1207``,
+    ``dist_checkpointing/strategies/state_dict_saver.py:204``, ``dist_checkpointing/exchange_utils.py:104,110,
+    326``, ``rerun_state_machine.py:261,265`` and ``pipeline_parallel/utils.py:334``. Only megatron-core's own
+    modules get this view of torch; our code and the user's keep the real one.
+    """
+
+    def __init__(self):
+        super().__init__("torch")
+        import torch
+
+        self._real = torch
+        self.cuda = _CpuCuda()
+        for name in _FACTORIES:
+            setattr(self, name, self._wrap_factory(getattr(torch, name)))
+
+    @staticmethod
+    def _wrap_factory(factory):
+        @functools.wraps(factory)
+        def on_cpu(*args, **kwargs):
+            if "device" in kwargs:
+                kwargs["device"] = _cpu_device(kwargs["device"])
+            return factory(*args, **kwargs)
+
+        return on_cpu
+
+    def __getattr__(self, name):
+        value = getattr(self._real, name)
+        setattr(self, name, value)  # cache: later lookups cost what a plain module attribute costs
+        return value
+
+
+def _rewrite_function(owner, name: str, replacements: list[tuple[str, str]]) -> None:
+    """Recompile ``owner.name`` (a module-level function or a method) with exact string replacements.
+
+    Each ``old`` string must still be present, so a megatron-core change fails here, loudly, instead of
+    leaving a patch silently inactive.
+    """
+    module = owner if isinstance(owner, types.ModuleType) else sys.modules[owner.__module__]
+    raw = owner.__dict__[name]
+    wrapper = type(raw) if isinstance(raw, (classmethod, staticmethod)) else None
+    source = textwrap.dedent(inspect.getsource(raw.__func__ if wrapper else raw))
+    for old, new in replacements:
+        if old not in source:
+            raise RuntimeError(
+                f"megatron_patch.compat: '{old}' is no longer in {module.__name__}.{name}; the CPU shim was "
+                f"written for megatron-core {SUPPORTED_MEGATRON_CORE} and needs updating"
+            )
+        source = source.replace(old, new)
+    is_method = not isinstance(owner, types.ModuleType)
+    if is_method:  # compile inside a class body so zero-argument super() gets its __class__ cell
+        source = f"class {owner.__name__}:\n" + textwrap.indent(source, "    ")
+    namespace: dict = {}
+    exec(compile(source, module.__file__, "exec"), module.__dict__, namespace)
+    new = namespace[owner.__name__].__dict__[name] if is_method else namespace[name]
+    if wrapper:
+        new = new.__func__
+    if is_method and "__class__" in new.__code__.co_freevars:
+        cells = tuple(
+            types.CellType(owner) if var == "__class__" else cell
+            for var, cell in zip(new.__code__.co_freevars, new.__closure__)
+        )
+        new = types.FunctionType(new.__code__, new.__globals__, name, new.__defaults__, cells)
+        new.__qualname__ = f"{owner.__name__}.{name}"
+    setattr(owner, name, wrapper(new) if wrapper else new)
+
+
+# The optimizer refuses parameters whose type() is not a CUDA type string:
+# optimizer/clip_grads.py:167, optimizer/optimizer.py:671,690, optimizer/distrib_optimizer.py:361,420,582.
+_HALF_TYPES = (
+    "['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']",
+    "['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor', 'torch.HalfTensor', 'torch.BFloat16Tensor']",
+)
+_FLOAT_TYPE = ("== 'torch.cuda.FloatTensor'", "in ('torch.cuda.FloatTensor', 'torch.FloatTensor')")
+
+
+def _accept_cpu_type_strings() -> None:
+    import megatron.core.optimizer.clip_grads as clip_grads
+    import megatron.core.optimizer.distrib_optimizer as distrib_optimizer
+    import megatron.core.optimizer.optimizer as optimizer
+
+    original = clip_grads.clip_grad_by_total_norm_fp32
+    _rewrite_function(clip_grads, "clip_grad_by_total_norm_fp32", [_FLOAT_TYPE])
+    for module in list(sys.modules.values()):  # re-point `from .clip_grads import clip_grad_by_total_norm_fp32`
+        if getattr(module, "clip_grad_by_total_norm_fp32", None) is original:
+            module.clip_grad_by_total_norm_fp32 = clip_grads.clip_grad_by_total_norm_fp32
+    _rewrite_function(optimizer.Float16OptimizerWithFloat16Params, "__init__", [_HALF_TYPES, _FLOAT_TYPE])
+    _rewrite_function(
+        distrib_optimizer.DistributedOptimizer, "_build_model_and_main_param_groups", [_HALF_TYPES, _FLOAT_TYPE]
+    )
+    _rewrite_function(distrib_optimizer.DistributedOptimizer, "__init__", [_HALF_TYPES])
+
+
+def _skip_step_on_optimizer_load() -> None:
+    """Not CPU-specific: without TE/apex the optimizer is torch's Adam, whose per-parameter ``step`` is not in
+    a distributed-optimizer checkpoint, so ``distrib_optimizer.py:938-940`` raises ``KeyError: 'step'``."""
+    import megatron.core.optimizer.distrib_optimizer as distrib_optimizer
+
+    _rewrite_function(
+        distrib_optimizer.DistributedOptimizer,
+        "_set_main_param_and_optimizer_states",
+        [(
+            'dst_tensors = {"param": main_param, **optim_state}',
+            'dst_tensors = {"param": main_param, **{k: v for k, v in optim_state.items() if k != "step"}}',
+        )],
+    )
+
+
+class _MegatronTorchView(importlib.abc.MetaPathFinder):
+    """Gives every megatron-core module imported from now on the CPU view of torch."""
+
+    def find_spec(self, fullname, path, target=None):
+        if not fullname.startswith("megatron.core"):
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_swap(module):
+            exec_module(module)
+            _use_cpu_torch(module)
+
+        spec.loader.exec_module = exec_then_swap
+        return spec
+
+
+_CPU_TORCH: _CpuTorch | None = None
+
+
+def _use_cpu_torch(module: types.ModuleType) -> None:
+    import torch
+
+    if module.__dict__.get("torch") is torch:
+        module.torch = _CPU_TORCH
+
+
+_shim_applied = False
+
+
+def apply_cpu_shim() -> bool:
+    """Let megatron-core 0.16.1 run on a CPU-only torch with gloo; returns whether anything was patched.
+
+    Example::
+
+        >>> from megatron_patch.compat import apply_cpu_shim
+        >>> apply_cpu_shim()   # True on a CPU-only machine, False when CUDA is there
+        True
+
+    Idempotent. Nothing is patched when CUDA is available.
+    """
+    global _shim_applied, _CPU_TORCH
+    import torch
+
+    if torch.cuda.is_available():
+        return False
+    if _shim_applied:
+        return True
+    check_megatron_core_version()
+    _CPU_TORCH = _CpuTorch()
+    sys.meta_path.insert(0, _MegatronTorchView())
+    import megatron.core  # noqa: F401  (the finder only sees modules imported after it was installed)
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("megatron.core") and module is not None:
+            _use_cpu_torch(module)
+
+    import megatron.core.tensor_parallel.random as mcore_random
+
+    # tensor_parallel/random.py:55 and :111 read and write the CUDA generator directly.
+    mcore_random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
+    mcore_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+    # `.cuda()` on tensors (tensor_parallel/data.py:84 in broadcast_data, language_module.py:244 for tied
+    # embeddings, dist_checkpointing/exchange_utils.py:336,499) raises on a CPU build; there it means "stay".
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    _accept_cpu_type_strings()
+    _shim_applied = True
+    return True
+
+
+_fallback_fixes_applied = False
+
+
+def apply() -> None:
+    """Apply every workaround this machine needs: the CPU shim, and the fixes for running without TE/apex.
+
+    Example::
+
+        >>> from megatron_patch import compat
+        >>> compat.apply()
+    """
+    global _fallback_fixes_applied
+    apply_cpu_shim()
+    if not _fallback_fixes_applied and not (transformer_engine_available() or apex_available()):
+        _skip_step_on_optimizer_load()
+        _fallback_fixes_applied = True

@@ -1,0 +1,163 @@
+"""Distributed start-up in one place: torchrun's environment -> process group -> megatron-core's parallel state.
+
+Example::
+
+    torchrun --nproc-per-node 2 my_script.py      # my_script.py calls:
+
+    from megatron_patch.distributed import initialize_distributed
+    layout = initialize_distributed(tensor_model_parallel_size=2, seed=1234)
+    print(layout.rank, layout.data_parallel_size)
+
+NCCL with one GPU per local rank when CUDA is there, gloo on the CPU otherwise (with megatron_patch.compat's
+CPU shim applied first). Re-initialising with another layout in the same processes is allowed: the process group
+is kept and megatron-core's model-parallel groups are rebuilt, which lets the test harness reuse its workers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+
+import torch
+
+from megatron_patch import compat
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelLayout:
+    """Where this process sits in the (dp, pp, cp, tp) grid megatron-core built."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    tensor_model_parallel_size: int
+    pipeline_model_parallel_size: int
+    virtual_pipeline_model_parallel_size: int | None
+    context_parallel_size: int
+    data_parallel_size: int
+    device: torch.device
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} must be an integer (torchrun sets it)") from None
+
+
+def check_layout(
+    world_size: int,
+    tensor_model_parallel_size: int,
+    pipeline_model_parallel_size: int,
+    context_parallel_size: int = 1,
+) -> int:
+    """Return the data-parallel size, or raise naming the flags when the sizes do not tile the world.
+
+    Example::
+
+        >>> check_layout(8, tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+        2
+    """
+    model_parallel = tensor_model_parallel_size * pipeline_model_parallel_size * context_parallel_size
+    if min(tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size) < 1:
+        raise ValueError("--tensor-model-parallel-size, --pipeline-model-parallel-size and "
+                         "--context-parallel-size must be at least 1")
+    if world_size % model_parallel:
+        raise ValueError(
+            f"world size {world_size} is not divisible by --tensor-model-parallel-size "
+            f"({tensor_model_parallel_size}) x --pipeline-model-parallel-size ({pipeline_model_parallel_size}) x "
+            f"--context-parallel-size ({context_parallel_size}) = {model_parallel}; change the sizes or the "
+            f"number of processes"
+        )
+    return world_size // model_parallel
+
+
+def initialize_distributed(
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    virtual_pipeline_model_parallel_size: int | None = None,
+    context_parallel_size: int = 1,
+    seed: int = 1234,
+    timeout_minutes: float = 30.0,
+) -> ParallelLayout:
+    """Start (or reuse) the process group from torchrun's variables and build megatron-core's groups.
+
+    Example::
+
+        >>> layout = initialize_distributed(tensor_model_parallel_size=1)
+        >>> layout.world_size
+        1
+
+    ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` default to a single process and ``MASTER_ADDR``/``MASTER_PORT`` to
+    localhost:29500, so plain ``python script.py`` works. ``seed`` seeds torch and megatron-core's
+    tensor-parallel RNG tracker (``model_parallel_cuda_manual_seed``) the way Megatron-LM does.
+    """
+    compat.apply()
+    from megatron.core import parallel_state, tensor_parallel
+
+    rank = _env_int("RANK", 0)
+    world_size = _env_int("WORLD_SIZE", 1)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    data_parallel_size = check_layout(
+        world_size, tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
+    )
+
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+
+    if not torch.distributed.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "localhost")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        torch.distributed.init_process_group(
+            backend=backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+        )
+    elif torch.distributed.get_world_size() != world_size:
+        raise RuntimeError(
+            f"a process group of {torch.distributed.get_world_size()} ranks already exists, but WORLD_SIZE is "
+            f"{world_size}"
+        )
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+        context_parallel_size=context_parallel_size,
+        distributed_timeout_minutes=max(1, round(timeout_minutes)),
+    )
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return ParallelLayout(
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+        context_parallel_size=context_parallel_size,
+        data_parallel_size=data_parallel_size,
+        device=device,
+    )
+
+
+def destroy_distributed() -> None:
+    """Tear down megatron-core's groups and the process group (safe to call when nothing was set up)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

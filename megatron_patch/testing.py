@@ -1,0 +1,232 @@
+"""Run a test body on N ranks (CPU, gloo) with a hard timeout, reusing worker processes between tests.
+
+Example::
+
+    from megatron_patch.testing import run_on_ranks
+
+    def body(rank, world_size, scale):           # module level, so the workers can import it
+        import torch
+        from megatron_patch.distributed import initialize_distributed
+        initialize_distributed(tensor_model_parallel_size=world_size)
+        t = torch.ones(1) * scale
+        torch.distributed.all_reduce(t)
+        return t.item()
+
+    def test_all_reduce():
+        assert run_on_ranks(body, world_size=2, args=(3.0,)) == [6.0, 6.0]
+
+Start-up (importing torch and megatron-core) costs seconds per process, so the workers of each world size stay
+alive and take one test body after another; the process group stays up and megatron-core's groups are rebuilt by
+``initialize_distributed``. A body that raises fails the test with that rank's traceback. A body that does not
+finish within ``timeout`` fails the test with the ranks still running and where each one is stuck (Python stacks
+dumped by faulthandler); the workers are then killed and the next test gets fresh ones.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import faulthandler
+import multiprocessing
+import os
+import queue
+import signal
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+class RankFailure(AssertionError):
+    """A test body raised on some rank, or did not finish in time."""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker_main(rank: int, world_size: int, port: int, tasks, results, sys_path: list[str], log_path: str):
+    # A worker's output goes to its own log: pytest's capture of the parent is not the place for it, and the
+    # harness shows the tail of the log when the rank fails.
+    log = open(log_path, "a", buffering=1)
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    sys.path[:] = sys_path
+    faulthandler.register(signal.SIGUSR1, file=log, all_threads=True)
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )
+    import torch
+
+    # Ranks share two cores: one intra-op thread each keeps them from oversubscribing the machine.
+    torch.set_num_threads(1)
+    parent = os.getppid()
+    while True:
+        try:
+            task = tasks.get(timeout=2.0)
+        except queue.Empty:
+            if os.getppid() != parent:  # pytest died without closing us: do not linger
+                break
+            continue
+        if task is None:
+            break
+        fn, args, kwargs = task
+        try:
+            value = fn(rank, world_size, *args, **kwargs)
+        except BaseException:
+            results.put((rank, False, traceback.format_exc()))
+        else:
+            results.put((rank, True, value))
+        sys.stdout.flush()
+        sys.stderr.flush()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+@dataclasses.dataclass
+class _Pool:
+    world_size: int
+    processes: list
+    tasks: list
+    results: Any
+    log_paths: list[str]
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.processes)
+
+    def log_tail(self, rank: int, chars: int = 4000) -> str:
+        try:
+            with open(self.log_paths[rank], errors="replace") as f:
+                return f.read()[-chars:]
+        except OSError:
+            return ""
+
+    def kill(self) -> None:
+        for p in self.processes:
+            if p.is_alive():
+                p.kill()
+        for p in self.processes:
+            p.join(timeout=10)
+
+    def close(self) -> None:
+        for q in self.tasks:
+            q.put(None)
+        deadline = time.monotonic() + 10
+        for p in self.processes:
+            p.join(timeout=max(0.1, deadline - time.monotonic()))
+        self.kill()
+
+
+_pools: dict[int, _Pool] = {}
+_log_dir = tempfile.mkdtemp(prefix="megatron_patch_ranks_")
+
+
+def _start_pool(world_size: int) -> _Pool:
+    ctx = multiprocessing.get_context("spawn")
+    port = _free_port()
+    results = ctx.Queue()
+    tasks = [ctx.Queue() for _ in range(world_size)]
+    stamp = f"{world_size}_{port}"
+    log_paths = [os.path.join(_log_dir, f"rank{r}_of_{stamp}.log") for r in range(world_size)]
+    processes = [
+        ctx.Process(
+            target=_worker_main,
+            args=(r, world_size, port, tasks[r], results, list(sys.path), log_paths[r]),
+            # Not daemonic: dist_checkpointing's writer starts processes of its own, which daemons may not.
+            daemon=False,
+        )
+        for r in range(world_size)
+    ]
+    for p in processes:
+        p.start()
+    return _Pool(world_size, processes, tasks, results, log_paths)
+
+
+def _pool(world_size: int) -> _Pool:
+    pool = _pools.get(world_size)
+    if pool is None or not pool.alive():
+        if pool is not None:
+            pool.kill()
+        pool = _pools[world_size] = _start_pool(world_size)
+    return pool
+
+
+def _discard(world_size: int) -> None:
+    pool = _pools.pop(world_size, None)
+    if pool is not None:
+        pool.kill()
+
+
+@atexit.register
+def _close_all() -> None:
+    for world_size in list(_pools):
+        _pools.pop(world_size).close()
+
+
+def run_on_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple = (),
+    kwargs: dict | None = None,
+    timeout: float = DEFAULT_TIMEOUT_S,
+) -> list[Any]:
+    """Call ``fn(rank, world_size, *args, **kwargs)`` on every rank; return the per-rank results in rank order.
+
+    ``fn`` must be importable by name (a module-level function) and its results picklable. Raises
+    :class:`RankFailure` naming the rank(s) when a body raises, or when any rank is still running after
+    ``timeout`` seconds (then with each stuck rank's stack).
+    """
+    pool = _pool(world_size)
+    for q in pool.tasks:
+        q.put((fn, args, kwargs or {}))
+    values: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    while len(values) + len(errors) < world_size:
+        if errors:
+            # Once one rank failed, the others are usually blocked in a collective waiting for it: give them a
+            # moment to report, then stop waiting.
+            deadline = min(deadline, time.monotonic() + 5)
+        try:
+            rank, ok, value = pool.results.get(timeout=max(0.05, min(1.0, deadline - time.monotonic())))
+        except queue.Empty:
+            dead = [r for r, p in enumerate(pool.processes) if not p.is_alive() and r not in values]
+            if dead:
+                codes = {r: pool.processes[r].exitcode for r in dead}
+                _discard(world_size)
+                raise RankFailure(
+                    f"rank(s) {dead} of {world_size} exited without reporting (exit codes {codes}):\n"
+                    + "\n".join(f"--- rank {r} log ---\n{pool.log_tail(r)}" for r in dead)
+                ) from None
+            if time.monotonic() >= deadline:
+                break
+            continue
+        (values if ok else errors)[rank] = value
+
+    if errors:
+        _discard(world_size)
+        first = min(errors)
+        raise RankFailure(
+            f"test body raised on rank(s) {sorted(errors)} of {world_size}; traceback of rank {first}:\n"
+            f"{errors[first]}"
+        )
+    stuck = [r for r in range(world_size) if r not in values]
+    if stuck:
+        for r in stuck:
+            if pool.processes[r].is_alive():
+                os.kill(pool.processes[r].pid, signal.SIGUSR1)
+        time.sleep(1.0)
+        stacks = "\n".join(f"--- rank {r} (stuck) ---\n{pool.log_tail(r)}" for r in stuck)
+        _discard(world_size)
+        raise RankFailure(
+            f"rank(s) {stuck} of {world_size} did not finish within {timeout:.0f}s (finished: "
+            f"{sorted(values)}); a rank that never joins a collective leaves the others waiting in it.\n{stacks}"
+        )
+    return [values[r] for r in range(world_size)]

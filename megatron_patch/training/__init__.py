@@ -1,0 +1,1 @@
+"""Training: optimiser steps over megatron-core models (and, later, the Engine and trainer templates)."""
