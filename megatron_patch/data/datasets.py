@@ -1,0 +1,175 @@
+"""megatron-core GPT and BERT datasets over preprocessed `.bin/.idx` files (or mock data).
+
+    train, valid, test = build_gpt_datasets(
+        ["0.3", "data/a_text_document", "0.7", "data/b_text_document"], split="969,30,1",
+        seq_length=1024, tokenizer=tok, train_valid_test_num_samples=[10000, 100, 10])
+
+The datasets, blending and index caches are megatron-core's own (`GPTDataset`,
+`BERTMaskedWordPieceDataset`, `BlendedMegatronDatasetBuilder`), with the prebuilt C++ helpers
+from the wheel; `compile_helpers()` is never called (it needs a Makefile the wheel lacks, and
+then exits the process).
+"""
+
+import contextlib
+import os
+from typing import Callable, Iterator, Sequence
+
+import torch
+from megatron.core.datasets.bert_dataset import (
+    BERTMaskedWordPieceDataset,
+    BERTMaskedWordPieceDatasetConfig,
+)
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.datasets.utils import get_blend_from_list
+
+
+def parse_data_path(data_path: Sequence[str]) -> tuple[list[str], list[float] | None]:
+    """`--data-path` values -> (prefixes, weights or None), checking that the files exist.
+
+        parse_data_path(["0.3", "a", "0.7", "b"])   # (["a", "b"], [0.3, 0.7])
+        parse_data_path(["a", "b"])                 # (["a", "b"], None): weighted by size
+        parse_data_path(["0.3 a 0.7 b"])            # one quoted string works too
+    """
+    items = [word for value in data_path for word in value.split()]
+    if not items:
+        raise ValueError("--data-path is empty; give prefixes (optionally weighted) or use --mock-data")
+    prefixes, weights = get_blend_from_list(items)
+    if weights is None and any(_is_number(p) for p in prefixes):
+        raise ValueError(
+            f"--data-path {' '.join(items)}: weights and prefixes must alternate ('0.3 a 0.7 b')"
+        )
+    for prefix in prefixes:
+        missing = [prefix + s for s in (".bin", ".idx") if not os.path.isfile(prefix + s)]
+        if missing:
+            raise ValueError(
+                f"--data-path {prefix}: {' and '.join(missing)} not found; give the prefix without "
+                "the suffix, e.g. data/corpus_text_document"
+            )
+    return prefixes, weights
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def _process_group() -> Iterator[None]:
+    """A one-process gloo group for the duration of a build when none exists.
+
+    megatron-core 0.16.1 calls `torch.distributed.get_rank()` unguarded while building indices
+    (`datasets/masked_dataset.py:184`, `datasets/blended_dataset.py:153` when caching), so a
+    single process without `init_process_group` would fail there.
+    """
+    if torch.distributed.is_initialized():
+        yield
+        return
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def _check_splits(cls, config, num_samples: Sequence[int | None]) -> None:
+    """Refuse a split that would get no data but is asked for samples: megatron-core 0.16.1
+    loops forever on it (`gpt_dataset.py` `_get_num_epochs` adds 0-token epochs)."""
+    for prefix in config.blend[0]:
+        # The builder's own count and rounding (`_build_megatron_dataset_splits`).
+        count = cls.numel_low_level_dataset(cls.build_low_level_dataset(prefix, config))
+        for name, bounds, samples in zip(("train", "valid", "test"), config.split_matrix, num_samples):
+            if bounds is None or not samples:
+                continue
+            if int(round(bounds[1] * count)) <= int(round(bounds[0] * count)):
+                raise ValueError(
+                    f"--split {config.split} leaves the {name} split of {prefix} empty ({count} "
+                    f"{'sequences' if cls is GPTDataset else 'documents'} in all) but {samples} {name} "
+                    "samples are asked for; give that split a larger share, or ask for 0 samples"
+                )
+
+
+def _build(cls, config, num_samples: Sequence[int | None], is_built_on_rank: Callable[[], bool]):
+    if not config.mock:
+        _check_splits(cls, config, num_samples)
+    with _process_group():
+        return tuple(BlendedMegatronDatasetBuilder(cls, list(num_samples), is_built_on_rank, config).build())
+
+
+def build_gpt_datasets(
+    data_path: Sequence[str] | None,
+    split: str,
+    seq_length: int,
+    tokenizer,
+    train_valid_test_num_samples: Sequence[int | None],
+    seed: int = 1234,
+    mock: bool = False,
+    data_cache_path: str | None = None,
+    reset_position_ids: bool = False,
+    reset_attention_mask: bool = False,
+    eod_mask_loss: bool = False,
+    create_attention_mask: bool = True,
+    is_built_on_rank: Callable[[], bool] = lambda: True,
+) -> tuple:
+    """(train, valid, test) GPT datasets; a split with no share in `split` is None.
+
+    Each sample is megatron-core's dict: `tokens`, `labels` (tokens shifted by one), `loss_mask`,
+    `position_ids` and, with `create_attention_mask`, a causal `attention_mask` (True = masked).
+    `mock=True` gives megatron-core's `MockGPTDataset` and needs no `data_path`. In a distributed
+    job pass `is_built_on_rank` (e.g. TP rank 0) as Megatron-LM does.
+    """
+    config = GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend=None if mock else parse_data_path(data_path or []),
+        split=split,
+        path_to_cache=data_cache_path,
+        tokenizer=tokenizer,
+        reset_position_ids=reset_position_ids,
+        reset_attention_mask=reset_attention_mask,
+        eod_mask_loss=eod_mask_loss,
+        create_attention_mask=create_attention_mask,
+    )
+    return _build(MockGPTDataset if mock else GPTDataset, config, train_valid_test_num_samples, is_built_on_rank)
+
+
+def build_bert_datasets(
+    data_path: Sequence[str],
+    split: str,
+    seq_length: int,
+    tokenizer,
+    train_valid_test_num_samples: Sequence[int | None],
+    seed: int = 1234,
+    binary_head: bool = True,
+    masked_lm_prob: float = 0.15,
+    short_seq_prob: float = 0.1,
+    data_cache_path: str | None = None,
+    is_built_on_rank: Callable[[], bool] = lambda: True,
+) -> tuple:
+    """(train, valid, test) BERT masked-LM datasets over sentence-level data.
+
+    Samples are megatron-core's dict: `text` (`[CLS] A [SEP] B [SEP]` then pad), `types`,
+    `labels` (-1 where nothing is predicted), `is_random` (the next-sentence label when
+    `binary_head`), `padding_mask` and `loss_mask`. Masking follows Megatron-LM's
+    `pretrain_bert.py`: 15% of whole words, n-grams up to 3.
+    """
+    config = BERTMaskedWordPieceDatasetConfig(
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend=parse_data_path(data_path),
+        split=split,
+        path_to_cache=data_cache_path,
+        tokenizer=tokenizer,
+        masking_probability=masked_lm_prob,
+        short_sequence_probability=short_seq_prob,
+        masking_max_ngram=3,
+        masking_do_full_word=True,
+        masking_do_permutation=False,
+        masking_use_longer_ngrams=False,
+        masking_use_geometric_distribution=False,
+        classification_head=binary_head,
+    )
+    return _build(BERTMaskedWordPieceDataset, config, train_valid_test_num_samples, is_built_on_rank)

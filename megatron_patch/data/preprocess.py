@@ -1,0 +1,508 @@
+"""JSONL -> Megatron `.bin/.idx`, a drop-in for Megatron-LM's `tools/preprocess_data.py`.
+
+    python toolkits/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus \
+        --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt \
+        --append-eod --workers 8
+
+writes `data/corpus_text_document.bin/.idx` (`_sentence` with `--split-sentences`), byte for byte
+what Megatron-LM writes for the same tokenizer, flags and input (empty documents aside: see
+`--keep-empty`). Differences, all deliberate:
+- Tokenizers run in Rust (HF `tokenizers`, `sentencepiece`) over batches of lines; the main
+  process only reads raw lines and writes token bytes, so memory is bounded by the batches in
+  flight, not by the corpus.
+- Bad input stops the run with `file:line: reason` (or is skipped and counted with
+  `--skip-invalid`); a dead worker fails the run instead of hanging or exiting 0.
+- Outputs are written under temporary names and renamed when complete: an interrupted run
+  leaves no `.bin/.idx` that look valid.
+- `--split-sentences` needs no nltk download (see `sentences.py`), works with one partition, and
+  every `--json-keys` key gets its `.idx` (Megatron-LM finalizes only the last key's).
+- `--input` may be a glob and `.gz` with any `--partitions`; partitions are handled in one pass
+  and need no intermediate JSONL files, and `--workers` need not be a multiple of them.
+"""
+
+import argparse
+import itertools
+import json
+import multiprocessing
+import os
+import signal
+import sys
+import time
+from collections import Counter, deque
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import numpy
+from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+from megatron_patch.data.jsonl import InputError, expand_inputs, open_input
+from megatron_patch.data.progress import Progress
+from megatron_patch.data.sentences import SentenceSplitter
+from megatron_patch.tokenizer import (
+    add_tokenizer_args,
+    build_tokenizer,
+    tokenizer_options,
+)
+
+
+@dataclass
+class PreprocessConfig:
+    """What to preprocess and how; the fields are Megatron-LM's flags (see `build_parser`)."""
+
+    input: str
+    output_prefix: str
+    tokenizer_type: str
+    tokenizer_options: dict[str, Any] = field(default_factory=dict)
+    json_keys: list[str] = field(default_factory=lambda: ["text"])
+    append_eod: bool = False
+    split_sentences: bool = False
+    keep_newlines: bool = False
+    lang: str = "english"
+    workers: int = 1
+    partitions: int = 1
+    keep_sequential_samples: bool = False
+    log_interval: int = 1000
+    skip_invalid: bool = False
+    keep_empty: bool = False
+    batch_bytes: int = 1 << 20
+    """Lines are sent to workers in batches of about this many bytes (or `batch_lines` lines)."""
+    batch_lines: int = 2048
+
+    def __post_init__(self) -> None:
+        for name in ("workers", "partitions", "log_interval", "batch_bytes", "batch_lines"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not self.json_keys:
+            raise ValueError("--json-keys needs at least one key")
+        if self.skip_invalid and self.keep_empty:
+            raise ValueError("--keep-empty and --skip-invalid disagree about empty documents; pass one")
+
+    @property
+    def level(self) -> str:
+        return "sentence" if self.split_sentences else "document"
+
+    def output_prefixes(self) -> dict[str, str]:
+        """`{key: "{output_prefix}_{key}_{level}"}`, the names Megatron-LM gives its outputs."""
+        return {key: f"{self.output_prefix}_{key}_{self.level}" for key in self.json_keys}
+
+
+@dataclass
+class PreprocessReport:
+    """What a run wrote and skipped."""
+
+    outputs: list[str]
+    documents: int = 0
+    sequences: int = 0
+    tokens: int = 0
+    input_bytes: int = 0
+    seconds: float = 0.0
+    skipped: Counter = field(default_factory=Counter)
+
+    def summary(self) -> str:
+        skipped = sum(self.skipped.values())
+        reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(self.skipped.items()))
+        rate = self.input_bytes / max(self.seconds, 1e-9) / 1e6
+        return (
+            f"Done: {self.documents} documents, {self.sequences} sequences, {self.tokens} tokens "
+            f"from {self.input_bytes / 1e6:.1f} MB in {self.seconds:.1f} s ({rate:.1f} MB/s); "
+            f"skipped {skipped} lines" + (f" ({reasons})" if reasons else "")
+            + f"; wrote {', '.join(p + '.bin/.idx' for p in self.outputs)}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker side: raw lines in, token arrays out.
+
+_WORKER: dict[str, Any] = {}
+
+
+def _init_worker(config: PreprocessConfig, dtype: type) -> None:
+    # The pool's processes are the parallelism; a Rust thread pool in each would oversubscribe.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _WORKER["config"] = config
+    _WORKER["dtype"] = dtype
+    _WORKER["tokenizer"] = build_tokenizer(config.tokenizer_type, **config.tokenizer_options)
+    _WORKER["splitter"] = (
+        SentenceSplitter(config.lang, config.keep_newlines) if config.split_sentences else None
+    )
+
+
+def _parse_line(raw: bytes, config: PreprocessConfig, splitter) -> tuple[list[list[str]] | None, str | None]:
+    """The sentences of each json key of one line, or the reason the line is unusable."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        return None, f"invalid UTF-8: undecodable byte at offset {error.start} of the line"
+    if not text.strip():
+        return None, "malformed JSON: blank line"
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as error:
+        return None, f"malformed JSON: {error.msg} (column {error.colno})"
+    if not isinstance(record, dict):
+        return None, f"malformed JSON: expected an object, got {type(record).__name__}"
+    per_key = []
+    for key in config.json_keys:
+        if key not in record:
+            return None, f"missing key: no {key!r} (keys: {', '.join(map(repr, list(record)[:8]))})"
+        value = record[key]
+        # A list of strings is a document already split into sentences, as Megatron-LM reads it.
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            per_key.append(value)
+        elif isinstance(value, str):
+            per_key.append(splitter.split(value) if splitter else [value])
+        else:
+            return None, f"not a string: {key!r} holds {type(value).__name__}"
+    return per_key, None
+
+
+def _tokenize_all(tokenizer, texts: list[str]) -> tuple[list[list[int]] | None, int | None, str | None]:
+    """Tokenize a batch; if the tokenizer rejects some text, find which one and why."""
+    try:
+        return tokenizer.tokenize_batch(texts), None, None
+    except (ValueError, TypeError) as batch_error:
+        for index, text in enumerate(texts):
+            try:
+                tokenizer.tokenize(text)
+            except (ValueError, TypeError) as error:
+                return None, index, str(error)
+        raise batch_error
+
+
+@dataclass
+class _KeyResult:
+    """One json key's output for a batch: all tokens, each sequence's length, each document's
+    number of sequences and number of tokens."""
+
+    tokens: numpy.ndarray
+    sequence_lengths: numpy.ndarray
+    document_sequences: numpy.ndarray
+    document_tokens: numpy.ndarray
+
+
+@dataclass
+class _BatchResult:
+    keys: dict[str, _KeyResult]
+    document_lines: numpy.ndarray  # line offset within the batch of each document written
+    errors: list[tuple[int, str]]  # (line offset, reason), in line order
+
+
+def _encode_lines(lines: list[bytes]) -> _BatchResult:
+    """Parse, split and tokenize a batch of JSONL lines."""
+    config, tokenizer = _WORKER["config"], _WORKER["tokenizer"]
+    errors: dict[int, str] = {}
+    parsed: list[tuple[int, list[list[str]]]] = []
+    for offset, raw in enumerate(lines):
+        per_key, reason = _parse_line(raw, config, _WORKER["splitter"])
+        if reason:
+            errors[offset] = reason
+        else:
+            parsed.append((offset, per_key))
+
+    # One tokenizer call for every sentence of every key of every line: batches are fastest.
+    texts = [s for _, per_key in parsed for sentences in per_key for s in sentences]
+    owner = [offset for offset, per_key in parsed for sentences in per_key for _ in sentences]
+    while True:
+        ids, bad_index, reason = _tokenize_all(tokenizer, texts)
+        if ids is not None:
+            break
+        # Drop the offending line and try again; other lines of the batch are still good.
+        bad_line = owner[bad_index]
+        errors[bad_line] = f"tokenizer error: {reason}"
+        keep = [i for i, o in enumerate(owner) if o != bad_line]
+        texts, owner = [texts[i] for i in keep], [owner[i] for i in keep]
+        parsed = [(o, k) for o, k in parsed if o != bad_line]
+
+    eod = tokenizer.eod if config.append_eod else None
+    documents: list[tuple[int, list[tuple[list[list[int]], list[int]]]]] = []
+    it = iter(ids)
+    for offset, per_key in parsed:
+        docs_for_keys = []
+        for sentences in per_key:
+            # As Megatron-LM: sentences with no tokens are dropped, eod joins the last sentence.
+            pieces = [p for p in (next(it) for _ in sentences) if p]
+            lengths = [len(p) for p in pieces]
+            if pieces and eod is not None:
+                pieces.append([eod])
+                lengths[-1] += 1
+            docs_for_keys.append((pieces, lengths))
+        if not config.keep_empty and any(not lengths for _, lengths in docs_for_keys):
+            errors[offset] = "empty document: no tokens (--keep-empty writes it as Megatron-LM does)"
+            continue
+        documents.append((offset, docs_for_keys))
+
+    dtype = _WORKER["dtype"]
+    keys = {}
+    for k, key in enumerate(config.json_keys):
+        per_doc = [doc[k] for _, doc in documents]
+        flat = itertools.chain.from_iterable(p for pieces, _ in per_doc for p in pieces)
+        seq_lengths = [n for _, lengths in per_doc for n in lengths]
+        keys[key] = _KeyResult(
+            tokens=numpy.fromiter(flat, dtype=dtype, count=sum(seq_lengths)),
+            sequence_lengths=numpy.array(seq_lengths, dtype=numpy.int32),
+            document_sequences=numpy.array([len(lengths) for _, lengths in per_doc], dtype=numpy.int64),
+            document_tokens=numpy.array([sum(lengths) for _, lengths in per_doc], dtype=numpy.int64),
+        )
+    return _BatchResult(
+        keys=keys,
+        document_lines=numpy.array([offset for offset, _ in documents], dtype=numpy.int64),
+        errors=sorted(errors.items()),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Main side: read, dispatch, write in order.
+
+
+@dataclass
+class _Batch:
+    path: str
+    first_line: int  # 1-based line number in `path`
+    global_line: int  # 0-based index of the first line over all inputs
+    lines: list[bytes]
+    position: int  # input bytes (compressed for .gz) consumed up to the end of this batch
+
+
+def _read_batches(paths: list[str], config: PreprocessConfig) -> Iterator[_Batch]:
+    done_bytes, global_line = 0, 0
+    for path in paths:
+        with open_input(path) as f:
+            # For .gz the progress position is the offset in the compressed file underneath.
+            raw = getattr(f, "fileobj", None) or f
+            line_number = 1
+            while True:
+                lines, size = [], 0
+                for line in f:
+                    lines.append(line)
+                    size += len(line)
+                    if size >= config.batch_bytes or len(lines) >= config.batch_lines:
+                        break
+                if not lines:
+                    break
+                yield _Batch(path, line_number, global_line, lines, done_bytes + raw.tell())
+                line_number += len(lines)
+                global_line += len(lines)
+        done_bytes += os.path.getsize(path)
+
+
+def _count_lines(paths: list[str]) -> int:
+    total = 0
+    for path in paths:
+        with open_input(path) as f:
+            total += sum(1 for _ in f)
+    return total
+
+
+def _append(builder: IndexedDatasetBuilder, tokens, sequence_lengths, document_sequences) -> None:
+    """Append whole documents to a megatron-core builder in one write; the `.idx` it finalizes is
+    the same as after one `add_document` per document."""
+    builder.data_file.write(tokens.tobytes(order="C"))
+    start = len(builder.sequence_lengths)
+    builder.sequence_lengths.extend(sequence_lengths.tolist())
+    builder.document_indices.extend((start + numpy.cumsum(document_sequences)).tolist())
+
+
+def _write(builders: list[IndexedDatasetBuilder], result: _KeyResult, partition_of_doc) -> None:
+    if len(builders) == 1:
+        _append(builders[0], result.tokens, result.sequence_lengths, result.document_sequences)
+        return
+    token_end = numpy.cumsum(result.document_tokens)
+    sequence_end = numpy.cumsum(result.document_sequences)
+    for partition, builder in enumerate(builders):
+        docs = numpy.flatnonzero(partition_of_doc == partition)
+        if len(docs) == 0:
+            continue
+        tokens = [result.tokens[token_end[d] - result.document_tokens[d] : token_end[d]] for d in docs]
+        lengths = [
+            result.sequence_lengths[sequence_end[d] - result.document_sequences[d] : sequence_end[d]]
+            for d in docs
+        ]
+        _append(builder, numpy.concatenate(tokens), numpy.concatenate(lengths), result.document_sequences[docs])
+
+
+def _remove(*paths: str) -> None:
+    for path in paths:
+        if os.path.exists(path):
+            os.remove(path)
+
+
+def _publish(temporary: str, final: str) -> None:
+    """Move `temporary.bin/.idx` to `final.bin/.idx` so that no moment shows a mismatched pair:
+    the old `.idx` goes first and the new one arrives last."""
+    _remove(final + ".idx")
+    os.replace(temporary + ".bin", final + ".bin")
+    os.replace(temporary + ".idx", final + ".idx")
+
+
+def preprocess(config: PreprocessConfig) -> PreprocessReport:
+    """Tokenize `config.input` into `.bin/.idx` files; see the module docstring.
+
+        report = preprocess(PreprocessConfig(input="a.jsonl", output_prefix="out/a",
+                                             tokenizer_type="NullTokenizer",
+                                             tokenizer_options={"vocab_size": 1000}))
+        report.outputs  # ['out/a_text_document']
+    """
+    start = time.perf_counter()
+    paths = expand_inputs(config.input)
+    tokenizer = build_tokenizer(config.tokenizer_type, **config.tokenizer_options)
+    if config.append_eod and tokenizer.eod is None:
+        raise ValueError(f"--append-eod: the {config.tokenizer_type} tokenizer has no eod/eos token")
+    # The same rule as Megatron-LM: uint16 below 65500 tokens, else int32.
+    dtype = DType.optimal_dtype(tokenizer.vocab_size)
+    finals = config.output_prefixes()
+    os.makedirs(os.path.dirname(os.path.abspath(config.output_prefix)), exist_ok=True)
+    tmp = f".tmp-{os.getpid()}"
+    part_prefixes = {
+        key: [final + tmp] if config.partitions == 1 else [f"{final}.part{p}{tmp}" for p in range(config.partitions)]
+        for key, final in finals.items()
+    }
+    sequential_size = None
+    if config.partitions > 1 and config.keep_sequential_samples:
+        sequential_size = -(-_count_lines(paths) // config.partitions)
+
+    report = PreprocessReport(outputs=list(finals.values()))
+    progress = Progress(sum(os.path.getsize(p) for p in paths), config.log_interval)
+    builders: dict[str, list[IndexedDatasetBuilder]] = {}
+    try:
+        for key, prefixes in part_prefixes.items():
+            builders[key] = [IndexedDatasetBuilder(p + ".bin", dtype=dtype) for p in prefixes]
+        for batch, result in _encode_in_pool(_read_batches(paths, config), config, dtype):
+            report.input_bytes += sum(len(line) for line in batch.lines)
+            for offset, reason in result.errors:
+                if not config.skip_invalid:
+                    raise InputError(f"{batch.path}:{batch.first_line + offset}: {reason}")
+                report.skipped[reason.split(":")[0]] += 1
+            global_lines = batch.global_line + result.document_lines
+            partition_of_doc = (
+                global_lines // sequential_size if sequential_size else global_lines % config.partitions
+            )
+            for key, key_result in result.keys.items():
+                _write(builders[key], key_result, partition_of_doc)
+            first = result.keys[config.json_keys[0]]
+            report.documents += len(result.document_lines)
+            report.sequences += len(first.sequence_lengths)
+            report.tokens += len(first.tokens)
+            progress.update(report.documents, report.input_bytes, report.tokens, batch.position)
+        for key, prefixes in part_prefixes.items():
+            for builder, prefix in zip(builders[key], prefixes):
+                builder.finalize(prefix + ".idx")
+            if config.partitions > 1:
+                # Merged in partition order, exactly as Megatron-LM merges its partition files.
+                merged = IndexedDatasetBuilder(finals[key] + tmp + ".bin", dtype=dtype)
+                builders[key].append(merged)
+                for prefix in prefixes:
+                    merged.add_index(prefix)
+                merged.finalize(finals[key] + tmp + ".idx")
+        for final in finals.values():
+            _publish(final + tmp, final)
+    finally:
+        for key, prefixes in part_prefixes.items():
+            for builder in builders.get(key, []):
+                builder.data_file.close()
+            for prefix in prefixes + [finals[key] + tmp]:
+                _remove(prefix + ".bin", prefix + ".idx")
+    report.seconds = time.perf_counter() - start
+    progress.close(report.summary())
+    return report
+
+
+def _encode_in_pool(batches: Iterator[_Batch], config: PreprocessConfig, dtype) -> Iterator[tuple[_Batch, _BatchResult]]:
+    """Yield each batch with its result, in input order, keeping a bounded number in flight."""
+    # fork: workers start in milliseconds instead of re-importing torch and megatron-core.
+    context = multiprocessing.get_context("fork")
+    pool = ProcessPoolExecutor(config.workers, mp_context=context, initializer=_init_worker, initargs=(config, dtype))
+    pending: deque = deque()
+    try:
+        for batch in batches:
+            pending.append((batch, pool.submit(_encode_lines, batch.lines)))
+            if len(pending) > 2 * config.workers:
+                done, future = pending.popleft()
+                yield done, future.result()
+        while pending:
+            done, future = pending.popleft()
+            yield done, future.result()
+    except BrokenProcessPool:
+        raise RuntimeError(
+            "a preprocessing worker died (killed, or out of memory?); no output was written"
+        ) from None
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Tokenize JSONL into Megatron .bin/.idx files (Megatron-LM's preprocess_data flags).",
+    )
+    add_tokenizer_args(parser)
+    group = parser.add_argument_group(title="input data")
+    group.add_argument("--input", required=True, help="a JSONL file or a glob of them; .gz is read as gzip")
+    group.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract (default: text)")
+    group.add_argument("--split-sentences", action="store_true", help="write one sequence per sentence")
+    group.add_argument("--keep-newlines", action="store_true", help="keep newlines between split sentences")
+    group.add_argument(
+        "--lang", default="english",
+        help="language of the abbreviation list of the built-in sentence splitter; only 'english' "
+        "has one, other values split without it (no nltk data is used or downloaded)",
+    )
+    group = parser.add_argument_group(title="tokenization")
+    group.add_argument("--append-eod", action="store_true", help="append the eod token to each document")
+    group.add_argument(
+        "--skip-invalid", action="store_true",
+        help="skip (and count) malformed lines, lines without a json key, non-string values, invalid "
+        "UTF-8 and empty documents instead of stopping at the first with file:line",
+    )
+    group.add_argument(
+        "--keep-empty", action="store_true",
+        help="write documents that have no tokens as empty documents, as Megatron-LM does",
+    )
+    group = parser.add_argument_group(title="output data")
+    group.add_argument("--output-prefix", required=True, help="path prefix of the outputs, without suffix")
+    group.add_argument(
+        "--dataset-impl", choices=["mmap"], default="mmap",
+        help="accepted for old scripts; mmap is the only format megatron-core reads",
+    )
+    group = parser.add_argument_group(title="runtime")
+    group.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizer processes")
+    group.add_argument(
+        "--partitions", type=int, default=1,
+        help="split the input round-robin into this many parts and merge them in part order, "
+        "which gives Megatron-LM's document order for the same value",
+    )
+    group.add_argument(
+        "--keep-sequential-samples", action="store_true",
+        help="with --partitions, cut the input into contiguous parts, keeping input order",
+    )
+    group.add_argument("--log-interval", type=int, default=1000, help="documents between log lines")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The `preprocess_data` command; exit status 1 with one `error:` line on bad input."""
+    args = build_parser().parse_args(argv)
+    # A SIGTERM (a scheduler's timeout) unwinds like Ctrl-C, so temporary files are removed.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        config = PreprocessConfig(
+            input=args.input,
+            output_prefix=args.output_prefix,
+            tokenizer_type=args.tokenizer_type,
+            tokenizer_options=tokenizer_options(args),
+            json_keys=args.json_keys,
+            append_eod=args.append_eod,
+            split_sentences=args.split_sentences,
+            keep_newlines=args.keep_newlines,
+            lang=args.lang,
+            workers=args.workers,
+            partitions=args.partitions,
+            keep_sequential_samples=args.keep_sequential_samples,
+            log_interval=args.log_interval,
+            skip_invalid=args.skip_invalid,
+            keep_empty=args.keep_empty,
+        )
+        preprocess(config)
+    except (ValueError, RuntimeError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,94 @@
+"""GPT-2 byte-level BPE from `vocab.json` + `merges.txt`, run by HF `tokenizers` (Rust).
+
+    tok = build_tokenizer("GPT2BPETokenizer", vocab_file="vocab.json", merge_file="merges.txt")
+
+Megatron-LM runs the same algorithm in pure Python (`gpt2_tokenization.py`); the ids are the
+same, tests/test_tokenizer.py checks them against an independent Python implementation.
+"""
+
+import json
+
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers
+
+from megatron_patch.tokenizer.registry import (
+    BackendTokenizer,
+    TokenizerFileError,
+    register_tokenizer,
+    require_file,
+)
+
+EOD_TOKEN = "<|endoftext|>"
+
+
+def read_gpt2_vocab(path: str) -> dict[str, int]:
+    """Read a GPT-2 `vocab.json` (token -> id), checking it is one, with the file and line at fault."""
+    with open(path, encoding="utf-8") as f:
+        try:
+            vocab = json.load(f)
+        except json.JSONDecodeError as error:
+            raise TokenizerFileError(
+                f"{path}:{error.lineno}: not a GPT-2 vocab.json (a JSON object of token -> id): {error.msg}"
+            ) from None
+        except UnicodeDecodeError as error:
+            raise TokenizerFileError(f"{path}: not UTF-8 text ({error.reason}); is it a vocab.json?") from None
+    if not isinstance(vocab, dict) or not all(isinstance(i, int) for i in vocab.values()):
+        raise TokenizerFileError(f"{path}:1: not a GPT-2 vocab.json (a JSON object of token -> id)")
+    # A byte-level vocab holds all 256 byte symbols; without them some inputs have no encoding.
+    missing = [c for c in pre_tokenizers.ByteLevel.alphabet() if c not in vocab]
+    if missing:
+        raise TokenizerFileError(
+            f"{path}: not a byte-level GPT-2 vocab.json: {len(missing)} of the 256 byte symbols are missing"
+        )
+    return vocab
+
+
+def read_gpt2_merges(path: str, vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """Read `merges.txt`: an optional `#version` line, then one `left right` pair per line."""
+    merges = []
+    with open(path, encoding="utf-8") as f:
+        try:
+            lines = f.read().split("\n")
+        except UnicodeDecodeError as error:
+            raise TokenizerFileError(f"{path}: not UTF-8 text ({error.reason}); is it a merges.txt?") from None
+    for lineno, line in enumerate(lines, start=1):
+        if (lineno == 1 and line.startswith("#")) or (lineno == len(lines) and not line):
+            continue
+        pair = line.split(" ")
+        if len(pair) != 2 or not all(pair):
+            raise TokenizerFileError(
+                f"{path}:{lineno}: not a GPT-2 merges.txt line (two tokens separated by one space): {line[:60]!r}"
+            )
+        for token in (pair[0], pair[1], pair[0] + pair[1]):
+            if token not in vocab:
+                raise TokenizerFileError(f"{path}:{lineno}: {token!r} is not in the vocab.json")
+        merges.append((pair[0], pair[1]))
+    return merges
+
+
+@register_tokenizer("GPT2BPETokenizer")
+class GPT2BPETokenizer(BackendTokenizer):
+    """GPT-2 BPE: `tokenize` equals Megatron-LM's `_GPT2BPETokenizer` (no special tokens in text,
+    so a literal `<|endoftext|>` in a document is ordinary text); `eod` is `<|endoftext|>`."""
+
+    def __init__(self, vocab_file: str | None = None, merge_file: str | None = None):
+        vocab_file = require_file(vocab_file, "--vocab-file", "GPT2BPETokenizer", "a GPT-2 vocab.json")
+        merge_file = require_file(merge_file, "--merge-file", "GPT2BPETokenizer", "a GPT-2 merges.txt")
+        super().__init__(vocab_file, merge_file)
+        self._vocab = read_gpt2_vocab(vocab_file)
+        if EOD_TOKEN not in self._vocab:
+            raise TokenizerFileError(f"{vocab_file}: has no {EOD_TOKEN} token, which GPT-2 uses as eod")
+        merges = read_gpt2_merges(merge_file, self._vocab)
+        self._inv_vocab = {i: t for t, i in self._vocab.items()}
+        self._eod = self._vocab[EOD_TOKEN]
+        self._backend = HFTokenizer(models.BPE(vocab=self._vocab, merges=merges))
+        self._backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        self._backend.decoder = decoders.ByteLevel()
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+    @property
+    def eos(self) -> int:
+        return self._eod

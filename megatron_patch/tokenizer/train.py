@@ -1,0 +1,129 @@
+"""Train a tokenizer from a JSONL corpus, so that nothing has to be downloaded.
+
+    python toolkits/train_tokenizer.py --kind gpt2-bpe --input stdlib.jsonl --output-dir tok --vocab-size 8000
+
+Kinds and what they write into `--output-dir` (and the `--tokenizer-type` that reads it):
+- `gpt2-bpe`: `vocab.json` + `merges.txt`, byte-level BPE with `<|endoftext|>` (GPT2BPETokenizer)
+- `wordpiece`: `vocab.txt` with `[PAD] [UNK] [CLS] [SEP] [MASK]` (BertWordPieceLowerCase, or
+  BertWordPieceCase with `--cased`)
+- `sentencepiece`: `tokenizer.model` (SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer)
+- `huggingface`: a transformers tokenizer directory, byte-level BPE with `<|endoftext|>` as
+  bos/eos and `<pad>` (HuggingFaceTokenizer)
+"""
+
+import argparse
+import os
+from typing import Callable, Iterator
+
+from megatron_patch.data.jsonl import expand_inputs, iter_jsonl_texts
+
+EOD_TOKEN = "<|endoftext|>"
+BERT_SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+
+
+def _train_byte_level_bpe(texts: Iterator[str], vocab_size: int, special_tokens: list[str]):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=special_tokens,
+        # Every byte gets a token, so any text can be encoded (as in GPT-2).
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    return tokenizer
+
+
+def train_gpt2_bpe(texts: Iterator[str], output_dir: str, vocab_size: int) -> list[str]:
+    tokenizer = _train_byte_level_bpe(texts, vocab_size, [EOD_TOKEN])
+    return tokenizer.model.save(output_dir)  # vocab.json, merges.txt
+
+
+def train_wordpiece(texts: Iterator[str], output_dir: str, vocab_size: int, lower_case: bool = True) -> list[str]:
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=lower_case, strip_accents=lower_case)
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    trainer = trainers.WordPieceTrainer(
+        vocab_size=vocab_size, special_tokens=BERT_SPECIAL_TOKENS, show_progress=False
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    return tokenizer.model.save(output_dir)  # vocab.txt
+
+
+def train_sentencepiece(texts: Iterator[str], output_dir: str, vocab_size: int) -> list[str]:
+    import sentencepiece
+
+    def lines() -> Iterator[str]:
+        # SentencePiece trains on sentences of at most 4192 bytes and drops longer ones, so
+        # documents are fed line by line.
+        for text in texts:
+            yield from (line for line in text.split("\n") if line.strip())
+
+    prefix = os.path.join(output_dir, "tokenizer")
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=lines(),
+        model_prefix=prefix,
+        vocab_size=vocab_size,
+        model_type="bpe",
+        character_coverage=1.0,
+        byte_fallback=True,
+        hard_vocab_limit=False,
+        num_threads=os.cpu_count() or 1,
+        minloglevel=2,
+    )
+    return [prefix + ".model", prefix + ".vocab"]
+
+
+def train_huggingface(texts: Iterator[str], output_dir: str, vocab_size: int) -> list[str]:
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = _train_byte_level_bpe(texts, vocab_size, [EOD_TOKEN, "<pad>"])
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token=EOD_TOKEN, eos_token=EOD_TOKEN, pad_token="<pad>"
+    )
+    return list(wrapped.save_pretrained(output_dir))
+
+
+TRAINERS: dict[str, Callable[..., list[str]]] = {
+    "gpt2-bpe": train_gpt2_bpe,
+    "wordpiece": train_wordpiece,
+    "sentencepiece": train_sentencepiece,
+    "huggingface": train_huggingface,
+}
+
+
+def train_tokenizer(
+    kind: str, input: str, output_dir: str, vocab_size: int, json_key: str = "text", **options
+) -> list[str]:
+    """Train a `kind` tokenizer on the `json_key` texts of `input` (a JSONL path or glob).
+
+        train_tokenizer("wordpiece", "stdlib.jsonl", "tok/", vocab_size=4000, lower_case=False)
+
+    Returns the files written.
+    """
+    if kind not in TRAINERS:
+        raise ValueError(f"unknown tokenizer kind {kind!r}; choose one of {', '.join(TRAINERS)}")
+    os.makedirs(output_dir, exist_ok=True)
+    texts = iter_jsonl_texts(expand_inputs(input), json_key)
+    return TRAINERS[kind](texts, output_dir, vocab_size, **options)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Train a tokenizer from JSONL with tokenizers/sentencepiece.")
+    parser.add_argument("--kind", required=True, choices=sorted(TRAINERS))
+    parser.add_argument("--input", required=True, help="a JSONL file or glob (.gz allowed)")
+    parser.add_argument("--output-dir", required=True)
+    parser.add_argument("--vocab-size", type=int, default=8000)
+    parser.add_argument("--json-key", default="text")
+    parser.add_argument("--cased", action="store_true", help="wordpiece: keep case (for BertWordPieceCase)")
+    args = parser.parse_args(argv)
+    options = {"lower_case": not args.cased} if args.kind == "wordpiece" else {}
+    files = train_tokenizer(args.kind, args.input, args.output_dir, args.vocab_size, args.json_key, **options)
+    print("wrote " + ", ".join(files))
+    return 0

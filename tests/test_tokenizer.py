@@ -1,0 +1,143 @@
+"""Tokenizers against independent references, the registry, padding and bad tokenizer files."""
+
+import json
+
+import pytest
+from conftest_data import ReferenceGPT2BPE, data_assets
+
+from megatron_patch.tokenizer import TOKENIZERS, TokenizerFileError, build_tokenizer, padded_vocab_size
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    return data_assets(tmp_path_factory)
+
+
+def test_gpt2_bpe_equals_reference_implementation(assets):
+    options = assets.options["GPT2BPETokenizer"]
+    tok = build_tokenizer("GPT2BPETokenizer", **options)
+    reference = ReferenceGPT2BPE(options["vocab_file"], options["merge_file"])
+    expected = [reference.encode(text) for text in assets.texts]
+    assert [tok.tokenize(text) for text in assets.texts] == expected
+    assert tok.tokenize_batch(assets.texts) == expected
+    assert tok.eod == reference.vocab["<|endoftext|>"] and tok.vocab_size == len(reference.vocab)
+    assert tok.detokenize(expected[-1]) == assets.texts[-1]
+
+
+@pytest.mark.parametrize("tokenizer_type,lower_case", [("BertWordPieceLowerCase", True), ("BertWordPieceCase", False)])
+def test_bert_wordpiece_equals_reference_implementation(assets, tokenizer_type, lower_case):
+    from transformers.models.bert.tokenization_bert_legacy import BasicTokenizer, WordpieceTokenizer
+
+    tok = build_tokenizer(tokenizer_type, **assets.options[tokenizer_type])
+    with open(assets.options[tokenizer_type]["vocab_file"], encoding="utf-8") as f:
+        vocab = {line.strip(): i for i, line in enumerate(f)}
+    # The original BERT pipeline, as Megatron-LM runs it: no special token survives in text.
+    basic = BasicTokenizer(do_lower_case=lower_case, never_split=None)
+    wordpiece = WordpieceTokenizer(vocab, unk_token="[UNK]", max_input_chars_per_word=200)
+    expected = [
+        [vocab[p] for word in basic.tokenize(text) for p in wordpiece.tokenize(word)] for text in assets.texts
+    ]
+    assert tok.tokenize_batch(assets.texts) == expected
+    assert tok.tokenize(assets.texts[0]) == expected[0]
+    # Megatron-LM appends [BOS] and [EOS] to the vocab and uses [EOS] as eod.
+    assert tok.vocab_size == len(vocab) + 2
+    assert (tok.bos, tok.eos, tok.eod) == (len(vocab), len(vocab) + 1, len(vocab) + 1)
+    assert (tok.cls, tok.sep, tok.pad, tok.mask) == tuple(vocab[t] for t in ("[CLS]", "[SEP]", "[PAD]", "[MASK]"))
+
+
+def test_sentencepiece_equals_library_and_encodes_special_tokens(assets):
+    import sentencepiece
+
+    options = assets.options["SentencePieceTokenizer"]
+    sp = sentencepiece.SentencePieceProcessor(model_file=options["tokenizer_model"])
+    tok = build_tokenizer("SentencePieceTokenizer", **options, vocab_extra_ids=2)
+    plain = [t for t in assets.texts if "<" not in t]
+    assert tok.tokenize_batch(plain) == [sp.encode_as_ids(t) for t in plain]
+    # Megatron-LM's extra tokens come after the model's pieces, in this order.
+    n = len(sp)
+    assert (tok.cls, tok.sep, tok.eod, tok.mask, tok.pad) == (n, n + 1, n + 2, n + 3, n + 4)
+    assert tok.additional_special_tokens_ids == [n + 5, n + 6] and tok.vocab_size == n + 7
+    assert (tok.bos, tok.eos) == (sp.bos_id(), sp.eos_id())
+    text = "a<SEP>b</s><extra_id_1>"
+    assert tok.tokenize(text) == sp.encode_as_ids("a") + [tok.sep] + sp.encode_as_ids("b") + [tok.eos, n + 6]
+
+
+def test_sentencepiece_variants(assets):
+    import sentencepiece
+
+    options = assets.options["SentencePieceTokenizer"]
+    sp = sentencepiece.SentencePieceProcessor(model_file=options["tokenizer_model"])
+    gpt = build_tokenizer("GPTSentencePieceTokenizer", **options)
+    llama = build_tokenizer("Llama2Tokenizer", **options)
+    text = "x = 1  # <SEP> stays text"
+    assert gpt.tokenize(text) == sp.encode_as_ids(text) and gpt.eod == sp.eos_id() == gpt.vocab_size - len(sp) + 2
+    assert llama.tokenize(text) == [sp.bos_id()] + sp.encode_as_ids(text) and llama.eod == sp.eos_id()
+
+
+def test_huggingface_tokenizer_equals_transformers(assets):
+    from transformers import AutoTokenizer
+
+    path = assets.options["HuggingFaceTokenizer"]["tokenizer_model"]
+    reference = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    tok = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=path)
+    expected = [reference(text).input_ids for text in assets.texts]
+    assert tok.tokenize_batch(assets.texts) == expected
+    assert tok.tokenize(assets.texts[1]) == expected[1]
+    assert (tok.vocab_size, tok.eod, tok.pad) == (len(reference), reference.eos_token_id, reference.pad_token_id)
+
+
+def test_null_tokenizer():
+    tok = build_tokenizer("NullTokenizer", vocab_size=100)
+    assert tok.tokenize("5 17 3") == [5, 17, 3] and tok.detokenize([5, 17, 3]) == "5 17 3"
+    assert (tok.vocab_size, tok.eod) == (101, 100)
+    with pytest.raises(ValueError, match="outside"):
+        tok.tokenize("5 100")
+    with pytest.raises(ValueError, match="space-separated integers"):
+        tok.tokenize("five")
+
+
+def test_padded_vocab_size():
+    assert padded_vocab_size(50257, 128, 1) == 50304
+    assert padded_vocab_size(50257, 128, 8) == 51200
+    assert padded_vocab_size(1024, 128, 2) == 1024
+    with pytest.raises(ValueError, match="make-vocab-size-divisible-by"):
+        padded_vocab_size(100, 0, 1)
+
+
+def test_registry_names_and_unknown_type():
+    assert {"GPT2BPETokenizer", "BertWordPieceLowerCase", "BertWordPieceCase", "SentencePieceTokenizer",
+            "HuggingFaceTokenizer", "NullTokenizer"} <= set(TOKENIZERS)
+    with pytest.raises(ValueError, match="GPT2BPETokenizer"):
+        build_tokenizer("GPT3Tokenizer")
+
+
+def test_tokenizers_work_with_megatron_core_hashing(assets):
+    # megatron-core's datasets hash the tokenizer's unique_identifiers into cache names.
+    tok = build_tokenizer("GPT2BPETokenizer", **assets.options["GPT2BPETokenizer"])
+    assert tok.unique_identifiers["class"] == "GPT2BPETokenizer"
+    json.dumps(tok.unique_identifiers)
+
+
+def test_missing_and_wrong_format_tokenizer_files(assets, tmp_path):
+    gpt2 = assets.options["GPT2BPETokenizer"]
+    bert_vocab = assets.options["BertWordPieceLowerCase"]["vocab_file"]
+    with pytest.raises(TokenizerFileError, match="needs --merge-file"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=gpt2["vocab_file"])
+    with pytest.raises(TokenizerFileError, match="nope.json: no such file"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=str(tmp_path / "nope.json"), merge_file=gpt2["merge_file"])
+    # A BERT vocab.txt where a GPT-2 vocab.json belongs: named with its line.
+    with pytest.raises(TokenizerFileError, match=r"vocab.txt:1: not a GPT-2 vocab.json"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=bert_vocab, merge_file=gpt2["merge_file"])
+    # The two GPT-2 files swapped.
+    with pytest.raises(TokenizerFileError, match=r"merges.txt:1: not a GPT-2 vocab.json"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=gpt2["merge_file"], merge_file=gpt2["vocab_file"])
+    broken_merges = tmp_path / "merges.txt"
+    broken_merges.write_text("#version: 0.2\nĠ t\nthree tokens here\n", encoding="utf-8")
+    with pytest.raises(TokenizerFileError, match=r"merges.txt:3: not a GPT-2 merges.txt line"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=gpt2["vocab_file"], merge_file=str(broken_merges))
+    with pytest.raises(TokenizerFileError, match=r"vocab.json: not a BERT WordPiece vocab.txt"):
+        build_tokenizer("BertWordPieceCase", vocab_file=gpt2["vocab_file"])
+    with pytest.raises(TokenizerFileError, match=r"vocab.json: not a SentencePiece .model"):
+        build_tokenizer("SentencePieceTokenizer", tokenizer_model=gpt2["vocab_file"])
+    with pytest.raises(TokenizerFileError, match="not a directory"):
+        build_tokenizer("HuggingFaceTokenizer", tokenizer_model="gpt2")
