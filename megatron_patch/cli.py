@@ -8,6 +8,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import socket
 import subprocess
@@ -33,9 +34,29 @@ def _quickstart(args: argparse.Namespace, rest: list[str]) -> int:
     return launch("megatron_patch.quickstart", args.nproc_per_node, rest)
 
 
+def _forward(module: str):
+    """A subcommand that hands its arguments to ``module.main(argv)`` (the toolkits' own parsers)."""
+
+    def run(args: argparse.Namespace, rest: list[str]) -> int:
+        return importlib.import_module(module).main(rest)
+
+    return run
+
+
+# name -> (module whose main() takes the arguments, help)
+TOOLS = {
+    "make-corpus": ("megatron_patch.data.corpus", "write the Python standard library's sources as a JSONL corpus"),
+    "train-tokenizer": ("megatron_patch.tokenizer.train", "train a GPT-2 BPE, WordPiece or SentencePiece tokenizer"),
+    "preprocess-data": ("megatron_patch.data.preprocess", "tokenize JSONL into Megatron .bin/.idx files"),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megatron-patch", description="Train GPT and BERT on megatron-core.")
     commands = parser.add_subparsers(dest="command", required=True)
+    for name, (module, help_text) in TOOLS.items():
+        tool = commands.add_parser(name, help=help_text, add_help=False)
+        tool.set_defaults(run=_forward(module))
     quickstart = commands.add_parser(
         "quickstart", help="train a tiny GPT with TP=2 on 2 CPU processes (no download)",
         description="Train a tiny GPT with tensor parallelism on 2 local processes; extra flags "

@@ -1,0 +1,29 @@
+"""The megatron-patch command: its tools forward their flags; the quick start trains with TP=2."""
+
+import json
+import subprocess
+import sys
+
+
+def megatron_patch(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "megatron_patch.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_tool_subcommand_forwards_its_flags(tmp_path):
+    out = tmp_path / "corpus.jsonl"
+    result = megatron_patch("make-corpus", "--output", str(out), "--max-docs", "3")
+    assert result.returncode == 0, result.stderr
+    docs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(docs) == 3 and all(doc["text"] for doc in docs)
+
+
+def test_unknown_subcommand_is_refused():
+    result = megatron_patch("no-such-command")
+    assert result.returncode != 0 and "invalid choice: 'no-such-command'" in result.stderr
+
+
+def test_quickstart_learns_on_two_processes():
+    result = megatron_patch("quickstart", "--steps", "30", timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "quickstart: 2 processes, TP=2" in result.stdout and "(learned)" in result.stdout
