@@ -62,3 +62,21 @@ def test_rank_that_never_joins_a_collective_fails_within_the_timeout():
     rank1 = message.split("--- rank 1 (stuck) ---")[1]
     assert "in rank_one_never_joins" in rank1
     assert "all_reduce" in message.split("--- rank 0 (stuck) ---")[1].split("--- rank 1")[0]
+
+
+def reinitialise_layouts(rank, world_size):
+    import os
+
+    from megatron_patch.distributed import initialize_distributed
+
+    counts = []
+    for tp in (1, 2, 1, 2, 1, 2):
+        initialize_distributed(tensor_model_parallel_size=tp)
+        counts.append(len(os.listdir("/proc/self/task")))  # OS threads: gloo's are C++ threads
+    return counts
+
+
+def test_reinitialising_frees_the_previous_groups():
+    """Workers are reused, so rebuilding megatron-core's groups must not leave the old ones running."""
+    counts = run_on_ranks(reinitialise_layouts, 2)[0]
+    assert counts[2:] == counts[:2] * 2, counts
