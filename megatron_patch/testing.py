@@ -28,7 +28,9 @@ import atexit
 import dataclasses
 import faulthandler
 import multiprocessing
+import multiprocessing.util  # before our atexit hook: see _close_all
 import os
+import pickle
 import queue
 import signal
 import socket
@@ -79,7 +81,9 @@ def _worker_main(rank: int, world_size: int, port: int, tasks, results, sys_path
             break
         fn, args, kwargs = task
         try:
-            value = fn(rank, world_size, *args, **kwargs)
+            # Plain pickle, not the queue's: torch's multiprocessing reductions would pass tensors through
+            # shared memory, which stalls for large results.
+            value = pickle.dumps(fn(rank, world_size, *args, **kwargs))
         except BaseException:
             results.put((rank, False, traceback.format_exc()))
         else:
@@ -164,6 +168,9 @@ def _discard(world_size: int) -> None:
         pool.kill()
 
 
+# atexit runs hooks last-registered-first. multiprocessing.util (imported above) registered its own hook, which
+# joins every non-daemonic child, so ours must come later to run first and stop the idle workers; otherwise
+# the interpreter would wait on them forever at exit.
 @atexit.register
 def _close_all() -> None:
     for world_size in list(_pools):
@@ -229,4 +236,4 @@ def run_on_ranks(
             f"rank(s) {stuck} of {world_size} did not finish within {timeout:.0f}s (finished: "
             f"{sorted(values)}); a rank that never joins a collective leaves the others waiting in it.\n{stacks}"
         )
-    return [values[r] for r in range(world_size)]
+    return [pickle.loads(values[r]) for r in range(world_size)]

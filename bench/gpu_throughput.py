@@ -1,0 +1,181 @@
+"""bf16 training throughput on one GPU: tokens/s, TFLOP/s, MFU and peak memory per configuration.
+
+Example::
+
+    python bench/gpu_throughput.py --out bench/results/gpu_throughput.md     # on a GPU machine
+    python bench/gpu_throughput.py --dry-run --out /tmp/table.md             # CPU-sized, same code path (CI)
+
+Each case runs in its own process (fresh memory statistics and compile caches): the ~1B LLaMA-style model at
+sequence length 2048 with the local layer spec and our SDPA attention, with and without selective recompute,
+with torch.compile'd fusions on and off, and BERT-large. FLOPs follow megatron-core's formula
+(``megatron_patch.model.flops``), so MFU is comparable with Megatron's published figures (peak 989 TFLOP/s bf16
+dense on H100/H200).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+
+PEAK_TFLOPS = 989.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    model: str
+    seq_length: int
+    micro_batch_size: int
+    num_microbatches: int
+    recompute: str | None = None
+    fused: bool = True
+
+
+CASES = [
+    Case("llama-1b", "llama3.2-1b", 2048, 4, 4),
+    Case("llama-1b selective-recompute", "llama3.2-1b", 2048, 4, 4, recompute="selective"),
+    Case("llama-1b no-fusions", "llama3.2-1b", 2048, 4, 4, fused=False),
+    Case("llama-1b selective no-fusions", "llama3.2-1b", 2048, 4, 4, recompute="selective", fused=False),
+    Case("bert-large", "bert-large", 512, 16, 4),
+]
+# The same cases shrunk to run on a CPU in seconds: what CI runs so the script cannot rot.
+DRY_MODELS = {"llama3.2-1b": "tiny-llama", "bert-large": "tiny-bert"}
+WARMUP_ITERS, TIMED_ITERS = 3, 10
+
+
+def _batches(family: str, vocab: int, micro_batch_size: int, seq_length: int, count: int, device):
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(count):
+        tokens = torch.randint(0, vocab, (micro_batch_size, seq_length + 1), generator=generator)
+        batch = {
+            "tokens": tokens[:, :-1],
+            "labels": tokens[:, 1:],
+            "loss_mask": torch.ones(micro_batch_size, seq_length),
+            "position_ids": torch.arange(seq_length).expand(micro_batch_size, seq_length),
+        }
+        if family == "bert":
+            batch["padding_mask"] = torch.ones(micro_batch_size, seq_length, dtype=torch.bool)
+            batch["tokentype_ids"] = torch.zeros(micro_batch_size, seq_length, dtype=torch.long)
+        yield {key: value.to(device, non_blocking=True).contiguous() for key, value in batch.items()}
+
+
+def _bert_forward_step(data_iterator, model):
+    from megatron_patch.training.step import lm_loss_func
+
+    batch = next(data_iterator)
+    lm_loss, _ = model(batch["tokens"], batch["padding_mask"], tokentype_ids=batch["tokentype_ids"],
+                       lm_labels=batch["labels"])
+    return lm_loss, lambda output: lm_loss_func(batch["loss_mask"], output)
+
+
+def run_case(case: Case, dry_run: bool) -> dict:
+    """Train ``case`` for a few iterations in this process and measure it."""
+    import torch
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+
+    from megatron_patch.distributed import initialize_distributed
+    from megatron_patch.model.builder import build_model_chunks, padded_vocab_size
+    from megatron_patch.model.config import get_model_config
+    from megatron_patch.model.flops import num_floating_point_operations, num_parameters
+    from megatron_patch.model.parallel import ParallelConfig
+    from megatron_patch.training.step import build_optimizer, lm_forward_step, train_step, wrap_model
+
+    on_gpu = torch.cuda.is_available() and not dry_run
+    layout = initialize_distributed(seed=1234)
+    model_name = DRY_MODELS[case.model] if dry_run else case.model
+    model_config = get_model_config(model_name)
+    seq_length = min(case.seq_length, model_config.max_positions) if dry_run else case.seq_length
+    micro_batch_size = 2 if dry_run else case.micro_batch_size
+    parallel_config = ParallelConfig(bf16=on_gpu, recompute_granularity=case.recompute, fused_kernels=case.fused)
+    vocab = padded_vocab_size(model_config.vocab_size, model_config.make_vocab_size_divisible_by, 1)
+    chunks = wrap_model(build_model_chunks(model_config, parallel_config, vocab),
+                        DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True))
+    optimizer = build_optimizer(chunks, OptimizerConfig(optimizer="adam", lr=1e-4, bf16=on_gpu, clip_grad=1.0,
+                                                        use_distributed_optimizer=True))
+    forward_step = _bert_forward_step if model_config.family == "bert" else lm_forward_step
+    warmup, timed = (1, 2) if dry_run else (WARMUP_ITERS, TIMED_ITERS)
+
+    def step():
+        batches = _batches(model_config.family, model_config.vocab_size, micro_batch_size, seq_length,
+                           case.num_microbatches, layout.device)
+        return train_step(forward_step, batches, chunks, optimizer, num_microbatches=case.num_microbatches,
+                          seq_length=seq_length, micro_batch_size=micro_batch_size)
+
+    for _ in range(warmup):
+        step()
+    if on_gpu:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for _ in range(timed):
+        stats = step()
+    if on_gpu:
+        torch.cuda.synchronize()
+    seconds = (time.perf_counter() - start) / timed
+    global_batch = micro_batch_size * case.num_microbatches
+    tflops = num_floating_point_operations(model_config, global_batch, seq_length, vocab) / seconds / 1e12
+    return {
+        "case": case.name,
+        "model": f"{model_name} ({num_parameters(model_config, vocab) / 1e9:.2f}B)",
+        "seq": seq_length,
+        "global batch": global_batch,
+        "tokens/s": round(global_batch * seq_length / seconds),
+        "TFLOP/s": round(tflops, 1 if on_gpu else 4),
+        "MFU %": round(100 * tflops / PEAK_TFLOPS, 1 if on_gpu else 4),
+        "peak GiB": round(torch.cuda.max_memory_allocated() / 2**30, 1) if on_gpu else None,
+        "loss": round(stats.loss, 3),
+        "device": torch.cuda.get_device_name() if on_gpu else "cpu (dry run)",
+    }
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """Rows of equal keys as a Markdown table."""
+    header = list(rows[0])
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join("" if row[key] is None else str(row[key]) for key in header) + " |"
+              for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="Markdown file for the results table")
+    parser.add_argument("--dry-run", action="store_true", help="tiny models on the CPU: checks the script runs")
+    parser.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one case, print its row as JSON
+    args = parser.parse_args(argv)
+    cases = {case.name: case for case in CASES}
+    if args.case:
+        print("ROW " + json.dumps(run_case(cases[args.case], args.dry_run)), flush=True)
+        return 0
+    rows, failures = [], []
+    for case in CASES:
+        command = [sys.executable, os.path.abspath(__file__), "--out", args.out, "--case", case.name]
+        command += ["--dry-run"] if args.dry_run else []
+        result = subprocess.run(command, capture_output=True, text=True)
+        row = [line[4:] for line in result.stdout.splitlines() if line.startswith("ROW ")]
+        if result.returncode or not row:
+            failures.append(case.name)
+            print(f"{case.name}: FAILED\n{result.stderr[-3000:]}", file=sys.stderr)
+            continue
+        rows.append(json.loads(row[0]))
+        print(json.dumps(rows[-1]), flush=True)
+    if rows:
+        tmp = args.out + ".tmp"
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(tmp, "w") as f:
+            f.write(markdown_table(rows))
+        os.replace(tmp, args.out)
+        print(markdown_table(rows))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

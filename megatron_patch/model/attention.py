@@ -1,0 +1,104 @@
+"""Core attention on ``torch.nn.functional.scaled_dot_product_attention`` for megatron-core's local layer spec.
+
+Example::
+
+    spec = SelfAttentionSubmodules(linear_qkv=ColumnParallelLinear, core_attention=SDPAttention, ...)
+
+megatron-core's local ``DotProductAttention`` materialises the [b, heads, s, s] score matrix and runs an unfused
+softmax. ``SDPAttention`` has the same constructor and forward signature, so it drops into any layer spec, and
+lets PyTorch pick a flash or memory-efficient kernel on GPUs (math kernel on CPUs). Masks follow megatron-core:
+boolean, True where attention is *not* allowed, broadcastable to [b, heads, sq, sk] (BERT passes [b, 1, 1, s]
+key-padding masks, HF's semantics); no mask with ``AttnMaskType.causal`` means causal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import divide
+
+
+class SDPAttention(MegatronModule):
+    """Drop-in for megatron-core's ``DotProductAttention`` (tensor-parallel heads, GQA, dropout, masks).
+
+    Example::
+
+        core = SDPAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+        context = core(query, key, value, attention_mask=None)   # [sq, b, np, hn] x3 -> [sq, b, np * hn]
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
+    ):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError("SDPAttention has no context parallelism; --context-parallel-size > 1 needs the "
+                             "Transformer Engine layer spec")
+        if config.softmax_type != "vanilla" or config.window_size is not None:
+            raise ValueError("SDPAttention supports vanilla softmax without sliding windows only")
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+        tp_size = pg_collection.tp.size()
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.num_attention_heads_per_partition = divide(config.num_attention_heads, tp_size)
+        self.num_query_groups_per_partition = divide(config.num_query_groups, tp_size)
+        # apply_query_key_layer_scaling divides the scores by layer_number and multiplies them back inside the
+        # fp32 softmax (dot_product_attention.py:93-103): the product is the plain scale, which is what we use.
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
+        if packed_seq_params is not None or attention_bias is not None:
+            raise NotImplementedError("SDPAttention takes neither packed sequences nor an attention bias; use the "
+                                      "Transformer Engine layer spec for those")
+        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        seq_q, batch = query.shape[:2]
+        # [s, b, heads, d] -> [b, heads, s, d], the layout SDPA expects.
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        allowed = None
+        if attention_mask is not None:
+            allowed = ~attention_mask
+            # A query row with every key masked (padding rows of a [b,1,s,s] BERT mask) would give NaN; let it
+            # attend everywhere instead. Its output is padding either way and never reaches a real token.
+            allowed = allowed | ~allowed.any(dim=-1, keepdim=True)
+        dropout_p = self.dropout_p if self.training else 0.0
+        # Megatron forks the model-parallel RNG for attention dropout unless activations are sequence-parallel
+        # (dot_product_attention.py:224-228), so TP ranks drop different heads.
+        rng = tensor_parallel.get_cuda_rng_tracker().fork() if not self.config.sequence_parallel else contextlib.nullcontext()
+        with rng:
+            context = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v,
+                attn_mask=allowed,
+                dropout_p=dropout_p,
+                is_causal=allowed is None and mask_type == AttnMaskType.causal and seq_q > 1,
+                scale=self.softmax_scale,
+                enable_gqa=self.num_attention_heads_per_partition != self.num_query_groups_per_partition,
+            )
+        # [b, heads, sq, d] -> [sq, b, heads * d]
+        return context.permute(2, 0, 1, 3).reshape(seq_q, batch, -1)
+

@@ -1,0 +1,336 @@
+"""Model configurations: one typed dataclass, a registry of named shapes, and Megatron's model flags on top.
+
+Example::
+
+    python pretrain.py --model-name llama3.2-1b --num-layers 4 --seq-length 2048   # a flag overrides the entry
+
+    from megatron_patch.model.config import get_model_config
+    config = get_model_config("qwen2-0.5b", num_layers=2)      # keyword overrides, validated again
+
+GPT-2, LLaMA and Qwen2 are one GPT definition that differs in fields (normalization, position embedding,
+activation, biases, query groups, tied embeddings); BERT adds token types, a binary head and the place of its
+layer norms. Field names follow megatron-core's ``TransformerConfig`` and Megatron-LM's flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Callable, Literal
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    """The architecture of one model, independent of how it is parallelised.
+
+    Example::
+
+        >>> ModelConfig(family="gpt", num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32).head_dim
+        16
+    """
+
+    family: Literal["gpt", "bert"]
+    """"gpt" builds megatron-core's GPTModel (causal LM), "bert" its BertModel (masked LM + binary head)."""
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    seq_length: int
+    """Training sequence length (``--seq-length``)."""
+    ffn_hidden_size: int | None = None
+    """MLP width; None means 4 x hidden_size as in Megatron-LM."""
+    num_query_groups: int | None = None
+    """Key/value heads for grouped-query attention (``--num-query-groups``); None means one per head (MHA)."""
+    kv_channels: int | None = None
+    """Width of one attention head; None means hidden_size / num_attention_heads."""
+    max_position_embeddings: int | None = None
+    """Rows of the learned position table (and the RoPE cache length); None means seq_length."""
+    position_embedding_type: Literal["learned_absolute", "rope"] = "learned_absolute"
+    rotary_base: int = 10000
+    """RoPE base period theta (LLaMA-2 10000, LLaMA-3 500000, Qwen2 1000000)."""
+    rotary_percent: float = 1.0
+    """Fraction of each head's channels that RoPE rotates."""
+    normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
+    layernorm_epsilon: float = 1e-5
+    activation: Literal["gelu", "gelu_tanh", "swiglu"] = "gelu"
+    """"gelu" is erf GeLU (BERT), "gelu_tanh" the tanh approximation GPT-2 was trained with (``--openai-gelu``),
+    "swiglu" the gated SiLU MLP of LLaMA/Qwen2 (``--swiglu``)."""
+    add_bias_linear: bool = True
+    """Biases on every linear layer; ``--disable-bias-linear`` turns them off (LLaMA, Qwen2)."""
+    add_qkv_bias: bool = False
+    """Bias on the fused q/k/v projection even without add_bias_linear (``--add-qkv-bias``, Qwen2)."""
+    untie_embeddings_and_output_weights: bool = False
+    """A separate output matrix instead of reusing the word embeddings (LLaMA, Qwen2 >= 7B)."""
+    vocab_size: int | None = None
+    """Unpadded vocabulary; None when the tokenizer decides (see builder.padded_vocab_size)."""
+    make_vocab_size_divisible_by: int = 128
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    init_method_std: float = 0.02
+    num_tokentypes: int = 0
+    """BERT segment (token type) embeddings: 2 for sentence pairs, 0 for none."""
+    add_binary_head: bool = False
+    """BERT's next-sentence / sentence-order head on the pooled first token (``--bert-no-binary-head`` = off)."""
+    bert_layernorm_style: Literal["pre", "post"] = "pre"
+    """"pre": Megatron's BERT (norm before attention/MLP, final norm). "post": original BERT as in Hugging Face
+    ``BertModel`` (norm after each residual add, a norm on the embeddings, no final norm). Real BERT checkpoints
+    only convert exactly into "post"."""
+
+    def __post_init__(self):
+        self.validate()
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_groups(self) -> int:
+        """Key/value heads actually built (num_attention_heads for MHA)."""
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def max_positions(self) -> int:
+        return self.max_position_embeddings or self.seq_length
+
+    def validate(self) -> None:
+        """Raise ValueError naming the flag when a field cannot describe a model."""
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.family not in ("gpt", "bert"):
+            raise ValueError(f"model family must be 'gpt' or 'bert', got {self.family!r}")
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
+                f"{self.num_attention_heads}; set --kv-channels to choose the head width explicitly"
+            )
+        if self.num_attention_heads % self.query_groups:
+            raise ValueError(
+                f"--num-attention-heads {self.num_attention_heads} is not divisible by --num-query-groups "
+                f"{self.query_groups}"
+            )
+        if self.max_positions < self.seq_length and self.position_embedding_type == "learned_absolute":
+            raise ValueError(
+                f"--seq-length {self.seq_length} exceeds --max-position-embeddings {self.max_positions}"
+            )
+        if self.family == "gpt" and (self.num_tokentypes or self.add_binary_head or self.bert_layernorm_style != "pre"):
+            raise ValueError("num_tokentypes, add_binary_head and bert_layernorm_style are BERT-only settings")
+        if self.bert_layernorm_style not in ("pre", "post"):
+            raise ValueError(f"--bert-layernorm-style must be 'pre' or 'post', got {self.bert_layernorm_style!r}")
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise ValueError(f"--rotary-percent must be in (0, 1], got {self.rotary_percent}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Registry of named configurations
+# ----------------------------------------------------------------------------------------------------------
+
+_REGISTRY: dict[str, Callable[[], ModelConfig]] = {}
+
+
+def register_model_config(name: str):
+    """Register a zero-argument factory under ``name`` (decorator).
+
+    Example::
+
+        @register_model_config("my-gpt")
+        def my_gpt():
+            return ModelConfig(family="gpt", num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32)
+    """
+
+    def register(factory: Callable[[], ModelConfig]):
+        if name in _REGISTRY:
+            raise ValueError(f"model config {name!r} is already registered")
+        _REGISTRY[name] = factory
+        return factory
+
+    return register
+
+
+def list_model_configs() -> list[str]:
+    """Names accepted by ``get_model_config`` / ``--model-name``, sorted."""
+    return sorted(_REGISTRY)
+
+
+def get_model_config(name: str, **overrides) -> ModelConfig:
+    """The registered configuration ``name`` with ``overrides`` applied (and validated again).
+
+    Example::
+
+        >>> get_model_config("gpt2-124m", num_layers=2).num_layers
+        2
+    """
+    try:
+        factory = _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown model {name!r}; --model-name must be one of {list_model_configs()}") from None
+    return dataclasses.replace(factory(), **overrides)
+
+
+def _gpt2(num_layers: int, hidden_size: int, num_attention_heads: int) -> ModelConfig:
+    # OpenAI GPT-2: learned positions, LayerNorm, tanh-GeLU, biases everywhere, tied embeddings, 1024 context,
+    # vocabulary 50257 (padded to 50304 by make_vocab_size_divisible_by=128 x TP).
+    return ModelConfig(
+        family="gpt", num_layers=num_layers, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
+        seq_length=1024, max_position_embeddings=1024, activation="gelu_tanh", vocab_size=50257,
+    )
+
+
+def _llama(**fields) -> ModelConfig:
+    # LLaMA: RoPE, RMSNorm, SwiGLU, no biases, untied output unless the entry says otherwise.
+    defaults = dict(
+        family="gpt", position_embedding_type="rope", normalization="RMSNorm", activation="swiglu",
+        add_bias_linear=False, untie_embeddings_and_output_weights=True, hidden_dropout=0.0, attention_dropout=0.0,
+    )
+    return ModelConfig(**{**defaults, **fields})
+
+
+def _qwen2(**fields) -> ModelConfig:
+    # Qwen2 = LLaMA + a bias on q/k/v, RMSNorm eps 1e-6, RoPE base 1e6, vocabulary 151936 (already a multiple of
+    # 128, so no padding), tied embeddings below 7B.
+    defaults = dict(add_qkv_bias=True, layernorm_epsilon=1e-6, rotary_base=1000000, vocab_size=151936)
+    return _llama(**{**defaults, **fields})
+
+
+def _bert(num_layers: int, hidden_size: int, num_attention_heads: int) -> ModelConfig:
+    # Google's BERT: post-LN, erf-GeLU, token types, NSP head, 512 positions, WordPiece vocabulary 30522.
+    return ModelConfig(
+        family="bert", num_layers=num_layers, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
+        seq_length=512, max_position_embeddings=512, layernorm_epsilon=1e-12, vocab_size=30522,
+        num_tokentypes=2, add_binary_head=True, bert_layernorm_style="post",
+    )
+
+
+register_model_config("gpt2-124m")(lambda: _gpt2(12, 768, 12))
+register_model_config("gpt2-355m")(lambda: _gpt2(24, 1024, 16))
+register_model_config("gpt2-774m")(lambda: _gpt2(36, 1280, 20))
+register_model_config("gpt2-1.5b")(lambda: _gpt2(48, 1600, 25))
+register_model_config("llama2-7b")(lambda: _llama(
+    num_layers=32, hidden_size=4096, ffn_hidden_size=11008, num_attention_heads=32, seq_length=4096,
+    layernorm_epsilon=1e-5, vocab_size=32000,
+))
+register_model_config("llama3.2-1b")(lambda: _llama(
+    num_layers=16, hidden_size=2048, ffn_hidden_size=8192, num_attention_heads=32, num_query_groups=8,
+    seq_length=8192, max_position_embeddings=131072, rotary_base=500000, layernorm_epsilon=1e-5,
+    vocab_size=128256, untie_embeddings_and_output_weights=False,
+))
+register_model_config("llama3-8b")(lambda: _llama(
+    num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32, num_query_groups=8,
+    seq_length=8192, rotary_base=500000, layernorm_epsilon=1e-5, vocab_size=128256,
+))
+register_model_config("qwen2-0.5b")(lambda: _qwen2(
+    num_layers=24, hidden_size=896, ffn_hidden_size=4864, num_attention_heads=14, num_query_groups=2,
+    seq_length=4096, max_position_embeddings=32768, untie_embeddings_and_output_weights=False,
+))
+register_model_config("qwen2-1.5b")(lambda: _qwen2(
+    num_layers=28, hidden_size=1536, ffn_hidden_size=8960, num_attention_heads=12, num_query_groups=2,
+    seq_length=4096, max_position_embeddings=32768, untie_embeddings_and_output_weights=False,
+))
+register_model_config("qwen2-7b")(lambda: _qwen2(
+    num_layers=28, hidden_size=3584, ffn_hidden_size=18944, num_attention_heads=28, num_query_groups=4,
+    seq_length=4096, max_position_embeddings=32768, vocab_size=152064,
+))
+register_model_config("bert-base")(lambda: _bert(12, 768, 12))
+register_model_config("bert-large")(lambda: _bert(24, 1024, 16))
+# Debug shapes: seconds on a CPU, every architectural feature switched on.
+register_model_config("tiny-gpt2")(lambda: dataclasses.replace(
+    _gpt2(2, 64, 4), seq_length=32, max_position_embeddings=32, vocab_size=128, make_vocab_size_divisible_by=1,
+))
+register_model_config("tiny-llama")(lambda: _llama(
+    num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2, seq_length=32,
+    vocab_size=128, make_vocab_size_divisible_by=1,
+))
+register_model_config("tiny-qwen2")(lambda: _qwen2(
+    num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2, seq_length=32,
+    vocab_size=128, make_vocab_size_divisible_by=1,
+))
+register_model_config("tiny-bert")(lambda: dataclasses.replace(
+    _bert(2, 64, 4), seq_length=32, max_position_embeddings=32, vocab_size=128, make_vocab_size_divisible_by=1,
+))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Megatron-LM's model flags
+# ----------------------------------------------------------------------------------------------------------
+
+# (flag, field, argparse keywords). Every flag defaults to None so that only what the user typed overrides
+# the named configuration.
+_VALUE_FLAGS = [
+    ("--num-layers", "num_layers", dict(type=int)),
+    ("--hidden-size", "hidden_size", dict(type=int)),
+    ("--ffn-hidden-size", "ffn_hidden_size", dict(type=int)),
+    ("--num-attention-heads", "num_attention_heads", dict(type=int)),
+    ("--num-query-groups", "num_query_groups", dict(type=int)),
+    ("--kv-channels", "kv_channels", dict(type=int)),
+    ("--seq-length", "seq_length", dict(type=int)),
+    ("--max-position-embeddings", "max_position_embeddings", dict(type=int)),
+    ("--position-embedding-type", "position_embedding_type", dict(choices=["learned_absolute", "rope"])),
+    ("--rotary-base", "rotary_base", dict(type=int)),
+    ("--rotary-percent", "rotary_percent", dict(type=float)),
+    ("--normalization", "normalization", dict(choices=["LayerNorm", "RMSNorm"])),
+    ("--norm-epsilon", "layernorm_epsilon", dict(type=float)),
+    ("--make-vocab-size-divisible-by", "make_vocab_size_divisible_by", dict(type=int)),
+    ("--hidden-dropout", "hidden_dropout", dict(type=float)),
+    ("--attention-dropout", "attention_dropout", dict(type=float)),
+    ("--init-method-std", "init_method_std", dict(type=float)),
+    ("--bert-layernorm-style", "bert_layernorm_style", dict(choices=["pre", "post"])),
+]
+# (flag, field, value it sets)
+_SWITCH_FLAGS = [
+    ("--swiglu", "activation", "swiglu"),
+    ("--openai-gelu", "activation", "gelu_tanh"),
+    ("--disable-bias-linear", "add_bias_linear", False),
+    ("--add-qkv-bias", "add_qkv_bias", True),
+    ("--untie-embeddings-and-output-weights", "untie_embeddings_and_output_weights", True),
+    ("--bert-no-binary-head", "add_binary_head", False),
+]
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add ``--model-name`` and Megatron-LM's model flags to ``parser``.
+
+    Example::
+
+        parser = add_model_arguments(argparse.ArgumentParser())
+        config = model_config_from_args(parser.parse_args(["--model-name", "gpt2-124m", "--num-layers", "2"]))
+    """
+    group = parser.add_argument_group("model")
+    group.add_argument("--model-name", choices=list_model_configs(), default=None,
+                       help="start from this named configuration; the flags below override its fields")
+    group.add_argument("--model-family", choices=["gpt", "bert"], default=None,
+                       help="without --model-name: which model the flags describe (default gpt)")
+    group.add_argument("--group-query-attention", action="store_true",
+                       help="accepted for Megatron-LM compatibility; --num-query-groups alone enables GQA")
+    for flag, field, kwargs in _VALUE_FLAGS:
+        group.add_argument(flag, dest=field, default=None, **kwargs)
+    for flag, field, value in _SWITCH_FLAGS:
+        group.add_argument(flag, dest=f"_switch_{flag[2:].replace('-', '_')}", action="store_true",
+                           help=f"sets {field}={value}")
+    return parser
+
+
+def model_config_from_args(args: argparse.Namespace, vocab_size: int | None = None) -> ModelConfig:
+    """The configuration named by ``--model-name`` (or built from the flags alone), with the flags applied.
+
+    Example::
+
+        >>> parser = add_model_arguments(argparse.ArgumentParser())
+        >>> model_config_from_args(parser.parse_args(["--model-name", "tiny-llama", "--rotary-base", "500000"])).rotary_base
+        500000
+    """
+    overrides = {field: getattr(args, field) for _, field, _ in _VALUE_FLAGS if getattr(args, field) is not None}
+    for flag, field, value in _SWITCH_FLAGS:
+        if getattr(args, f"_switch_{flag[2:].replace('-', '_')}"):
+            overrides[field] = value
+    if vocab_size is not None:
+        overrides["vocab_size"] = vocab_size
+    if args.model_name is not None:
+        return get_model_config(args.model_name, **overrides)
+    missing = [f"--{f.replace('_', '-')}" for f in ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
+               if f not in overrides]
+    if missing:
+        raise ValueError(f"without --model-name the model needs {' '.join(missing)}")
+    return ModelConfig(family=args.model_family or "gpt", **overrides)

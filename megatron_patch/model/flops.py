@@ -1,0 +1,86 @@
+"""Parameter and FLOP counts per model, for throughput and MFU reporting.
+
+Example::
+
+    config = get_model_config("gpt2-124m")
+    num_parameters(config, padded_vocab_size=50304)                            # 124,475,904
+    num_floating_point_operations(config, batch_size=8, seq_length=1024, padded_vocab_size=50304)
+
+The FLOP count is Megatron-LM's ``num_floating_point_operations`` (training.py, r0.8): forward + backward
+(3 x the forward GEMMs, 2 FLOPs per multiply-add), dense attention scores without discounting the causal mask,
+the logit layer included; norms, activations and BERT's small heads left out. Using the same formula makes
+our MFU comparable with published Megatron numbers.
+"""
+
+from __future__ import annotations
+
+from megatron_patch.model.config import ModelConfig
+
+
+def num_floating_point_operations(
+    model_config: ModelConfig, batch_size: int, seq_length: int, padded_vocab_size: int
+) -> float:
+    """FLOPs of one training iteration over ``batch_size`` sequences of ``seq_length`` tokens.
+
+    Example::
+
+        >>> m = get_model_config("tiny-gpt2")
+        >>> num_floating_point_operations(m, batch_size=1, seq_length=32, padded_vocab_size=128)
+        22020096.0
+    """
+    m = model_config
+    h, layers = m.hidden_size, m.num_layers
+    query_projection_ratio = m.head_dim * m.num_attention_heads / h
+    gated_linear_multiplier = 3 / 2 if m.activation == "swiglu" else 1
+    return (
+        12 * batch_size * seq_length * layers * h * h
+        * (
+            # attention: q/k/v and output projections, scores and the weighted sum of values
+            (1 + m.query_groups / m.num_attention_heads + seq_length / h) * query_projection_ratio
+            # MLP
+            + (m.ffn_size / h) * gated_linear_multiplier
+            # logits
+            + padded_vocab_size / (2 * layers * h)
+        )
+    )
+
+
+def _norm_parameters(m: ModelConfig) -> int:
+    return m.hidden_size * (2 if m.normalization == "LayerNorm" else 1)
+
+
+def _layer_parameters(m: ModelConfig) -> int:
+    h, f = m.hidden_size, m.ffn_size
+    q_size, kv_size = m.head_dim * m.num_attention_heads, m.head_dim * m.query_groups
+    qkv_out = q_size + 2 * kv_size
+    fc1_out = 2 * f if m.activation == "swiglu" else f
+    bias = m.add_bias_linear
+    attention = h * qkv_out + (qkv_out if bias or m.add_qkv_bias else 0) + q_size * h + (h if bias else 0)
+    mlp = h * fc1_out + f * h + ((fc1_out + h) if bias else 0)
+    return attention + mlp + 2 * _norm_parameters(m)
+
+
+def num_parameters(model_config: ModelConfig, padded_vocab_size: int) -> int:
+    """Parameters of the whole model as ``build_model_chunks`` builds it (all TP/PP shards together, tied
+    embeddings counted once).
+
+    Example::
+
+        >>> num_parameters(get_model_config("gpt2-124m"), padded_vocab_size=50257)   # HF's GPT2Model
+        124439808
+    """
+    m = model_config
+    h, vocab = m.hidden_size, padded_vocab_size
+    embedding = vocab * h
+    if m.position_embedding_type == "learned_absolute":
+        embedding += m.max_positions * h
+    embedding += m.num_tokentypes * h
+    # Pre-LN models end with a final norm; post-LN BERT has its norm on the embeddings instead.
+    total = embedding + m.num_layers * _layer_parameters(m) + _norm_parameters(m)
+    if m.untie_embeddings_and_output_weights:
+        total += vocab * h
+    if m.family == "bert":
+        total += h * h + h + _norm_parameters(m) + vocab  # LM head transform (dense + norm) and output bias
+        if m.add_binary_head:
+            total += h * h + h + 2 * h + 2  # pooler and next-sentence head
+    return total

@@ -1,0 +1,77 @@
+"""Small modules the layer specs need beyond megatron-core's: a sequence-parallel-safe torch norm and the
+post-LN transformer layer of the original BERT.
+
+Example::
+
+    spec = ModuleSpec(module=PostLNTransformerLayer, submodules=PostLNTransformerLayerSubmodules(
+        self_attention=..., self_attn_bda=get_bias_dropout_add, post_attention_layernorm=TorchNorm,
+        mlp=..., mlp_bda=get_bias_dropout_add, post_mlp_layernorm=TorchNorm))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+_NORMS = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
+
+
+class TorchNorm:
+    """``torch.nn.LayerNorm`` / ``RMSNorm`` (per ``config.normalization``) that also works with sequence
+    parallelism: its parameters carry ``sequence_parallel`` so ``finalize_model_grads`` all-reduces their
+    gradients over the TP group (each TP rank saw only its slice of the sequence).
+
+    Example::
+
+        >>> norm = TorchNorm(config, hidden_size=64, eps=1e-5)     # an nn.LayerNorm
+
+    megatron-core's ``WrappedTorchNorm`` (its fallback without apex or TE) asserts ``not config.sequence_parallel``
+    (``transformer/torch_norm.py:32``) although nothing in the maths forbids it; this is the same constructor
+    signature without that assertion.
+    """
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **unused) -> torch.nn.Module:
+        norm = _NORMS[config.normalization](hidden_size, eps=eps, dtype=config.params_dtype)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+@dataclasses.dataclass
+class PostLNTransformerLayerSubmodules(TransformerLayerSubmodules):
+    """TransformerLayer's submodules plus the two norms the original BERT applies after each residual add."""
+
+    post_attention_layernorm: ModuleSpec | type = IdentityOp
+    post_mlp_layernorm: ModuleSpec | type = IdentityOp
+
+
+class PostLNTransformerLayer(TransformerLayer):
+    """``LayerNorm(x + attention(x))`` then ``LayerNorm(h + mlp(h))``: Hugging Face ``BertLayer`` on
+    megatron-core's attention, MLP, bias-dropout-add and recompute machinery.
+
+    Example::
+
+        layer = build_module(post_ln_spec, config=config, layer_number=1)
+        output, _ = layer(hidden_states, attention_mask=mask)
+
+    The pre-LN slots (``input_layernorm``, ``pre_mlp_layernorm``) stay ``IdentityOp``; everything between
+    them is TransformerLayer's own code, so TP, SP and both recompute granularities behave as for pre-LN.
+    """
+
+    def __init__(self, config: TransformerConfig, submodules: PostLNTransformerLayerSubmodules, *args, **kwargs):
+        super().__init__(config, submodules, *args, **kwargs)
+        norm_kwargs = dict(config=self.config, hidden_size=self.config.hidden_size, eps=self.config.layernorm_epsilon)
+        self.post_attention_layernorm = build_module(submodules.post_attention_layernorm, **norm_kwargs)
+        self.post_mlp_layernorm = build_module(submodules.post_mlp_layernorm, **norm_kwargs)
+
+    def _forward_attention(self, *args, **kwargs):
+        hidden_states, context = super()._forward_attention(*args, **kwargs)
+        return self.post_attention_layernorm(hidden_states), context
+
+    def _forward_post_mlp(self, mlp_output_with_bias, residual):
+        return self.post_mlp_layernorm(super()._forward_post_mlp(mlp_output_with_bias, residual))

@@ -1,0 +1,216 @@
+"""How a model is split and what it keeps in memory: TP, PP, virtual PP, SP, CP, recompute and precision.
+
+Example::
+
+    torchrun --nproc-per-node 4 pretrain.py --model-name tiny-llama --tensor-model-parallel-size 2 \
+        --pipeline-model-parallel-size 2 --sequence-parallel --recompute-granularity selective
+
+    parallel = ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True)
+    parallel.validate(model_config, world_size=4)    # ValueError naming the flags, before anything is built
+
+Every combination megatron-core would reject deep inside model construction (or, worse, accept and compute
+wrongly) is refused here with a message that names the flags to change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Literal
+
+import torch
+
+from megatron_patch import compat
+from megatron_patch.model.config import ModelConfig
+
+
+@dataclasses.dataclass
+class ParallelConfig:
+    """Parallel layout and memory options of one run (data-parallel size is what the world size leaves).
+
+    Example::
+
+        >>> ParallelConfig(recompute_granularity="full").recompute_method
+        'uniform'
+    """
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int | None = None
+    """Model chunks per pipeline rank (interleaved 1F1B); None or 1 means no interleaving."""
+    sequence_parallel: bool = False
+    """Split norm/dropout activations along the sequence over the TP group (needs TP > 1)."""
+    context_parallel_size: int = 1
+    recompute_granularity: Literal["full", "selective"] | None = None
+    """"full" recomputes whole layers, "selective" only core attention (Korthikanti et al. 2022,
+    https://arxiv.org/abs/2205.05198)."""
+    recompute_method: Literal["uniform", "block"] | None = None
+    """With full recompute: "uniform" checkpoints groups of recompute_num_layers layers, "block" the first
+    recompute_num_layers layers of each stage. Defaults to "uniform" when full recompute is on."""
+    recompute_num_layers: int | None = None
+    """Defaults to 1 with full recompute (every layer is checkpointed)."""
+    bf16: bool = False
+    fp16: bool = False
+    fused_kernels: bool = False
+    """megatron-core's torch.compile'd bias-activation (SwiGLU, tanh-GeLU) and bias-dropout-add fusions. Off by
+    default: the first call compiles for seconds, which only pays off on long runs."""
+
+    def __post_init__(self):
+        if self.virtual_pipeline_model_parallel_size == 1:
+            self.virtual_pipeline_model_parallel_size = None
+        if self.recompute_granularity == "full":
+            # Megatron-LM's old --checkpoint-activations meant exactly this.
+            self.recompute_method = self.recompute_method or "uniform"
+            self.recompute_num_layers = self.recompute_num_layers or 1
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+
+    def validate(self, model_config: ModelConfig, world_size: int | None = None) -> None:
+        """Raise ValueError, naming the flags, when this layout cannot run ``model_config``.
+
+        Example::
+
+            >>> ParallelConfig(tensor_model_parallel_size=5).validate(get_model_config("gpt2-124m"))
+            Traceback (most recent call last):
+            ValueError: --num-attention-heads 12 is not divisible by --tensor-model-parallel-size 5
+        """
+        tp, pp, cp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size, self.context_parallel_size
+        vpp = self.virtual_pipeline_model_parallel_size or 1
+        for flag, value in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
+                            ("--context-parallel-size", cp), ("--virtual-pipeline-model-parallel-size", vpp)):
+            if value < 1:
+                raise ValueError(f"{flag} must be at least 1, got {value}")
+        if world_size is not None and world_size % self.model_parallel_size:
+            raise ValueError(
+                f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+                f"--pipeline-model-parallel-size {pp} x --context-parallel-size {cp}"
+            )
+        m = model_config
+        if m.num_attention_heads % tp:
+            raise ValueError(
+                f"--num-attention-heads {m.num_attention_heads} is not divisible by --tensor-model-parallel-size {tp}"
+            )
+        if m.query_groups % tp:
+            raise ValueError(
+                f"--num-query-groups {m.query_groups} is not divisible by --tensor-model-parallel-size {tp}"
+            )
+        if m.ffn_size % tp:
+            raise ValueError(f"--ffn-hidden-size {m.ffn_size} is not divisible by --tensor-model-parallel-size {tp}")
+        if vpp > 1 and pp < 2:
+            raise ValueError(
+                "--virtual-pipeline-model-parallel-size (or --num-layers-per-virtual-pipeline-stage) needs "
+                f"--pipeline-model-parallel-size of at least 2, got {pp}"
+            )
+        if m.num_layers % (pp * vpp):
+            raise ValueError(
+                f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size {pp} x "
+                f"--virtual-pipeline-model-parallel-size {vpp} = {pp * vpp}"
+            )
+        if self.sequence_parallel and tp == 1:
+            raise ValueError("--sequence-parallel needs --tensor-model-parallel-size greater than 1")
+        if self.sequence_parallel and m.seq_length % tp:
+            raise ValueError(
+                f"--sequence-parallel needs --seq-length {m.seq_length} divisible by --tensor-model-parallel-size {tp}"
+            )
+        if cp > 1 and not compat.transformer_engine_available():
+            raise ValueError("--context-parallel-size greater than 1 needs Transformer Engine, which is not installed")
+        if cp > 1 and m.seq_length % (2 * cp):
+            raise ValueError(
+                f"--context-parallel-size {cp} needs --seq-length {m.seq_length} divisible by 2 x {cp}"
+            )
+        if self.bf16 and self.fp16:
+            raise ValueError("--bf16 and --fp16 are mutually exclusive")
+        self._validate_recompute(m, layers_per_chunk=m.num_layers // (pp * vpp))
+
+    def _validate_recompute(self, m: ModelConfig, layers_per_chunk: int) -> None:
+        if self.recompute_granularity not in (None, "full", "selective"):
+            raise ValueError(
+                f"--recompute-granularity must be 'full' or 'selective', got {self.recompute_granularity!r}"
+            )
+        if self.recompute_granularity != "full":
+            if self.recompute_method is not None or self.recompute_num_layers is not None:
+                raise ValueError(
+                    "--recompute-method and --recompute-num-layers only apply with --recompute-granularity full"
+                )
+            return
+        if self.recompute_method not in ("uniform", "block"):
+            raise ValueError(f"--recompute-method must be 'uniform' or 'block', got {self.recompute_method!r}")
+        if not 1 <= self.recompute_num_layers <= layers_per_chunk:
+            raise ValueError(
+                f"--recompute-num-layers {self.recompute_num_layers} must be between 1 and the {layers_per_chunk} "
+                f"layers of one model chunk (--num-layers {m.num_layers} / --pipeline-model-parallel-size "
+                f"{self.pipeline_model_parallel_size} / --virtual-pipeline-model-parallel-size "
+                f"{self.virtual_pipeline_model_parallel_size or 1})"
+            )
+
+
+def add_parallel_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add Megatron-LM's parallelism, recompute and precision flags to ``parser``.
+
+    Example::
+
+        parser = add_parallel_arguments(argparse.ArgumentParser())
+        parallel = parallel_config_from_args(parser.parse_args(["--checkpoint-activations"]), num_layers=12)
+    """
+    group = parser.add_argument_group("parallelism and memory")
+    group.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    group.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    group.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None)
+    group.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                       help="Megatron-LM's way to ask for virtual pipeline stages")
+    group.add_argument("--sequence-parallel", action="store_true")
+    group.add_argument("--context-parallel-size", type=int, default=1)
+    group.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
+    group.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
+    group.add_argument("--recompute-num-layers", type=int, default=None)
+    group.add_argument("--checkpoint-activations", action="store_true",
+                       help="old name for --recompute-granularity full --recompute-method uniform")
+    group.add_argument("--bf16", action="store_true")
+    group.add_argument("--fp16", action="store_true")
+    group.add_argument("--fused-kernels", action="store_true",
+                       help="torch.compile'd bias-activation and bias-dropout-add fusions (see ParallelConfig)")
+    return parser
+
+
+def parallel_config_from_args(args: argparse.Namespace, num_layers: int) -> ParallelConfig:
+    """A ParallelConfig from the flags of ``add_parallel_arguments`` (``num_layers`` resolves
+    ``--num-layers-per-virtual-pipeline-stage``)."""
+    vpp = args.virtual_pipeline_model_parallel_size
+    per_stage = args.num_layers_per_virtual_pipeline_stage
+    if per_stage is not None:
+        if vpp is not None:
+            raise ValueError("give --num-layers-per-virtual-pipeline-stage or "
+                             "--virtual-pipeline-model-parallel-size, not both")
+        stage_layers = num_layers // args.pipeline_model_parallel_size
+        if per_stage < 1 or stage_layers % per_stage:
+            raise ValueError(
+                f"--num-layers-per-virtual-pipeline-stage {per_stage} must divide the {stage_layers} layers of a "
+                f"pipeline stage (--num-layers {num_layers} / --pipeline-model-parallel-size "
+                f"{args.pipeline_model_parallel_size})"
+            )
+        vpp = stage_layers // per_stage
+    granularity = args.recompute_granularity
+    if args.checkpoint_activations:
+        if granularity not in (None, "full"):
+            raise ValueError("--checkpoint-activations means --recompute-granularity full; do not combine it with "
+                             f"--recompute-granularity {granularity}")
+        granularity = "full"
+    return ParallelConfig(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=vpp,
+        sequence_parallel=args.sequence_parallel,
+        context_parallel_size=args.context_parallel_size,
+        recompute_granularity=granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
+        bf16=args.bf16,
+        fp16=args.fp16,
+        fused_kernels=args.fused_kernels,
+    )

@@ -1,0 +1,133 @@
+"""The one place that picks the modules of a transformer layer: Transformer Engine when it imports, else local.
+
+Example::
+
+    spec = layer_spec(get_model_config("tiny-llama"), ParallelConfig())
+    spec.submodules.self_attention.submodules.core_attention     # SDPAttention on a machine without TE
+
+Both backends go through megatron-core's ``BackendSpecProvider`` interface. The local one is megatron-core's
+``LocalSpecProvider`` with two swaps: core attention on ``scaled_dot_product_attention`` (``SDPAttention``) instead
+of the unfused softmax, and ``TorchNorm``, which unlike ``WrappedTorchNorm`` allows sequence parallelism.
+The layer is pre-LN (GPT, Megatron's BERT) or post-LN (``PostLNTransformerLayer``, original BERT), by config.
+"""
+
+from __future__ import annotations
+
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+from megatron_patch import compat
+from megatron_patch.model.attention import SDPAttention
+from megatron_patch.model.config import ModelConfig
+from megatron_patch.model.layers import PostLNTransformerLayer, PostLNTransformerLayerSubmodules, TorchNorm
+from megatron_patch.model.parallel import ParallelConfig
+
+# GPT attends causally; BERT to every non-padding token.
+_ATTN_MASK_TYPE = {"gpt": AttnMaskType.causal, "bert": AttnMaskType.padding}
+
+
+class LocalBackend(LocalSpecProvider):
+    """megatron-core's local modules with SDPA core attention and a sequence-parallel-safe norm."""
+
+    def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> type:
+        return TorchNorm  # LayerNorm or RMSNorm per config.normalization, like WrappedTorchNorm
+
+    def core_attention(self) -> type:
+        return SDPAttention
+
+
+def backend() -> BackendSpecProvider:
+    """Transformer Engine's provider when TE imports, otherwise ``LocalBackend``."""
+    if compat.transformer_engine_available():
+        from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+
+        return TESpecProvider()
+    return LocalBackend()
+
+
+def norm_module(model_config: ModelConfig) -> type:
+    """The norm class every norm of the model is built from (also BERT's LM head and embedding norm)."""
+    return backend().layer_norm(rms_norm=model_config.normalization == "RMSNorm")
+
+
+def layer_spec(model_config: ModelConfig, parallel_config: ParallelConfig | None = None) -> ModuleSpec:
+    """The ModuleSpec of one transformer layer of ``model_config`` on this machine's backend.
+
+    Example::
+
+        >>> layer_spec(get_model_config("tiny-bert")).module.__name__
+        'PostLNTransformerLayer'
+    """
+    provider = backend()
+    if parallel_config is not None and parallel_config.context_parallel_size > 1 and isinstance(provider, LocalBackend):
+        raise ValueError("--context-parallel-size greater than 1 needs Transformer Engine, which is not installed")
+    norm = norm_module(model_config)
+    post_ln = model_config.family == "bert" and model_config.bert_layernorm_style == "post"
+    # TE fuses a pre-norm into the linear layer after it; a post-norm has no linear layer after it to fuse into.
+    fuse_norm = provider.fuse_layernorm_and_linear() and not post_ln
+    norm_linear = provider.column_parallel_layer_norm_linear() if fuse_norm else provider.column_parallel_linear()
+    self_attention = ModuleSpec(
+        module=SelfAttention,
+        params={"attn_mask_type": _ATTN_MASK_TYPE[model_config.family]},
+        submodules=SelfAttentionSubmodules(
+            linear_qkv=norm_linear,
+            core_attention=provider.core_attention(),
+            linear_proj=provider.row_parallel_linear(),
+            q_layernorm=IdentityOp,
+            k_layernorm=IdentityOp,
+        ),
+    )
+    mlp = ModuleSpec(
+        module=MLP, submodules=MLPSubmodules(linear_fc1=norm_linear, linear_fc2=provider.row_parallel_linear())
+    )
+    common = dict(self_attention=self_attention, self_attn_bda=get_bias_dropout_add, mlp=mlp,
+                  mlp_bda=get_bias_dropout_add)
+    if post_ln:
+        return ModuleSpec(
+            module=PostLNTransformerLayer,
+            submodules=PostLNTransformerLayerSubmodules(
+                **common, post_attention_layernorm=norm, post_mlp_layernorm=norm
+            ),
+        )
+    pre_norm = IdentityOp if fuse_norm else norm
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            **common,
+            input_layernorm=pre_norm,
+            pre_mlp_layernorm=pre_norm,
+            # Checkpoint keys as with TE's fused norm+linear, so local and TE checkpoints load into each other
+            # (as megatron-core's own local spec does, gpt_layer_specs.py:417-420).
+            sharded_state_dict_keys_map={} if fuse_norm else {
+                "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+                "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+            },
+        ),
+    )
+
+
+def block_spec(
+    model_config: ModelConfig,
+    transformer_config: TransformerConfig,
+    parallel_config: ParallelConfig | None = None,
+    vp_stage: int | None = None,
+) -> TransformerBlockSubmodules:
+    """The layers of this pipeline rank's chunk ``vp_stage``, and the final norm (none for post-LN BERT).
+
+    Passing the block rather than a layer spec keeps megatron-core from building its final norm from its own
+    ``LayerNormImpl`` global (transformer_block.py:256-259), which refuses sequence parallelism without apex.
+    """
+    post_ln = model_config.family == "bert" and model_config.bert_layernorm_style == "post"
+    num_layers = get_num_layers_to_build(transformer_config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(
+        layer_specs=[layer_spec(model_config, parallel_config)] * num_layers,
+        layer_norm=None if post_ln else norm_module(model_config),
+    )

@@ -1,0 +1,161 @@
+"""Named configurations, Megatron's model flags, parameter and FLOP counts, and refused layouts."""
+
+
+import argparse
+
+import pytest
+
+from megatron_patch.model import (
+    ParallelConfig,
+    add_model_arguments,
+    add_parallel_arguments,
+    get_model_config,
+    list_model_configs,
+    model_config_from_args,
+    num_floating_point_operations,
+    num_parameters,
+    parallel_config_from_args,
+)
+from megatron_patch.testing import run_on_ranks
+
+# Hugging Face's parameter counts of the same shapes (unpadded vocabulary): GPT2Model, LlamaForCausalLM,
+# Qwen2ForCausalLM, BertForPreTraining (encoder + pooler + MLM transform/bias + NSP head).
+HF_PARAMETERS = {
+    "gpt2-124m": 124_439_808,
+    "gpt2-355m": 354_823_168,
+    "gpt2-774m": 774_030_080,
+    "gpt2-1.5b": 1_557_611_200,
+    "llama2-7b": 6_738_415_616,
+    "llama3.2-1b": 1_235_814_400,
+    "llama3-8b": 8_030_261_248,
+    "qwen2-0.5b": 494_032_768,
+    "qwen2-1.5b": 1_543_714_304,
+    "qwen2-7b": 7_615_616_512,
+    "bert-base": 110_106_428,
+    "bert-large": 336_226_108,
+}
+
+
+def test_registry_has_real_and_debug_sizes():
+    names = list_model_configs()
+    assert set(HF_PARAMETERS) <= set(names)
+    assert {"tiny-gpt2", "tiny-llama", "tiny-qwen2", "tiny-bert"} <= set(names)
+
+
+@pytest.mark.parametrize("name", sorted(HF_PARAMETERS))
+def test_parameter_count_matches_hugging_face(name):
+    config = get_model_config(name)
+    assert num_parameters(config, config.vocab_size) == HF_PARAMETERS[name]
+
+
+def count_built_parameters(rank, world_size, names):
+    import torch
+
+    from megatron_patch.distributed import initialize_distributed
+    from megatron_patch.model.builder import build_model_chunks, padded_vocab_size
+    from megatron_patch.model.flops import num_parameters
+
+    initialize_distributed()
+    counts = {}
+    for name in names:
+        config = get_model_config(name)
+        vocab = padded_vocab_size(config.vocab_size, config.make_vocab_size_divisible_by, 1)
+        with torch.device("meta"):  # real sizes, no memory
+            [model] = build_model_chunks(config, ParallelConfig(), vocab)
+        counts[name] = (sum(p.numel() for p in model.parameters()), num_parameters(config, vocab))
+    return counts
+
+
+def test_built_models_have_the_counted_parameters():
+    names = ["gpt2-124m", "llama3.2-1b", "qwen2-0.5b", "qwen2-7b", "bert-base", "tiny-gpt2", "tiny-llama",
+             "tiny-qwen2", "tiny-bert"]
+    [counts] = run_on_ranks(count_built_parameters, 1, args=(names,), timeout=300)
+    assert {name: built for name, (built, _) in counts.items()} == {name: c for name, (_, c) in counts.items()}
+    assert counts["gpt2-124m"][0] == 124_475_904  # 124M: 50257 padded to 50304 rows
+
+
+def test_flops_formula_matches_hand_count():
+    # tiny LLaMA-style case with GQA and SwiGLU; count every GEMM by hand: 2 FLOPs per multiply-add,
+    # x3 for forward + backward.
+    config = get_model_config("tiny-llama", num_layers=2, hidden_size=64, num_attention_heads=4,
+                              num_query_groups=2, ffn_hidden_size=128)
+    b, s, h, f, vocab, layers = 2, 32, 64, 128, 256, 2
+    head_dim, q_size, kv_size = 16, 64, 32
+    per_layer = (
+        2 * b * s * h * (q_size + 2 * kv_size)  # fused q/k/v projection
+        + 2 * b * s * s * q_size  # scores
+        + 2 * b * s * s * q_size  # attention-weighted values
+        + 2 * b * s * q_size * h  # output projection
+        + 2 * b * s * h * 2 * f  # fc1 (gate and up)
+        + 2 * b * s * f * h  # fc2
+    )
+    logits = 2 * b * s * h * vocab
+    assert head_dim * 4 == q_size
+    expected = 3 * (layers * per_layer + logits)
+    assert num_floating_point_operations(config, b, s, vocab) == pytest.approx(expected, rel=1e-12)
+
+
+def test_flags_override_named_config():
+    parser = add_parallel_arguments(add_model_arguments(argparse.ArgumentParser()))
+    args = parser.parse_args([
+        "--model-name", "gpt2-124m", "--num-layers", "4", "--position-embedding-type", "rope", "--rotary-base",
+        "500000", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--add-qkv-bias",
+        "--untie-embeddings-and-output-weights", "--num-query-groups", "4", "--group-query-attention",
+        "--checkpoint-activations", "--tensor-model-parallel-size", "2",
+    ])
+    config = model_config_from_args(args)
+    assert (config.num_layers, config.hidden_size, config.position_embedding_type, config.rotary_base) == (
+        4, 768, "rope", 500000)
+    assert (config.normalization, config.activation, config.add_bias_linear, config.add_qkv_bias) == (
+        "RMSNorm", "swiglu", False, True)
+    assert config.untie_embeddings_and_output_weights and config.num_query_groups == 4
+    parallel = parallel_config_from_args(args, num_layers=config.num_layers)
+    assert (parallel.recompute_granularity, parallel.recompute_method, parallel.recompute_num_layers) == (
+        "full", "uniform", 1)
+    assert parallel.tensor_model_parallel_size == 2
+
+
+def test_flags_alone_describe_a_model():
+    parser = add_parallel_arguments(add_model_arguments(argparse.ArgumentParser()))
+    args = parser.parse_args(["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4",
+                              "--seq-length", "32", "--pipeline-model-parallel-size", "2",
+                              "--num-layers-per-virtual-pipeline-stage", "2"])
+    config = model_config_from_args(args, vocab_size=100)
+    assert config.family == "gpt" and config.vocab_size == 100
+    assert parallel_config_from_args(args, config.num_layers).virtual_pipeline_model_parallel_size == 2
+    with pytest.raises(ValueError, match="--seq-length"):
+        model_config_from_args(parser.parse_args(["--num-layers", "2", "--hidden-size", "8",
+                                                  "--num-attention-heads", "2"]))
+
+
+@pytest.mark.parametrize("model_overrides,layout,world_size,message", [
+    ({}, dict(tensor_model_parallel_size=5), None,
+     "--num-attention-heads 12 is not divisible by --tensor-model-parallel-size 5"),
+    (dict(num_query_groups=2, num_attention_heads=4, hidden_size=64), dict(tensor_model_parallel_size=4), None,
+     "--num-query-groups 2 is not divisible by --tensor-model-parallel-size 4"),
+    (dict(num_layers=6), dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2), None,
+     "--num-layers 6 is not divisible by --pipeline-model-parallel-size 2 x --virtual-pipeline-model-parallel-size 2"),
+    ({}, dict(sequence_parallel=True), None,
+     "--sequence-parallel needs --tensor-model-parallel-size greater than 1"),
+    ({}, dict(virtual_pipeline_model_parallel_size=2), None, "needs --pipeline-model-parallel-size of at least 2"),
+    ({}, dict(tensor_model_parallel_size=2), 3, "world size 3 is not divisible by --tensor-model-parallel-size 2"),
+    ({}, dict(recompute_granularity="selective", recompute_method="block"), None,
+     "--recompute-method and --recompute-num-layers only apply with --recompute-granularity full"),
+    ({}, dict(recompute_granularity="full", recompute_num_layers=13), None,
+     "--recompute-num-layers 13 must be between 1 and the 12 layers"),
+    ({}, dict(bf16=True, fp16=True), None, "--bf16 and --fp16 are mutually exclusive"),
+    ({}, dict(context_parallel_size=2), None, "--context-parallel-size greater than 1 needs Transformer Engine"),
+])
+def test_invalid_layouts_are_refused(model_overrides, layout, world_size, message):
+    config = get_model_config("gpt2-124m", **model_overrides)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        ParallelConfig(**layout).validate(config, world_size=world_size)
+
+
+def test_invalid_model_fields_are_refused():
+    with pytest.raises(ValueError, match="--num-attention-heads 12 is not divisible by --num-query-groups 5"):
+        get_model_config("gpt2-124m", num_query_groups=5)
+    with pytest.raises(ValueError, match="BERT-only"):
+        get_model_config("gpt2-124m", add_binary_head=True)
+    with pytest.raises(ValueError, match="unknown model 'gpt5'"):
+        get_model_config("gpt5")
