@@ -7,7 +7,7 @@ setup(
     version="0.1.0",
     description="Train GPT and BERT models on megatron-core: data preparation, HF conversion, trainers, recipes",
     python_requires="==3.11.*",
-    packages=find_packages(include=["megatron_patch", "megatron_patch.*"]),
+    packages=find_packages(include=["megatron_patch", "megatron_patch.*", "rapidformer", "rapidformer.*"]),
     install_requires=[
         "torch==2.13.0",
         "megatron-core==0.16.1",
@@ -22,5 +22,10 @@ setup(
         "matplotlib",
     ],
     extras_require={"test": ["pytest>=8", "pytest-timeout"]},
-    entry_points={"console_scripts": ["megatron-patch=megatron_patch.cli:main"]},
+    entry_points={
+        "console_scripts": [
+            "megatron-patch=megatron_patch.cli:main",
+            "rapidformer=megatron_patch.training.launcher:main",
+        ]
+    },
 )

@@ -48,6 +48,8 @@ TOOLS = {
     "make-corpus": ("megatron_patch.data.corpus", "write the Python standard library's sources as a JSONL corpus"),
     "train-tokenizer": ("megatron_patch.tokenizer.train", "train a GPT-2 BPE, WordPiece or SentencePiece tokenizer"),
     "preprocess-data": ("megatron_patch.data.preprocess", "tokenize JSONL into Megatron .bin/.idx files"),
+    "convert": ("megatron_patch.convert.cli", "Hugging Face <-> Megatron checkpoints, verified"),
+    "train": ("megatron_patch.training.launcher", "the rapidformer launcher: --task or --user-script on N processes"),
 }
 
 

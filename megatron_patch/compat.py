@@ -20,6 +20,7 @@ import importlib.machinery
 import importlib.metadata
 import importlib.util
 import inspect
+import logging
 import sys
 import textwrap
 import types
@@ -346,6 +347,9 @@ def apply_cpu_shim() -> bool:
     # `.cuda()` on tensors (tensor_parallel/data.py:84 in broadcast_data, language_module.py:244 for tied
     # embeddings, dist_checkpointing/exchange_utils.py:336,499) raises on a CPU build; there it means "stay".
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    # tensor_parallel/random.py:265 warns "CPU RNG state changed within GPU RNG context" when the CPU generator
+    # moved inside a tracker fork; here the CPU generator IS the forked generator, so it fires at every dropout.
+    logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)
     _accept_cpu_type_strings()
     _shim_applied = True
     return True

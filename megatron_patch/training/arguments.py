@@ -1,0 +1,205 @@
+"""One argument definition for the engine, the trainers and the ``rapidformer`` CLI: Megatron-LM's names plus the
+Rapidformer flags, parsed into typed values and validated once.
+
+Example::
+
+    args = parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                       "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+                       "--mixed-precision", "--zero-1-memory-optimization"])
+    args.fp16, args.memory_optimization        # (True, 'zero-1')
+
+Unknown flags are refused with their names (``allow_abbrev`` is off, so a typo never silently matches a longer
+flag), and every conflict names both flags and the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+
+from megatron_patch.model.config import add_model_arguments
+from megatron_patch.model.parallel import add_parallel_arguments
+from megatron_patch.tokenizer.registry import add_tokenizer_args
+
+# --zero-*/--fsdp flag -> memory mode; what each does is in MEMORY_HELP (and in --help).
+MEMORY_FLAGS = {
+    "zero_1_memory_optimization": "zero-1",
+    "zero_2_memory_optimization": "zero-2",
+    "zero_3_memory_optimization": "zero-3",
+    "fsdp_memory_optimization": "fsdp",
+}
+MEMORY_HELP = {
+    "zero-1": "shard optimizer state over data-parallel ranks (megatron-core's distributed optimizer for "
+              "megatron models; torch.distributed.optim.ZeroRedundancyOptimizer for plain/HF models)",
+    "zero-2": "shard optimizer state and gradients (megatron-core's distributed optimizer, which reduce-scatters "
+              "gradients, for megatron models; torch FSDP2 fully_shard with reshard_after_forward=False for "
+              "plain/HF models)",
+    "zero-3": "shard parameters, gradients and optimizer state (torch FSDP2 fully_shard per layer; plain/HF "
+              "models only)",
+    "fsdp": "same as --zero-3-memory-optimization (torch FSDP2; plain/HF models only)",
+}
+TASKS = ("pretraining", "sequence_classification")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full parser (also what ``rapidformer --help`` prints)."""
+    parser = argparse.ArgumentParser(
+        prog="rapidformer", allow_abbrev=False,
+        description="Train megatron-core, plain torch and Hugging Face models: black-box with --task, or "
+                    "white-box with --user-script (a Pretrainer/Finetuner subclass or a no-trainer script).",
+    )
+    rapid = parser.add_argument_group("rapidformer")
+    rapid.add_argument("--task", choices=TASKS, default=None,
+                       help="black-box task: the model and data come from flags, no user code")
+    rapid.add_argument("--user-script", default=None, help="white-box: a Python file run on every rank")
+    rapid.add_argument("--pretrained-model-name-or-path", default=None,
+                       help="a local Hugging Face model directory (config.json, weights, tokenizer files)")
+    rapid.add_argument("--data-name", default=None,
+                       help="dataset name under --data-path (e.g. mrpc for DIR/mrpc/train.tsv)")
+    rapid.add_argument("--dataset-path", default=None, help="old Rapidformer name read by user scripts")
+    rapid.add_argument("--dataset-name", default=None, help="old Rapidformer name read by user scripts")
+    rapid.add_argument("--epochs", type=int, default=None,
+                       help="fine-tuning epochs; with --train-iters too, training stops at whichever comes first "
+                            "(no-trainer scripts read both: epochs for their loop, train iters for the scheduler)")
+    rapid.add_argument("--mixed-precision", action="store_true",
+                       help="fp16 with dynamic loss scaling (bf16 without scaling when --bf16 is also given); "
+                            "megatron models train in fp16 with megatron-core's optimizer, plain/HF models keep "
+                            "fp32 weights and run their forward under torch.autocast with a GradScaler, also "
+                            "on CPUs")
+    for dest, mode in MEMORY_FLAGS.items():
+        rapid.add_argument("--" + dest.replace("_", "-"), action="store_true", help=MEMORY_HELP[mode])
+    rapid.add_argument("--onnx-runtime-training", action="store_true",
+                       help="ONNX Runtime training is unmaintained upstream; this flag compiles the model's "
+                            "forward with torch.compile (backend from --compile-backend) and says so in the log")
+    rapid.add_argument("--compile-backend", default="inductor",
+                       help="torch.compile backend used by --onnx-runtime-training (inductor, aot_eager, eager)")
+    rapid.add_argument("--nproc-per-node", type=int, default=None,
+                       help="launcher: processes per node (default: one per visible GPU, or 1 on CPU)")
+    rapid.add_argument("--local-rank", "--local_rank", dest="local_rank", type=int, default=None,
+                       help="accepted for old launchers; LOCAL_RANK from the environment wins")
+
+    add_model_arguments(parser)
+    add_parallel_arguments(parser)
+    add_tokenizer_args(parser)
+    # Fine-tuning and HF models bring their own tokenizer, so the tokenizer type is optional here.
+    parser._option_string_actions["--tokenizer-type"].required = False
+
+    train = parser.add_argument_group("training")
+    train.add_argument("--micro-batch-size", type=int, default=1)
+    train.add_argument("--global-batch-size", type=int, default=None,
+                       help="gradient accumulation: global / (micro x data-parallel size) microbatches per step")
+    train.add_argument("--train-iters", type=int, default=None)
+    train.add_argument("--lr", type=float, default=1e-4)
+    train.add_argument("--min-lr", type=float, default=0.0)
+    train.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root"],
+                       default="linear")
+    train.add_argument("--lr-decay-iters", type=int, default=None)
+    train.add_argument("--lr-warmup-iters", type=int, default=0)
+    train.add_argument("--lr-warmup-fraction", type=float, default=None)
+    train.add_argument("--weight-decay", type=float, default=0.01)
+    train.add_argument("--clip-grad", type=float, default=1.0)
+    train.add_argument("--adam-beta1", type=float, default=0.9)
+    train.add_argument("--adam-beta2", type=float, default=0.999)
+    train.add_argument("--adam-eps", type=float, default=1e-8)
+    train.add_argument("--seed", type=int, default=1234)
+    train.add_argument("--loss-scale", type=float, default=None, help="static fp16 loss scale (default: dynamic)")
+    train.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32)
+    train.add_argument("--use-distributed-optimizer", action="store_true")
+
+    data = parser.add_argument_group("data")
+    data.add_argument("--data-path", nargs="*", default=None,
+                      help="mmap prefixes (optionally weighted), or a directory for sequence classification")
+    data.add_argument("--data-impl", choices=["mmap"], default="mmap",
+                      help="megatron-core's indexed datasets are memory-mapped; only mmap exists")
+    data.add_argument("--split", default="969,30,1")
+    data.add_argument("--data-cache-path", default=None)
+    data.add_argument("--mock-data", action="store_true")
+    data.add_argument("--mask-prob", type=float, default=0.15)
+    data.add_argument("--short-seq-prob", type=float, default=0.1)
+    data.add_argument("--mmap-warmup", action="store_true")
+    data.add_argument("--reset-position-ids", action="store_true")
+    data.add_argument("--reset-attention-mask", action="store_true")
+    data.add_argument("--eod-mask-loss", action="store_true")
+    data.add_argument("--num-workers", type=int, default=0)
+
+    ckpt = parser.add_argument_group("checkpointing")
+    ckpt.add_argument("--save", default=None)
+    ckpt.add_argument("--load", default=None)
+    ckpt.add_argument("--save-interval", type=int, default=None)
+    ckpt.add_argument("--no-load-optim", action="store_true")
+    ckpt.add_argument("--no-load-rng", action="store_true")
+    ckpt.add_argument("--finetune", action="store_true",
+                      help="load model weights only and start at iteration 0")
+    ckpt.add_argument("--exit-on-missing-checkpoint", action="store_true")
+
+    log = parser.add_argument_group("logging")
+    log.add_argument("--log-interval", type=int, default=10)
+    log.add_argument("--eval-interval", type=int, default=None)
+    log.add_argument("--eval-iters", type=int, default=10)
+    log.add_argument("--tensorboard-dir", default=None)
+    log.add_argument("--log-dir", default=None,
+                     help="where the loss-curve PNG goes (default: --tensorboard-dir, else --save)")
+    log.add_argument("--log-throughput", action="store_true", help="accepted; throughput is always logged")
+    return parser
+
+
+def _refuse(message: str):
+    raise SystemExit(f"rapidformer: error: {message}")
+
+
+def _memory_mode(args: argparse.Namespace) -> str | None:
+    chosen = [dest for dest in MEMORY_FLAGS if getattr(args, dest)]
+    if len(chosen) > 1:
+        flags = " and ".join("--" + d.replace("_", "-") for d in chosen)
+        _refuse(f"{flags} conflict; choose one memory optimization")
+    return MEMORY_FLAGS[chosen[0]] if chosen else None
+
+
+# Each check: (predicate that is True when the arguments are wrong, message naming the flags and the fix).
+_CHECKS = [
+    (lambda a: a.fp16 and a.bf16, "--fp16 and --bf16 conflict; give one (or --mixed-precision [--bf16])"),
+    (lambda a: a.lr_warmup_fraction is not None and a.lr_warmup_iters,
+     "--lr-warmup-iters and --lr-warmup-fraction conflict; give one"),
+    (lambda a: a.task and a.user_script is None and a.task not in TASKS, "unknown --task"),
+    (lambda a: a.micro_batch_size < 1, "--micro-batch-size must be at least 1"),
+    (lambda a: a.global_batch_size is not None and a.global_batch_size % a.micro_batch_size,
+     "--global-batch-size must be a multiple of --micro-batch-size"),
+    (lambda a: a.finetune and a.load is None, "--finetune needs --load DIR"),
+    (lambda a: a.save_interval is not None and a.save is None, "--save-interval needs --save DIR"),
+    (lambda a: a.tensorboard_dir is not None and importlib.util.find_spec("tensorboard") is None,
+     "--tensorboard-dir needs the tensorboard package (pip install tensorboard)"),
+]
+
+
+def validate_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Derive the typed values the rest of the code uses and refuse conflicts, once."""
+    args.memory_optimization = _memory_mode(args)
+    if args.mixed_precision and not args.bf16:
+        args.fp16 = True
+    for wrong, message in _CHECKS:
+        if wrong(args):
+            _refuse(message)
+    if args.memory_optimization in ("zero-1", "zero-2"):
+        args.use_distributed_optimizer = True
+    args.dataset_path = args.dataset_path or (args.data_path[0] if args.data_path else None)
+    args.dataset_name = args.dataset_name or args.data_name
+    # Megatron-LM user scripts read these names.
+    args.params_dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    return args
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse and validate; unknown flags exit with their names.
+
+    Example::
+
+        >>> parse_args(["--zero-1-memory-optimization", "--zero-3-memory-optimization"])
+        Traceback (most recent call last):
+        SystemExit: rapidformer: error: --zero-1-memory-optimization and --zero-3-memory-optimization conflict; ...
+    """
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        flags = [item for item in unknown if item.startswith("-")] or unknown
+        _refuse(f"unrecognized arguments: {' '.join(flags)} (see rapidformer --help)")
+    return validate_args(args)

@@ -1,0 +1,157 @@
+"""The ``rapidformer`` command: check the flags once, then start one process per GPU with torch's elastic launcher.
+
+Example::
+
+    export CUDA_VISIBLE_DEVICES=0,1,2,3 MASTER_ADDR=localhost MASTER_PORT=6010 NNODES=1 NODE_RANK=0
+    rapidformer --user-script my_trainer.py --micro-batch-size 16 --mixed-precision
+    python -m megatron_patch.training.launcher --task pretraining --nproc-per-node 2 ...   # on CPUs
+
+Each process runs ``python -m megatron_patch.training.launcher --rank-entry ...``: the user script (as
+``__main__``, with ``from megatron import mpu`` available; see ``run_user_script``) or the ``--task``. A rank ends
+with a barrier, flushed output and ``os._exit``, because after FSDP2 a normal interpreter exit sometimes aborts
+(shared/notes/megatron-core-on-cpu.md, "Torch-native sharding").
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+import traceback
+import types
+
+from megatron_patch.training.arguments import parse_args
+
+_RANK_ENTRY = "--rank-entry"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _processes_per_node(requested: int | None) -> int:
+    if requested:
+        return requested
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:
+        return len([d for d in visible.split(",") if d.strip()])
+    import torch
+
+    return max(1, torch.cuda.device_count())
+
+
+def _without(argv: list[str], flag: str) -> list[str]:
+    """``argv`` without ``flag`` and its value (either ``--flag V`` or ``--flag=V``)."""
+    result, skip = [], False
+    for item in argv:
+        if skip:
+            skip = False
+        elif item == flag:
+            skip = True
+        elif not item.startswith(flag + "="):
+            result.append(item)
+    return result
+
+
+def launch_command(argv: list[str]) -> list[str]:
+    """The torch.distributed.run command line for ``argv`` (validated first: errors name the flag)."""
+    args = parse_args(argv)
+    if not args.task and not args.user_script:
+        raise SystemExit("rapidformer: error: give --task (black-box) or --user-script FILE (white-box)")
+    if args.user_script and not os.path.isfile(args.user_script):
+        raise SystemExit(f"rapidformer: error: --user-script {args.user_script}: no such file")
+    env = os.environ
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        f"--nproc-per-node={_processes_per_node(args.nproc_per_node)}",
+        f"--nnodes={env.get('NNODES', '1')}", f"--node-rank={env.get('NODE_RANK', '0')}",
+        f"--master-addr={env.get('MASTER_ADDR', '127.0.0.1')}",
+        f"--master-port={env.get('MASTER_PORT') or _free_port()}",
+        "-m", "megatron_patch.training.launcher", _RANK_ENTRY, *_without(argv, "--nproc-per-node"),
+    ]
+
+
+def _run_rank(argv: list[str]) -> int:
+    """One rank's work: the user script or the task. Returns the exit status."""
+    from megatron_patch import compat
+
+    compat.apply()
+    from megatron_patch.training import mpu
+
+    mpu.install()
+    args = parse_args(argv)
+    if args.user_script:
+        run_user_script(args.user_script, argv)
+    else:
+        from megatron_patch.training.engine import Engine
+        from megatron_patch.training.tasks import run_task
+
+        run_task(Engine(argv))
+    return 0
+
+
+def run_user_script(path: str, argv: list[str]) -> None:
+    """Run ``path`` as this rank's ``__main__``: its top level and its ``if __name__ == "__main__":`` block run.
+
+    Example::
+
+        run_user_script("my_trainer.py", ["--lr", "1e-3"])     # sys.argv is ["my_trainer.py", "--lr", "1e-3"]
+
+    The module's spec names this launcher, not the script. Processes started with multiprocessing's spawn
+    method (dist_checkpointing's writer uses a spawn Manager: strategies/filesystem_async.py) re-import
+    ``__main__`` from ``__main__.__spec__.name``, or else from ``__main__.__file__``; from the file, the seed's
+    scripts, which call ``trainer.train()`` at top level, would train again inside the helper, and ``from megatron
+    import mpu`` fails there, so the helper died and ``--save`` ended in EOFError. The launcher imports harmlessly.
+    """
+    path = os.path.abspath(path)
+    module = types.ModuleType("__main__")
+    module.__file__ = path
+    module.__spec__ = importlib.util.find_spec("megatron_patch.training.launcher")
+    sys.argv = [path, *argv]
+    sys.path.insert(0, os.path.dirname(path))
+    sys.modules["__main__"] = module
+    with open(path, "rb") as f:
+        code = compile(f.read(), path, "exec")
+    exec(code, module.__dict__)
+
+
+def _exit_rank(status: int) -> None:
+    import multiprocessing
+
+    import torch
+
+    if torch.distributed.is_initialized() and status == 0:
+        torch.distributed.barrier()
+    # os._exit skips multiprocessing's atexit hook, which would stop dist_checkpointing's spawned Manager; left
+    # alone it outlives the rank, holding the launcher's stdout open (a caller reading it waits forever).
+    for child in multiprocessing.active_children():
+        child.terminate()
+        child.join()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == [_RANK_ENTRY]:
+        try:
+            status = _run_rank(argv[1:])
+        except SystemExit as error:  # argument errors and the like: the message is the report
+            print(error, file=sys.stderr)
+            status = error.code if isinstance(error.code, int) else 1
+        except BaseException:  # noqa: BLE001  (report every failure of a rank before the hard exit)
+            traceback.print_exc()
+            status = 1
+        _exit_rank(status)
+    command = launch_command(argv)
+    print("+ " + " ".join(command), flush=True)
+    return subprocess.run(command).returncode
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

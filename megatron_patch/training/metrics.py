@@ -1,0 +1,142 @@
+"""Training logs in Megatron-LM's line format, TensorBoard scalars, and a loss-curve PNG at the end.
+
+Example::
+
+    log = TrainingLog(logger, log_interval=10, flops_per_sample=6.3e9, tensorboard_dir=None)
+    log.step(iteration=10, consumed_samples=80, lr=1e-4, loss=3.2, grad_norm=1.1, loss_scale=65536.0,
+             skipped=False, step_time=0.12, tokens=4096)
+    log.validation(iteration=10, loss=3.3)
+    log.plot("logs/loss_curves.png")
+
+A line reads like Megatron-LM's: `` iteration 10/100 | consumed samples: 80 | elapsed time per iteration (ms):
+120.0 | learning rate: 1.000E-04 | lm loss: 3.200E+00 | loss scale: 65536.0 | grad norm: 1.100 | number of
+skipped iterations: 0 | tokens/s: 34133 | peak memory (MB): 512``; TFLOP/s and MFU are added on GPUs.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import resource
+
+import torch
+
+# Dense bf16/fp16 peak of the GPUs we quote MFU against (shared/notes/what-users-expect.md: H100/H200 989).
+_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
+
+
+def _peak_tflops() -> float | None:
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((peak for key, peak in _PEAK_TFLOPS.items() if key in name), None)
+
+
+def peak_memory_mb() -> float:
+    """Peak GPU memory allocated on GPUs; peak resident set size of this process on CPUs."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+class TrainingLog:
+    """Accumulates per-iteration numbers, prints every ``log_interval`` and keeps the curves."""
+
+    def __init__(self, logger: logging.Logger, log_interval: int, train_iters: int | None = None,
+                 flops_per_sample: float | None = None, tensorboard_dir: str | None = None):
+        self.logger = logger
+        self.log_interval = max(1, log_interval)
+        self.train_iters = train_iters
+        self.flops_per_sample = flops_per_sample
+        self.peak_tflops = _peak_tflops()
+        self.train_losses: list[tuple[int, float]] = []
+        self.valid_losses: list[tuple[int, float]] = []
+        self.step_times: list[float] = []  # seconds per iteration (bench/train_overhead.py reads them)
+        self.skipped = 0
+        self._window: list[dict] = []
+        self.writer = None
+        if tensorboard_dir and torch.distributed.get_rank() == 0:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(tensorboard_dir)
+
+    def _scalar(self, name: str, value: float, iteration: int) -> None:
+        if self.writer is not None and value is not None:
+            self.writer.add_scalar(name, value, iteration)
+
+    def step(self, iteration: int, consumed_samples: int, lr: float, loss: float | None, grad_norm: float | None,
+             loss_scale: float, skipped: bool, step_time: float, tokens: int, samples: int) -> None:
+        self.skipped += int(skipped)
+        self.step_times.append(step_time)
+        if loss is not None:
+            self.train_losses.append((iteration, loss))
+        self._window.append(dict(loss=loss, grad_norm=grad_norm, step_time=step_time, tokens=tokens,
+                                 samples=samples))
+        for name, value in (("lm loss", loss), ("learning-rate", lr), ("grad-norm", grad_norm),
+                            ("loss-scale", loss_scale)):
+            self._scalar(name, value, iteration)
+        if iteration % self.log_interval and iteration != self.train_iters:
+            return
+        window, self._window = self._window, []
+        seconds = sum(w["step_time"] for w in window) / len(window)
+        losses = [w["loss"] for w in window if w["loss"] is not None]
+        tokens_per_s = sum(w["tokens"] for w in window) / max(sum(w["step_time"] for w in window), 1e-9)
+        total = f"/{self.train_iters}" if self.train_iters else ""
+        parts = [
+            f" iteration {iteration}{total}",
+            f"consumed samples: {consumed_samples}",
+            f"elapsed time per iteration (ms): {seconds * 1000:.1f}",
+            f"learning rate: {lr:.3E}",
+        ]
+        if losses:
+            parts.append(f"lm loss: {sum(losses) / len(losses):.6E}")
+        parts += [f"loss scale: {loss_scale:.1f}"]
+        if grad_norm is not None:
+            parts.append(f"grad norm: {grad_norm:.3f}")
+        parts += [f"number of skipped iterations: {self.skipped}", f"tokens/s: {tokens_per_s:.0f}"]
+        if self.flops_per_sample and self.peak_tflops:
+            samples_per_s = sum(w["samples"] for w in window) / max(sum(w["step_time"] for w in window), 1e-9)
+            tflops = samples_per_s * self.flops_per_sample / torch.distributed.get_world_size() / 1e12
+            parts += [f"TFLOP/s/GPU: {tflops:.1f}", f"MFU: {100 * tflops / self.peak_tflops:.1f}%"]
+            self._scalar("tflops-per-gpu", tflops, iteration)
+        parts.append(f"peak memory (MB): {peak_memory_mb():.0f}")
+        self._scalar("tokens-per-second", tokens_per_s, iteration)
+        self.logger.info(" | ".join(parts))
+
+    def validation(self, iteration: int, loss: float) -> None:
+        self.valid_losses.append((iteration, loss))
+        perplexity = math.exp(min(loss, 20.0))
+        self._scalar("validation lm loss", loss, iteration)
+        self._scalar("validation ppl", perplexity, iteration)
+        self.logger.info(f" validation loss at iteration {iteration} | lm loss: {loss:.6E} | "
+                         f"lm loss PPL: {perplexity:.6E}")
+
+    def metrics(self, epoch: int, values: dict) -> None:
+        for name, value in values.items():
+            self._scalar(f"eval {name}", value, epoch)
+        self.logger.info(f" epoch {epoch} | " + " | ".join(f"{k}: {v:.4f}" for k, v in values.items()))
+
+    def plot(self, path: str) -> str | None:
+        """Write the training (and validation) loss curves; returns the path, or None with nothing to plot."""
+        if self.writer is not None:
+            self.writer.flush()
+        if not self.train_losses:
+            return None
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display on training nodes
+        import matplotlib.pyplot as plt
+
+        figure, axes = plt.subplots(figsize=(7, 4))
+        axes.plot(*zip(*self.train_losses), label="train")
+        if self.valid_losses:
+            axes.plot(*zip(*self.valid_losses), "o-", label="validation")
+        axes.set_xlabel("iteration")
+        axes.set_ylabel("loss")
+        axes.legend()
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        figure.savefig(path, dpi=100)
+        plt.close(figure)
+        self.logger.info(f"loss curves: {path}")
+        return path

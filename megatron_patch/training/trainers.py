@@ -1,0 +1,373 @@
+"""Rapidformer's trainer templates: subclass, fill in the hooks, call ``train()``.
+
+Example::
+
+    class MyPretrainer(Pretrainer):
+        def train_valid_test_datasets_provider(self, train_val_test_num_samples):
+            return build_train_valid_test_datasets(...)
+        def model_optimizer_lr_scheduler_provider(self):
+            return build_model_chunks(...), None, None          # None: optimizer and scheduler from the flags
+        def run_forward_step(self, data_iterator, model):
+            ...; return loss
+
+    MyPretrainer(engine=RapidformerEngine()).train()
+
+megatron-core models train through megatron-core's pipeline schedules (``get_forward_backward_func``), so the
+same hooks run under TP, PP and virtual PP: ``run_forward_step`` returns the loss on the last stage, and on the
+other stages the model's output is taken where the hook calls the model (the rest of the hook is skipped
+there), so one hook serves every stage. It may also return Megatron-LM's ``(output, loss_func)``. Plain torch
+and Hugging Face models train data-parallel under the memory mode of the flags.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+
+import torch
+from torch.utils.data import default_collate
+
+from megatron_patch.training import checkpointing
+from megatron_patch.training.engine import Engine, is_megatron_model
+from megatron_patch.training.metrics import TrainingLog
+
+
+class MissingHook(TypeError):
+    """A trainer subclass lacks a hook its template needs."""
+
+
+class _StageOutput(Exception):
+    """Raised by the model proxy on a non-last pipeline stage to hand the stage's output to the schedule."""
+
+    def __init__(self, output):
+        super().__init__("pipeline stage output")
+        self.output = output
+
+
+class _StageModel:
+    """The model as a non-last pipeline stage's hook sees it: calling it ends the hook with the output."""
+
+    def __init__(self, model):
+        self._model = model
+
+    def __call__(self, *args, **kwargs):
+        raise _StageOutput(self._model(*args, **kwargs))
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+def _mean_loss_func(loss: torch.Tensor):
+    # megatron-core's legacy two-value form: the schedule divides by the number of microbatches.
+    return loss, {"lm loss": torch.stack([loss.detach().float(), torch.ones((), device=loss.device)])}
+
+
+def _post_process(chunk) -> bool:
+    module = chunk
+    while hasattr(module, "module"):
+        module = module.module
+    return getattr(module, "post_process", True)
+
+
+def _ddp_no_sync(model, last: bool):
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel) and not last:
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+def _all_reduce_mean(values: list[float], device) -> float:
+    from megatron.core import parallel_state
+
+    total = torch.tensor([sum(values), len(values)], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
+    return (total[0] / total[1]).item()
+
+
+def _hook(method):
+    """Mark a template's placeholder hook, so ``check_hooks`` can tell it from the user's."""
+    method.template_default = True
+    return method
+
+
+class _Trainer:
+    HOOKS: tuple[str, ...] = ()
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.args = engine.args
+        self.model = self.optimizer = self.lr_scheduler = None
+        self.megatron = False
+        self.iteration = 0
+
+    # -- the user's side --------------------------------------------------------------------------------
+    @_hook
+    def train_valid_test_datasets_provider(self, *args):
+        raise MissingHook("train_valid_test_datasets_provider")
+
+    @_hook
+    def model_optimizer_lr_scheduler_provider(self):
+        raise MissingHook("model_optimizer_lr_scheduler_provider")
+
+    @_hook
+    def run_forward_step(self, batch_or_iterator, model):
+        raise MissingHook("run_forward_step")
+
+    # -- helpers user scripts call ----------------------------------------------------------------------
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.engine.gather(tensor)
+
+    def build_data_loader(self, dataset, batch_size: int | None = None, collate_fn=None, shuffle: bool = True):
+        return self.engine.build_data_loader(dataset, batch_size=batch_size, collate_fn=collate_fn, shuffle=shuffle)
+
+    # -- the engine room --------------------------------------------------------------------------------
+    def check_hooks(self) -> None:
+        """Refuse a subclass that lacks a hook, naming it (before any work starts)."""
+        missing = [h for h in self.HOOKS if getattr(getattr(type(self), h), "template_default", False)]
+        if missing:
+            raise MissingHook(
+                f"{type(self).__name__} must define {', '.join(missing)} (the {type(self).__bases__[0].__name__} "
+                "template calls it); see the Rapidformer API"
+            )
+
+    def _compose(self, train_iters: int) -> None:
+        model, optimizer, scheduler = self.model_optimizer_lr_scheduler_provider()
+        self.megatron = is_megatron_model(model)
+        self.model, self.optimizer, self.lr_scheduler = self.engine.compose(
+            model, optimizer, scheduler, train_iters=train_iters)
+        args = self.args
+        if args.load:
+            self.iteration = checkpointing.load_checkpoint(
+                args.load, self.model, self.optimizer, self.lr_scheduler, self.megatron,
+                load_optim=not args.no_load_optim, load_rng=not args.no_load_rng, finetune=args.finetune,
+                logger=self.engine.logger,
+            ) if checkpointing.read_tracker(args.load) is not None or args.exit_on_missing_checkpoint else 0
+
+    def _chunks(self) -> list:
+        return self.model if isinstance(self.model, list) else [self.model]
+
+    def _adapt(self, forward):
+        """``forward(data_iterator, model) -> loss`` as a megatron-core schedule's forward step."""
+
+        def forward_step(data_iterator, model):
+            if _post_process(model):
+                result = forward(data_iterator, model)
+                return result if isinstance(result, tuple) else (result, _mean_loss_func)
+            try:
+                forward(data_iterator, _StageModel(model))
+            except _StageOutput as stage:
+                return stage.output, _mean_loss_func
+            raise RuntimeError("run_forward_step returned without calling the model on a non-last pipeline stage")
+
+        return forward_step
+
+    def _step(self, forward, data_iterator) -> tuple[float | None, float | None, bool, float]:
+        """One optimiser step over ``num_microbatches``; returns (loss, grad norm, skipped, loss scale)."""
+        args = self.args
+        if self.megatron:
+            from megatron_patch.training.step import train_step
+
+            stats = train_step(self._adapt(forward), data_iterator, self.model, self.optimizer,
+                               args.num_microbatches, args.seq_length or 1, args.micro_batch_size,
+                               scheduler=self.lr_scheduler)
+            return stats.loss, stats.grad_norm, stats.skipped, float(self.optimizer.get_loss_scale())
+        losses = []
+        for index in range(args.num_microbatches):
+            with _ddp_no_sync(self.model, last=index == args.num_microbatches - 1):
+                loss = forward(data_iterator, self.model)
+                self.engine.backward(loss / args.num_microbatches)
+            losses.append(loss.detach().float().item())
+        loss_scale = self.optimizer.get_loss_scale()
+        success, grad_norm, _ = self.optimizer.step()
+        if success:
+            self.lr_scheduler.step()
+        self.optimizer.zero_grad()
+        return _all_reduce_mean(losses, self.engine.device), grad_norm, not success, float(loss_scale)
+
+    def _run(self, forward, data_iterator, train_iters: int, log: TrainingLog, after_step=None) -> None:
+        args = self.args
+        for chunk in self._chunks():
+            chunk.train()
+        while self.iteration < train_iters:
+            start = time.perf_counter()
+            loss, grad_norm, skipped, loss_scale = self._step(forward, data_iterator)
+            self.iteration += 1
+            elapsed = time.perf_counter() - start
+            log.step(self.iteration, self.iteration * args.global_batch_size, self._lr(), loss, grad_norm,
+                     loss_scale, skipped, elapsed, args.global_batch_size * (args.seq_length or 0),
+                     args.global_batch_size)
+            if after_step is not None:
+                after_step(self.iteration)
+            if args.save and args.save_interval and self.iteration % args.save_interval == 0:
+                self.save()
+
+    def _lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def save(self) -> str:
+        return checkpointing.save_checkpoint(self.args.save, self.iteration, self.model, self.optimizer,
+                                             self.lr_scheduler, self.megatron)
+
+    def _finish(self, log: TrainingLog) -> None:
+        args = self.args
+        if args.save and (not args.save_interval or self.iteration % args.save_interval):
+            self.save()
+        directory = args.log_dir or args.tensorboard_dir or args.save
+        if directory and torch.distributed.get_rank() == torch.distributed.get_world_size() - 1:
+            log.plot(os.path.join(directory, "loss_curves.png"))
+
+    def _log(self, train_iters: int, flops_per_sample: float | None = None) -> TrainingLog:
+        return TrainingLog(self.engine.logger, self.args.log_interval, train_iters, flops_per_sample,
+                           self.args.tensorboard_dir)
+
+
+def _pretraining_batches(dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
+                         device):
+    """Megatron-LM's pretraining sampler: each global step takes the next micro x DP samples in order, this
+    rank its slice; resuming at ``consumed_samples`` continues exactly where a run stopped."""
+    index = consumed_samples
+    while True:
+        start = index + dp_rank * micro_batch_size
+        batch = default_collate([dataset[i % len(dataset)] for i in range(start, start + micro_batch_size)])
+        yield {k: v.to(device) for k, v in batch.items()} if isinstance(batch, dict) else batch.to(device)
+        index += micro_batch_size * dp_size
+
+
+class Pretrainer(_Trainer):
+    """Pretraining for ``train_iters`` steps from datasets sized by the template (Megatron-LM's loop).
+
+    Hooks: ``train_valid_test_datasets_provider(train_val_test_num_samples)``,
+    ``model_optimizer_lr_scheduler_provider()``, ``run_forward_step(data_iterator, model)``.
+    """
+
+    HOOKS = ("train_valid_test_datasets_provider", "model_optimizer_lr_scheduler_provider", "run_forward_step")
+
+    def _iterators(self, dataset, consumed: int):
+        from megatron.core import parallel_state
+
+        if dataset is None:
+            return None
+        # Only TP rank 0 reads data; the hook broadcasts it (mpu.broadcast_data), as in Megatron-LM.
+        if self.megatron and parallel_state.get_tensor_model_parallel_rank() != 0:
+            return None if len(self._chunks()) == 1 else [None] * len(self._chunks())
+        make = lambda: _pretraining_batches(  # noqa: E731
+            dataset, consumed, self.args.micro_batch_size, parallel_state.get_data_parallel_rank(),
+            parallel_state.get_data_parallel_world_size(), self.engine.device)
+        # Each virtual pipeline chunk reads its own copy of the stream, in step with the others.
+        return make() if len(self._chunks()) == 1 else [make() for _ in self._chunks()]
+
+    def _flops_per_sample(self) -> float | None:
+        args = self.args
+        if not (self.megatron and args.num_layers and args.hidden_size and args.seq_length):
+            return None
+        from megatron_patch.model import model_config_from_args, num_floating_point_operations
+
+        try:
+            config = model_config_from_args(args)
+        except (ValueError, TypeError):
+            return None
+        vocab = getattr(self.engine.tokenizer, "vocab_size", None) if args.tokenizer_type else config.vocab_size
+        return num_floating_point_operations(config, 1, args.seq_length, vocab or 0)
+
+    def evaluate(self, data_iterator) -> float | None:
+        """Mean validation loss over ``--eval-iters`` global batches (None off the last pipeline stage)."""
+        args = self.args
+        for chunk in self._chunks():
+            chunk.eval()
+        losses = []
+        with torch.no_grad():
+            for _ in range(args.eval_iters):
+                if self.megatron:
+                    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+                    reports = get_forward_backward_func()(
+                        forward_step_func=self._adapt(self.run_forward_step), data_iterator=data_iterator,
+                        model=self.model, num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+                        micro_batch_size=args.micro_batch_size, forward_only=True)
+                    # [loss_sum, count] per microbatch: token sums from (output, loss_func) hooks, a mean and 1
+                    # from hooks that return the loss.
+                    losses += [r["lm loss"][0].item() / max(r["lm loss"][1].item(), 1.0) for r in reports]
+                else:
+                    losses += [self.run_forward_step(data_iterator, self.model).float().item()
+                               for _ in range(args.num_microbatches)]
+        for chunk in self._chunks():
+            chunk.train()
+        from megatron.core import parallel_state
+
+        if self.megatron and not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+            return None
+        return _all_reduce_mean(losses, self.engine.device)
+
+    def train(self) -> TrainingLog:
+        self.check_hooks()
+        args = self.args
+        if not args.train_iters:
+            raise SystemExit("rapidformer: error: a Pretrainer needs --train-iters")
+        self._compose(args.train_iters)
+        gbs, evals = args.global_batch_size, (args.train_iters // args.eval_interval + 1) if args.eval_interval else 0
+        train_ds, valid_ds, _ = self.train_valid_test_datasets_provider(
+            [args.train_iters * gbs, evals * args.eval_iters * gbs, args.eval_iters * gbs])
+        train_iterator = self._iterators(train_ds, self.iteration * gbs)
+        valid_iterator = self._iterators(valid_ds, 0) if evals else None
+        log = self._log(args.train_iters, self._flops_per_sample())
+
+        def after_step(iteration: int):
+            if valid_iterator is not None and iteration % args.eval_interval == 0:
+                loss = self.evaluate(valid_iterator)
+                if loss is not None:
+                    log.validation(iteration, loss)
+
+        self._run(self.run_forward_step, train_iterator, args.train_iters, log, after_step)
+        self._finish(log)
+        return log
+
+
+class Finetuner(_Trainer):
+    """Fine-tuning over epochs with an evaluation after each.
+
+    Hooks: ``train_valid_test_datasets_provider()`` returning ``(train, valid, test, collate_fn)``,
+    ``model_optimizer_lr_scheduler_provider()``, ``run_forward_step(batch, model)`` and
+    ``run_compute_metrics(model, eval_dataloader)`` (``model`` is a list of model chunks, as in Rapidformer).
+    """
+
+    HOOKS = ("train_valid_test_datasets_provider", "model_optimizer_lr_scheduler_provider", "run_forward_step",
+             "run_compute_metrics")
+
+    @_hook
+    def run_compute_metrics(self, model, eval_dataloader):
+        raise MissingHook("run_compute_metrics")
+
+    def train(self) -> TrainingLog:
+        self.check_hooks()
+        args = self.args
+        train_ds, valid_ds, _, collate_fn = self.train_valid_test_datasets_provider()
+        train_loader = self.build_data_loader(train_ds, collate_fn=collate_fn)
+        eval_loader = self.build_data_loader(valid_ds, collate_fn=collate_fn, shuffle=False) if valid_ds else None
+        steps_per_epoch = max(1, len(train_loader) // args.num_microbatches)
+        epochs = args.epochs or math.ceil((args.train_iters or steps_per_epoch) / steps_per_epoch)
+        train_iters = args.train_iters or epochs * steps_per_epoch
+        self._compose(train_iters)
+        log = self._log(train_iters)
+        self.metrics: list[dict] = []
+        forward = lambda it, model: self.run_forward_step(next(it), model)  # noqa: E731
+        for epoch in range(epochs):
+            train_loader.set_epoch(epoch)
+            batches = iter(train_loader)
+            self._run(forward, batches, min(train_iters, self.iteration + steps_per_epoch), log)
+            if eval_loader is not None:
+                for chunk in self._chunks():
+                    chunk.eval()
+                values = self.run_compute_metrics(self._chunks(), eval_loader)
+                self.metrics.append(values)
+                log.metrics(epoch, values)
+            if self.iteration >= train_iters:
+                break
+        self._finish(log)
+        return log
+
+
+PreTrainer = Pretrainer

@@ -1,0 +1,77 @@
+"""The Pretrainer on megatron-core GPT: gradient accumulation equals one big batch, the distributed optimizer
+shards its state, and a checkpoint saved at one TP/PP resumes at another with the losses of an unbroken run."""
+
+import os
+
+import pytest
+from seed_scripts.assets import rapidformer_assets
+
+from megatron_patch.testing import run_on_ranks
+
+
+def _gpt_flags(assets, *extra):
+    return [
+        "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+        "--max-position-embeddings", "32", "--hidden-dropout", "0", "--attention-dropout", "0",
+        "--make-vocab-size-divisible-by", "512",  # same padding at TP 1 and 2
+        "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", assets.gpt_options["vocab_file"],
+        "--merge-file", assets.gpt_options["merge_file"], "--data-path", assets.gpt_prefix, "--split", "98,2,0",
+        "--lr", "3e-3", "--lr-decay-style", "constant", "--log-interval", "1", "--seed", "5", *extra,
+    ]
+
+
+def train_gpt(rank, world_size, argv, tracker_iteration=None):
+    from megatron_patch.training.engine import Engine
+    from megatron_patch.training.tasks import MegatronGPTPretrainer
+
+    load = argv[argv.index("--load") + 1] if "--load" in argv else None
+    if tracker_iteration is not None and rank == 0:  # resume from an earlier checkpoint than the last one
+        with open(os.path.join(load, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(tracker_iteration))
+    trainer = MegatronGPTPretrainer(engine=Engine(argv))
+    log = trainer.train()
+    inner = trainer.optimizer.optimizer
+    state = sum(t.numel() for s in inner.state.values() for t in s.values() if hasattr(t, "numel") and t.dim())
+    return {"losses": [loss for _, loss in log.train_losses], "optimizer_state": state,
+            "grad_norm_log": log.skipped}
+
+
+def _last_stage(results):
+    return next(r for r in results if r["losses"])
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    return rapidformer_assets(tmp_path_factory)
+
+
+def test_gradient_accumulation_matches_one_big_batch_and_zero1_shards_state(assets):
+    steps = ["--train-iters", "3"]
+    [big] = run_on_ranks(train_gpt, 1, args=(_gpt_flags(assets, *steps, "--micro-batch-size", "8",
+                                                           "--global-batch-size", "8"),))
+    accumulated = run_on_ranks(train_gpt, 2, args=(_gpt_flags(
+        assets, *steps, "--micro-batch-size", "2", "--global-batch-size", "8", "--zero-1-memory-optimization"),))
+    plain = run_on_ranks(train_gpt, 2, args=(_gpt_flags(
+        assets, *steps, "--micro-batch-size", "2", "--global-batch-size", "8"),))
+    assert big["losses"][-1] < big["losses"][0]
+    # Four microbatches of 2 on each of 2 data-parallel ranks make the same updates as one batch of 8.
+    for losses in (accumulated[0]["losses"], plain[0]["losses"]):
+        assert losses == pytest.approx(big["losses"], rel=2e-5)
+    # The distributed optimizer keeps half of Adam's state per rank at DP=2.
+    assert accumulated[0]["optimizer_state"] == pytest.approx(plain[0]["optimizer_state"] / 2, rel=0.01)
+
+
+def test_resume_at_another_layout_matches_unbroken_run(assets, tmp_path):
+    save = str(tmp_path / "ckpt")
+    common = ["--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "6",
+              "--use-distributed-optimizer"]
+    unbroken = run_on_ranks(train_gpt, 2, args=(_gpt_flags(
+        assets, *common, "--tensor-model-parallel-size", "2", "--save", save, "--save-interval", "3"),))
+    resumed = run_on_ranks(train_gpt, 2, args=(_gpt_flags(
+        assets, *common, "--pipeline-model-parallel-size", "2", "--load", save), 3))
+    full, tail = _last_stage(unbroken)["losses"], _last_stage(resumed)["losses"]
+    assert len(full) == 6 and len(tail) == 3
+    assert full[-1] < full[0]
+    assert tail == pytest.approx(full[3:], rel=1e-4)
+    assert os.path.isfile(os.path.join(save, "latest_checkpointed_iteration.txt"))
+    assert os.path.isfile(os.path.join(save, "loss_curves.png"))
