@@ -1,0 +1,11 @@
+"""Hugging Face <-> Megatron checkpoint conversion that verifies itself.
+
+Example::
+
+    megatron-patch convert hf-to-megatron --hf-dir llama-hf --save-dir llama-mcore
+    megatron-patch convert verify --hf-dir llama-hf --megatron-dir llama-mcore --tensor-model-parallel-size 2
+    megatron-patch convert megatron-to-hf --load-dir llama-mcore --save-dir llama-hf-again
+
+``families`` holds the mapping tables (registry by ``model_type``), ``transforms`` the named layout transforms,
+``hf_io``/``mcore_io`` the file formats, ``core`` the conversions, ``verify`` the numerical check.
+"""

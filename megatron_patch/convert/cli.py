@@ -1,0 +1,132 @@
+"""``megatron-patch convert``: hf-to-megatron, megatron-to-hf and verify.
+
+Example::
+
+    megatron-patch convert hf-to-megatron --hf-dir qwen2-hf --save-dir qwen2-mcore
+    megatron-patch convert hf-to-megatron --hf-dir qwen2-hf --save-dir qwen2-legacy --ckpt-format torch \\
+        --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
+    megatron-patch convert megatron-to-hf --load-dir qwen2-mcore --save-dir qwen2-hf-again
+    megatron-patch convert verify --hf-dir qwen2-hf --megatron-dir qwen2-mcore --tensor-model-parallel-size 2
+
+``verify`` with more than one rank relaunches itself under torchrun (one process per rank); exit status 1 when
+the outputs differ beyond the threshold. ``hf-to-megatron`` verifies at the target layout unless --no-verify.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megatron-patch convert", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    to_mcore = commands.add_parser("hf-to-megatron", help="Hugging Face directory -> Megatron checkpoint")
+    to_mcore.add_argument("--hf-dir", required=True)
+    to_mcore.add_argument("--save-dir", required=True)
+    to_mcore.add_argument("--ckpt-format", choices=["torch_dist", "torch"], default="torch_dist",
+                          help="torch_dist (megatron-core, loads at any TP/PP) or torch (Megatron-LM per-rank files)")
+    to_mcore.add_argument("--target-tensor-parallel-size", type=int, default=1,
+                          help="TP of the torch format's files; for torch_dist it only sets the vocabulary padding")
+    to_mcore.add_argument("--target-pipeline-parallel-size", type=int, default=1)
+    to_mcore.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    to_mcore.add_argument("--no-verify", action="store_true", help="skip the numerical check against transformers")
+    to_mcore.add_argument("--overwrite", action="store_true")
+
+    to_hf = commands.add_parser("megatron-to-hf", help="Megatron checkpoint (either format) -> Hugging Face")
+    to_hf.add_argument("--load-dir", required=True)
+    to_hf.add_argument("--save-dir", required=True)
+    to_hf.add_argument("--model-type", default=None,
+                       help="Hugging Face model_type, for checkpoints that record no Hugging Face config")
+    to_hf.add_argument("--tokenizer-dir", default=None, help="tokenizer files to include (default: the recorded)")
+    to_hf.add_argument("--max-shard-size-gb", type=float, default=5.0)
+    to_hf.add_argument("--overwrite", action="store_true")
+
+    verify = commands.add_parser("verify", help="compare a Megatron checkpoint with its Hugging Face model")
+    verify.add_argument("--hf-dir", required=True)
+    verify.add_argument("--megatron-dir", required=True)
+    verify.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    verify.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    verify.add_argument("--text", default=None, help="input text (tokenised with --hf-dir's tokenizer); "
+                                                     "random token ids by default")
+    verify.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    for sub in (to_mcore, to_hf):
+        sub.add_argument("--no-progress", action="store_true")
+    return parser
+
+
+def _verify_here(args) -> int:
+    """Run the comparison on this process's rank (all ranks of a torchrun world call it)."""
+    from megatron_patch.convert.verify import verify_on_rank
+
+    results = verify_on_rank(args.hf_dir, args.megatron_dir, args.tensor_model_parallel_size,
+                             args.pipeline_model_parallel_size, text=args.text, dtype=args.dtype)
+    failed = torch.zeros(1)
+    if results is not None:
+        for comparison in results:
+            print(comparison.line(), flush=True)
+        failed += not all(c.passed for c in results)
+    torch.distributed.all_reduce(failed)  # every rank exits with the verdict
+    return int(failed.item() > 0)
+
+
+def verify(args) -> int:
+    world = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    if world > 1 and "WORLD_SIZE" not in os.environ:
+        from megatron_patch.cli import launch
+
+        forwarded = ["verify", "--hf-dir", args.hf_dir, "--megatron-dir", args.megatron_dir,
+                     "--tensor-model-parallel-size", str(args.tensor_model_parallel_size),
+                     "--pipeline-model-parallel-size", str(args.pipeline_model_parallel_size),
+                     "--dtype", args.dtype, *(["--text", args.text] if args.text is not None else [])]
+        return launch("megatron_patch.convert.cli", world, forwarded)
+    return _verify_here(args)
+
+
+def hf_to_megatron(args) -> int:
+    from megatron_patch.convert.core import hf_to_megatron as convert
+
+    convert(args.hf_dir, args.save_dir, ckpt_format=args.ckpt_format,
+            target_tensor_parallel_size=args.target_tensor_parallel_size,
+            target_pipeline_parallel_size=args.target_pipeline_parallel_size,
+            make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, overwrite=args.overwrite,
+            progress=not args.no_progress)
+    print(f"wrote {args.ckpt_format} checkpoint to {args.save_dir}", flush=True)
+    if args.no_verify:
+        return 0
+    # Verify at the layout the files were written for (torch) or the one asked for (torch_dist).
+    verify_args = argparse.Namespace(
+        hf_dir=args.hf_dir, megatron_dir=args.save_dir, text=None, dtype="float32",
+        tensor_model_parallel_size=args.target_tensor_parallel_size,
+        pipeline_model_parallel_size=args.target_pipeline_parallel_size,
+    )
+    return verify(verify_args)
+
+
+def megatron_to_hf(args) -> int:
+    from megatron_patch.convert.core import megatron_to_hf as export
+
+    export(args.load_dir, args.save_dir, model_type=args.model_type, tokenizer_dir=args.tokenizer_dir,
+           max_shard_bytes=int(args.max_shard_size_gb * (1 << 30)), overwrite=args.overwrite,
+           progress=not args.no_progress)
+    print(f"wrote Hugging Face model to {args.save_dir}", flush=True)
+    return 0
+
+
+_COMMANDS = {"hf-to-megatron": hf_to_megatron, "megatron-to-hf": megatron_to_hf, "verify": verify}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from megatron_patch import compat
+
+    compat.apply()
+    args = _parser().parse_args(argv)
+    return _COMMANDS[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,273 @@
+"""Hugging Face <-> Megatron conversion: check everything first, then stream tensor by tensor.
+
+Example::
+
+    from megatron_patch.convert.core import hf_to_megatron, megatron_to_hf
+    info = hf_to_megatron("llama-hf", "llama-mcore")                       # torch_dist, loads at any TP/PP
+    hf_to_megatron("llama-hf", "llama-legacy", ckpt_format="torch", target_tensor_parallel_size=2)
+    megatron_to_hf("llama-mcore", "llama-hf-again")                        # from either format
+
+Before any data is read, the names and shapes in the Hugging Face files are checked against what config.json
+implies (missing, extra, mis-shaped tensors are errors naming the tensor and both shapes). Output goes to a
+``<dir>.partial-<pid>`` sibling that is renamed into place only when everything is written, so a failed run
+leaves nothing under the final name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+import shutil
+import sys
+
+import torch
+
+from megatron_patch.convert.families import Family, Rule, Table, UnsupportedCheckpoint, architecture_of, family_for
+from megatron_patch.convert.hf_io import HFReader, ShardedSafetensorsWriter, copy_tokenizer_files, read_hf_config
+from megatron_patch.convert.mcore_io import (
+    TOKENIZER_DIR, CheckpointInfo, build_reference_model, full_state_dict, load_into_reference_model, read_info,
+    save_legacy, stream_dist, write_info,
+)
+from megatron_patch.convert.transforms import Shapes, apply_to_hf, apply_to_mcore
+from megatron_patch.model.builder import padded_vocab_size
+from megatron_patch.model.config import ModelConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ConversionError(ValueError):
+    """The input cannot be converted exactly; the message names the tensors and shapes involved."""
+
+
+def shapes_of(model_config: ModelConfig, padded_vocab: int) -> Shapes:
+    return Shapes(model_config.num_attention_heads, model_config.query_groups, model_config.head_dim,
+                  model_config.vocab_size, padded_vocab)
+
+
+@contextlib.contextmanager
+def atomic_directory(final_dir: str, overwrite: bool = False):
+    """Yield a temporary sibling of ``final_dir``; rename it to ``final_dir`` only if the block succeeds."""
+    final_dir = os.path.abspath(final_dir)
+    if os.path.exists(final_dir) and os.listdir(final_dir) and not overwrite:
+        raise FileExistsError(f"{final_dir} exists and is not empty; choose another directory or pass --overwrite")
+    tmp = f"{final_dir}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if os.path.exists(final_dir):
+        old = f"{final_dir}.old-{os.getpid()}"
+        os.replace(final_dir, old)
+        os.replace(tmp, final_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final_dir)
+
+
+class _Progress:
+    """Tensors and bytes done, on one tqdm bar (stderr)."""
+
+    def __init__(self, desc: str, total_bytes: int, total_tensors: int, enabled: bool):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc=desc, disable=not enabled,
+                        file=sys.stderr, dynamic_ncols=True)
+        self.total_tensors, self.tensors = total_tensors, 0
+
+    def update(self, nbytes: int) -> None:
+        self.tensors += 1
+        self.bar.set_postfix_str(f"{self.tensors}/{self.total_tensors} tensors", refresh=False)
+        self.bar.update(nbytes)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _check_hf_names(reader: HFReader, rules: list[Rule], ignored: tuple[str, ...], hf_dir: str) -> None:
+    wanted = {name for r in rules for name in r.hf}
+    present = set(reader.names())
+    missing = sorted(wanted - present)
+    extra = sorted(n for n in present - wanted if not any(re.fullmatch(p, n) for p in ignored))
+    problems = [f"missing tensor {n} (expected shape from config.json)" for n in missing]
+    problems += [f"unexpected tensor {n} {tuple(reader.shape(n))} (not part of this architecture)" for n in extra]
+    if problems:
+        raise ConversionError(f"{hf_dir} does not match its config.json:\n  " + "\n  ".join(problems))
+
+
+def _check_hf_shapes(reader: HFReader, rules: list[Rule], target: dict, shapes: Shapes) -> None:
+    problems = []
+    for r in rules:
+        expected = apply_to_hf(r.transforms, torch.empty(target[r.mcore].shape, device="meta"), shapes)
+        for name, tensor in zip(r.hf, expected):
+            if tuple(reader.shape(name)) != tuple(tensor.shape):
+                problems.append(f"tensor {name}: checkpoint has shape {tuple(reader.shape(name))}, config.json "
+                                f"implies {tuple(tensor.shape)}")
+    if problems:
+        raise ConversionError("shape mismatch:\n  " + "\n  ".join(problems))
+
+
+def _check_coverage(rules: list[Rule], table: Table, target: dict) -> list[str]:
+    """The megatron tensors the table cannot fill (allowed only for reported missing heads)."""
+    produced = {r.mcore for r in rules}
+    unknown = sorted(produced - set(target))
+    if unknown:
+        raise ConversionError(f"the mapping table names megatron tensors the model does not have: {unknown}")
+    uncovered = sorted(set(target) - produced)
+    unexplained = [n for n in uncovered if not n.startswith(table.missing_mcore_prefixes)]
+    if unexplained:
+        raise ConversionError(f"the mapping table leaves megatron tensors unfilled: {unexplained}")
+    return uncovered
+
+
+@dataclasses.dataclass
+class _Source:
+    hf_config: dict
+    family: Family
+    architecture: str
+    model_config: ModelConfig
+    table: Table
+
+
+def _source(hf_config: dict, make_vocab_size_divisible_by: int) -> _Source:
+    family = family_for(hf_config)
+    architecture = architecture_of(hf_config, family)
+    model_config = dataclasses.replace(
+        family.config_from_hf(hf_config), make_vocab_size_divisible_by=make_vocab_size_divisible_by
+    )
+    return _Source(hf_config, family, architecture, model_config, family.table(model_config, architecture))
+
+
+def _checkpoint_dtype(reader: HFReader, rules: list[Rule]) -> str:
+    dtypes = {reader.dtype(name) for r in rules for name in r.hf}
+    names = [k for k, v in _DTYPES.items() if v in dtypes]
+    if len(dtypes) != 1 or not names:
+        raise UnsupportedCheckpoint(f"the checkpoint's tensors have dtypes {sorted(map(str, dtypes))}; conversion "
+                                    "needs one of float32, bfloat16, float16 throughout")
+    return names[0]
+
+
+def hf_to_megatron(
+    hf_dir: str,
+    save_dir: str,
+    ckpt_format: str = "torch_dist",
+    target_tensor_parallel_size: int = 1,
+    target_pipeline_parallel_size: int = 1,
+    make_vocab_size_divisible_by: int = 128,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> CheckpointInfo:
+    """Convert a Hugging Face directory into a Megatron checkpoint directory; return what was recorded.
+
+    ``torch_dist`` loads at any TP/PP (the vocabulary is padded for ``target_tensor_parallel_size``; any TP that
+    divides ``make_vocab_size_divisible_by x target TP`` works); ``torch`` writes Megatron-LM's per-rank files
+    for exactly the target TP x PP. ``torch_dist`` is streamed: each tensor is read, transformed and written
+    before the next, so memory holds one tensor group (plus the libraries), not the model.
+    """
+    src = _source(read_hf_config(hf_dir), make_vocab_size_divisible_by)
+    m = src.model_config
+    padded = padded_vocab_size(m.vocab_size, make_vocab_size_divisible_by, target_tensor_parallel_size)
+    rules = src.table.expanded(m.num_layers)
+    reader = HFReader(hf_dir)
+    _check_hf_names(reader, rules, src.table.ignored_hf, hf_dir)
+    dtype = _checkpoint_dtype(reader, rules)
+    info = CheckpointInfo(
+        format=ckpt_format, model_config=m, padded_vocab_size=padded, dtype=dtype,
+        tensor_model_parallel_size=target_tensor_parallel_size if ckpt_format == "torch" else 1,
+        pipeline_model_parallel_size=target_pipeline_parallel_size if ckpt_format == "torch" else 1,
+        hf_config=src.hf_config, hf_architecture=src.architecture,
+    )
+    with atomic_directory(save_dir, overwrite) as tmp:
+        # Heads the checkpoint lacks keep megatron-core's own initialisation, so only then is it run; torch_dist
+        # otherwise needs no memory for the model (stream_dist), the legacy files need it filled.
+        initialise, stream = bool(src.table.missing_mcore_prefixes), ckpt_format == "torch_dist"
+        model = build_reference_model(m, padded, _DTYPES[dtype], allocate_only=not (initialise or stream),
+                                      meta=stream and not initialise)
+        target = full_state_dict(model)
+        info.initialized_tensors = _check_coverage(rules, src.table, target)
+        if info.initialized_tensors:
+            print(f"WARNING: {src.architecture} has no {', '.join(src.table.missing_mcore_prefixes)} weights; "
+                  f"megatron's {info.initialized_tensors} are randomly initialised (recorded in the checkpoint "
+                  "and left out of exports)", file=sys.stderr)
+        shapes = shapes_of(m, padded)
+        _check_hf_shapes(reader, rules, target, shapes)
+        bar = _Progress("hf-to-megatron", sum(reader.nbytes(n) for r in rules for n in r.hf), len(rules), progress)
+        by_name = {r.mcore: r for r in rules}
+
+        def produce(name: str) -> torch.Tensor:
+            """The full megatron tensor ``name``, read and transformed from its Hugging Face tensors."""
+            if name not in by_name:
+                return target[name]  # an initialised head
+            r = by_name[name]
+            [tensor] = apply_to_mcore(r.transforms, [reader.get(n) for n in r.hf], shapes)
+            bar.update(sum(reader.nbytes(n) for n in r.hf))
+            return tensor
+
+        weights = os.path.join(tmp, "release")
+        if stream:
+            stream_dist(model, weights, produce)
+        else:
+            with torch.no_grad():
+                for name, tensor in target.items():
+                    tensor.copy_(produce(name))
+            save_legacy(model, weights, info)
+        bar.close()
+        info.tokenizer_files = copy_tokenizer_files(hf_dir, os.path.join(tmp, TOKENIZER_DIR))
+        write_info(tmp, info)
+    return info
+
+
+def megatron_to_hf(
+    load_dir: str,
+    save_dir: str,
+    model_type: str | None = None,
+    tokenizer_dir: str | None = None,
+    max_shard_bytes: int = 5 << 30,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> str:
+    """Export a Megatron checkpoint (either format, any TP/PP) to a Hugging Face directory; return its path.
+
+    ``model_type`` is needed only for checkpoints without a recorded Hugging Face config (trained from scratch).
+    """
+    info = read_info(load_dir)
+    hf_config = dict(info.hf_config or {})
+    if model_type:
+        hf_config["model_type"] = model_type
+    if "model_type" not in hf_config:
+        raise UnsupportedCheckpoint(f"{load_dir} records no Hugging Face config; pass --model-type")
+    family = family_for(hf_config)
+    architecture = info.hf_architecture or family.architectures[0]
+    m = info.model_config
+    model = build_reference_model(m, info.padded_vocab_size, _DTYPES[info.dtype], allocate_only=True)
+    load_into_reference_model(model, load_dir, info)
+    state = full_state_dict(model)
+    rules = family.table(m, architecture).expanded(m.num_layers)
+    _check_coverage(rules, family.table(m, architecture), state)
+    shapes = shapes_of(m, info.padded_vocab_size)
+    with atomic_directory(save_dir, overwrite) as tmp:
+        bar = _Progress("megatron-to-hf", sum(state[r.mcore].nbytes for r in rules), len(rules), progress)
+        with ShardedSafetensorsWriter(tmp, max_shard_bytes) as writer:
+            for r in rules:
+                for name, tensor in zip(r.hf, apply_to_hf(r.transforms, state[r.mcore], shapes)):
+                    writer.add(name, tensor)
+                bar.update(state[r.mcore].nbytes)
+        bar.close()
+        _write_hf_config(tmp, family, architecture, m, hf_config, info.dtype)
+        copy_tokenizer_files(tokenizer_dir or os.path.join(load_dir, TOKENIZER_DIR), tmp)
+    return save_dir
+
+
+def _write_hf_config(out_dir: str, family: Family, architecture: str, m: ModelConfig, recorded: dict,
+                     dtype: str) -> None:
+    """config.json: the recorded Hugging Face config, with every field the model defines taken from the
+    Megatron model config (which training may have changed), completed by transformers' defaults."""
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in recorded.items() if k not in ("model_type", "transformers_version")}
+    fields.update(family.config_to_hf(m), architectures=[architecture], dtype=dtype)
+    AutoConfig.for_model(family.model_type, **fields).save_pretrained(out_dir)

@@ -1,0 +1,372 @@
+"""Conversion as data: per Hugging Face ``model_type``, how its config and its tensors map onto megatron-core.
+
+Example::
+
+    from megatron_patch.convert.families import family_for
+    family = family_for({"model_type": "llama", ...})        # the registry, keyed by config.json's model_type
+    model_config = family.config_from_hf(hf_config)
+    table = family.table(model_config, "LlamaForCausalLM")
+    table.rules[3]   # Rule(hf=('model.layers.{}.self_attn.q_proj.weight', ...), mcore='decoder.layers.{}...')
+
+A rule names the Hugging Face tensor(s), the megatron-core tensor (names of a TP=1, PP=1 model's
+``state_dict()``; ``{}`` is the layer index) and the transforms between them (``transforms.TRANSFORMS``).
+GPT-2, LLaMA and Qwen2 differ only in their tables and config fields; nothing here branches on a model's name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from megatron_patch.model.config import ModelConfig
+
+
+class UnsupportedCheckpoint(ValueError):
+    """The input is not something this converter can translate exactly (model type, architecture, option)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """Hugging Face tensor name(s) <-> one megatron-core tensor name, through named transforms."""
+
+    hf: tuple[str, ...]
+    mcore: str
+    transforms: tuple[str, ...] = ()
+
+    def expand(self, num_layers: int) -> list["Rule"]:
+        """One rule per layer when the names carry ``{}``; the rule itself otherwise."""
+        if "{}" not in self.mcore:
+            return [self]
+        return [Rule(tuple(n.format(i) for n in self.hf), self.mcore.format(i), self.transforms)
+                for i in range(num_layers)]
+
+
+def rule(hf: str | tuple[str, ...], mcore: str, *transforms: str) -> Rule:
+    return Rule(hf if isinstance(hf, tuple) else (hf,), mcore, transforms)
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+    """The rules of one Hugging Face architecture, what its files may hold besides them, and the megatron
+    tensors it cannot provide (heads an encoder-only checkpoint does not have: initialised and reported)."""
+
+    rules: tuple[Rule, ...]
+    ignored_hf: tuple[str, ...] = ()
+    missing_mcore_prefixes: tuple[str, ...] = ()
+
+    def expanded(self, num_layers: int) -> list[Rule]:
+        return [r for template in self.rules for r in template.expand(num_layers)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """Everything model-type specific about a conversion."""
+
+    model_type: str
+    config_from_hf: Callable[[dict], ModelConfig]
+    config_to_hf: Callable[[ModelConfig], dict]
+    table: Callable[[ModelConfig, str], Table]
+    architectures: tuple[str, ...]
+
+
+FAMILIES: dict[str, Family] = {}
+
+
+def register_family(family: Family) -> Family:
+    if family.model_type in FAMILIES:
+        raise ValueError(f"a converter for model_type {family.model_type!r} is already registered")
+    FAMILIES[family.model_type] = family
+    return family
+
+
+def family_for(hf_config: dict) -> Family:
+    """The converter registered for ``hf_config["model_type"]``, or an error listing the supported ones."""
+    model_type = hf_config.get("model_type")
+    if model_type not in FAMILIES:
+        raise UnsupportedCheckpoint(
+            f"config.json has model_type {model_type!r}; supported model types are {sorted(FAMILIES)}"
+        )
+    return FAMILIES[model_type]
+
+
+def architecture_of(hf_config: dict, family: Family) -> str:
+    """The Hugging Face class the checkpoint was saved from (``architectures[0]``), checked against the family."""
+    architectures = hf_config.get("architectures") or [family.architectures[0]]
+    if architectures[0] not in family.architectures:
+        raise UnsupportedCheckpoint(
+            f"config.json architecture {architectures[0]!r} is not supported for model_type "
+            f"{family.model_type!r}; supported: {list(family.architectures)}"
+        )
+    return architectures[0]
+
+
+def _require(hf_config: dict, key: str, allowed, default=None) -> None:
+    value = hf_config.get(key, default)
+    if value not in allowed:
+        raise UnsupportedCheckpoint(
+            f"config.json has {key}={value!r}; the {hf_config.get('model_type')} converter supports {list(allowed)}"
+        )
+
+
+def _rotary_base(hf_config: dict) -> int:
+    """RoPE theta from transformers 5's ``rope_parameters`` or the older top-level ``rope_theta``."""
+    params = hf_config.get("rope_parameters") or {}
+    rope_type = params.get("rope_type", (hf_config.get("rope_scaling") or {}).get("rope_type", "default"))
+    if rope_type != "default":
+        raise UnsupportedCheckpoint(
+            f"config.json asks for RoPE scaling {rope_type!r}; only unscaled RoPE ('default') converts exactly"
+        )
+    theta = params.get("rope_theta", hf_config.get("rope_theta", 10000.0))
+    if theta != int(theta):
+        raise UnsupportedCheckpoint(f"rope_theta {theta} is not an integer, which --rotary-base requires")
+    return int(theta)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# GPT-2
+# ----------------------------------------------------------------------------------------------------------
+
+# Activation names: Hugging Face's ACT2FN key <-> ModelConfig.activation.
+_GELU_FROM_HF = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+_GELU_TO_HF = {"gelu_tanh": "gelu_new", "gelu": "gelu"}
+
+
+def _gpt2_config(c: dict) -> ModelConfig:
+    _require(c, "activation_function", _GELU_FROM_HF, "gelu_new")
+    for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
+        _require(c, flag, [False], False)
+    _require(c, "scale_attn_weights", [True], True)
+    return ModelConfig(
+        family="gpt", num_layers=c["n_layer"], hidden_size=c["n_embd"], num_attention_heads=c["n_head"],
+        ffn_hidden_size=c.get("n_inner") or 4 * c["n_embd"], seq_length=c["n_positions"],
+        max_position_embeddings=c["n_positions"], activation=_GELU_FROM_HF[c.get("activation_function", "gelu_new")],
+        layernorm_epsilon=c.get("layer_norm_epsilon", 1e-5), vocab_size=c["vocab_size"],
+        hidden_dropout=c.get("resid_pdrop", 0.1), attention_dropout=c.get("attn_pdrop", 0.1),
+        untie_embeddings_and_output_weights=not c.get("tie_word_embeddings", True),
+    )
+
+
+def _gpt2_hf(m: ModelConfig) -> dict:
+    return dict(
+        n_layer=m.num_layers, n_embd=m.hidden_size, n_head=m.num_attention_heads, n_inner=m.ffn_size,
+        n_positions=m.max_positions, activation_function=_GELU_TO_HF[m.activation],
+        layer_norm_epsilon=m.layernorm_epsilon, vocab_size=m.vocab_size, resid_pdrop=m.hidden_dropout,
+        embd_pdrop=m.hidden_dropout, attn_pdrop=m.attention_dropout,
+        tie_word_embeddings=not m.untie_embeddings_and_output_weights,
+    )
+
+
+_GPT2_LAYER = "transformer.h.{}."
+_GPT2_RULES = (
+    rule("transformer.wte.weight", "embedding.word_embeddings.weight", "pad_vocab"),
+    rule("transformer.wpe.weight", "embedding.position_embeddings.weight"),
+    rule(_GPT2_LAYER + "ln_1.weight", "decoder.layers.{}.input_layernorm.weight"),
+    rule(_GPT2_LAYER + "ln_1.bias", "decoder.layers.{}.input_layernorm.bias"),
+    rule(_GPT2_LAYER + "attn.c_attn.weight", "decoder.layers.{}.self_attention.linear_qkv.weight",
+         "transpose", "fuse_stacked_qkv"),
+    rule(_GPT2_LAYER + "attn.c_attn.bias", "decoder.layers.{}.self_attention.linear_qkv.bias", "fuse_stacked_qkv"),
+    rule(_GPT2_LAYER + "attn.c_proj.weight", "decoder.layers.{}.self_attention.linear_proj.weight", "transpose"),
+    rule(_GPT2_LAYER + "attn.c_proj.bias", "decoder.layers.{}.self_attention.linear_proj.bias"),
+    rule(_GPT2_LAYER + "ln_2.weight", "decoder.layers.{}.pre_mlp_layernorm.weight"),
+    rule(_GPT2_LAYER + "ln_2.bias", "decoder.layers.{}.pre_mlp_layernorm.bias"),
+    rule(_GPT2_LAYER + "mlp.c_fc.weight", "decoder.layers.{}.mlp.linear_fc1.weight", "transpose"),
+    rule(_GPT2_LAYER + "mlp.c_fc.bias", "decoder.layers.{}.mlp.linear_fc1.bias"),
+    rule(_GPT2_LAYER + "mlp.c_proj.weight", "decoder.layers.{}.mlp.linear_fc2.weight", "transpose"),
+    rule(_GPT2_LAYER + "mlp.c_proj.bias", "decoder.layers.{}.mlp.linear_fc2.bias"),
+    rule("transformer.ln_f.weight", "decoder.final_layernorm.weight"),
+    rule("transformer.ln_f.bias", "decoder.final_layernorm.bias"),
+)
+_LM_HEAD = rule("lm_head.weight", "output_layer.weight", "pad_vocab")
+
+
+def _output_layer(m: ModelConfig) -> tuple[tuple[Rule, ...], tuple[str, ...]]:
+    """An untied model has its own output matrix; a tied one may still carry a copy (which HF ignores too)."""
+    return ((_LM_HEAD,), ()) if m.untie_embeddings_and_output_weights else ((), ("lm_head.weight",))
+
+
+def _gpt2_table(m: ModelConfig, architecture: str) -> Table:
+    head, ignored = _output_layer(m)
+    # Older GPT-2 files carry the causal-mask buffers as tensors.
+    return Table(_GPT2_RULES + head, ignored_hf=ignored + (r"transformer\.h\.\d+\.attn\.(masked_)?bias",))
+
+
+register_family(Family("gpt2", _gpt2_config, _gpt2_hf, _gpt2_table, ("GPT2LMHeadModel",)))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# LLaMA and Qwen2: one table, Qwen2 adds q/k/v biases
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _llama_config(c: dict, **fields) -> ModelConfig:
+    _require(c, "hidden_act", ["silu"], "silu")
+    heads = c["num_attention_heads"]
+    return ModelConfig(
+        family="gpt", num_layers=c["num_hidden_layers"], hidden_size=c["hidden_size"],
+        ffn_hidden_size=c["intermediate_size"], num_attention_heads=heads,
+        num_query_groups=c.get("num_key_value_heads") or heads,
+        kv_channels=c.get("head_dim") or c["hidden_size"] // heads,
+        seq_length=c["max_position_embeddings"], max_position_embeddings=c["max_position_embeddings"],
+        position_embedding_type="rope", rotary_base=_rotary_base(c),
+        rotary_percent=(c.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0),
+        normalization="RMSNorm", layernorm_epsilon=c.get("rms_norm_eps", 1e-6), activation="swiglu",
+        add_bias_linear=False, vocab_size=c["vocab_size"],
+        untie_embeddings_and_output_weights=not c.get("tie_word_embeddings", False),
+        hidden_dropout=0.0, attention_dropout=c.get("attention_dropout", 0.0), **fields,
+    )
+
+
+def _llama_from_hf(c: dict) -> ModelConfig:
+    # Megatron's add_bias_linear puts biases on the MLP too; LLaMA's attention_bias does not.
+    _require(c, "attention_bias", [False], False)
+    _require(c, "mlp_bias", [False], False)
+    return _llama_config(c)
+
+
+def _qwen2_from_hf(c: dict) -> ModelConfig:
+    _require(c, "use_sliding_window", [False], False)
+    return _llama_config(c, add_qkv_bias=True)
+
+
+def _llama_hf(m: ModelConfig) -> dict:
+    return dict(
+        num_hidden_layers=m.num_layers, hidden_size=m.hidden_size, intermediate_size=m.ffn_size,
+        num_attention_heads=m.num_attention_heads, num_key_value_heads=m.query_groups, head_dim=m.head_dim,
+        max_position_embeddings=m.max_positions, rms_norm_eps=m.layernorm_epsilon, hidden_act="silu",
+        rope_parameters={"rope_theta": float(m.rotary_base), "rope_type": "default",
+                         **({"partial_rotary_factor": m.rotary_percent} if m.rotary_percent != 1.0 else {})},
+        vocab_size=m.vocab_size, tie_word_embeddings=not m.untie_embeddings_and_output_weights,
+        attention_dropout=m.attention_dropout,
+    )
+
+
+_LLAMA_LAYER = "model.layers.{}."
+_LLAMA_RULES = (
+    rule("model.embed_tokens.weight", "embedding.word_embeddings.weight", "pad_vocab"),
+    rule(_LLAMA_LAYER + "input_layernorm.weight", "decoder.layers.{}.input_layernorm.weight"),
+    rule(tuple(_LLAMA_LAYER + f"self_attn.{p}_proj.weight" for p in "qkv"),
+         "decoder.layers.{}.self_attention.linear_qkv.weight", "fuse_qkv"),
+    rule(_LLAMA_LAYER + "self_attn.o_proj.weight", "decoder.layers.{}.self_attention.linear_proj.weight"),
+    rule(_LLAMA_LAYER + "post_attention_layernorm.weight", "decoder.layers.{}.pre_mlp_layernorm.weight"),
+    rule((_LLAMA_LAYER + "mlp.gate_proj.weight", _LLAMA_LAYER + "mlp.up_proj.weight"),
+         "decoder.layers.{}.mlp.linear_fc1.weight", "fuse_gate_up"),
+    rule(_LLAMA_LAYER + "mlp.down_proj.weight", "decoder.layers.{}.mlp.linear_fc2.weight"),
+    rule("model.norm.weight", "decoder.final_layernorm.weight"),
+)
+_QKV_BIAS = rule(tuple(_LLAMA_LAYER + f"self_attn.{p}_proj.bias" for p in "qkv"),
+                 "decoder.layers.{}.self_attention.linear_qkv.bias", "fuse_qkv")
+
+
+def _llama_table(m: ModelConfig, architecture: str) -> Table:
+    head, ignored = _output_layer(m)
+    qkv_bias = (_QKV_BIAS,) if m.add_qkv_bias else ()
+    return Table(_LLAMA_RULES + qkv_bias + head, ignored_hf=ignored + (r".*rotary_emb\.inv_freq",))
+
+
+register_family(Family("llama", _llama_from_hf, _llama_hf, _llama_table, ("LlamaForCausalLM",)))
+register_family(Family("qwen2", _qwen2_from_hf, _llama_hf, _llama_table, ("Qwen2ForCausalLM",)))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# BERT: post-LN (the original), three kinds of checkpoint
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _bert_config(c: dict) -> ModelConfig:
+    _require(c, "hidden_act", ["gelu"], "gelu")
+    _require(c, "position_embedding_type", ["absolute"], "absolute")
+    architecture = (c.get("architectures") or ["BertForPreTraining"])[0]
+    if architecture not in _BERT_KINDS:
+        raise UnsupportedCheckpoint(
+            f"config.json architecture {architecture!r} is not supported for model_type 'bert'; "
+            f"supported: {list(_BERT_KINDS)}"
+        )
+    return ModelConfig(
+        family="bert", num_layers=c["num_hidden_layers"], hidden_size=c["hidden_size"],
+        ffn_hidden_size=c["intermediate_size"], num_attention_heads=c["num_attention_heads"],
+        seq_length=c["max_position_embeddings"], max_position_embeddings=c["max_position_embeddings"],
+        layernorm_epsilon=c.get("layer_norm_eps", 1e-12), vocab_size=c["vocab_size"], activation="gelu",
+        num_tokentypes=c.get("type_vocab_size", 2), hidden_dropout=c.get("hidden_dropout_prob", 0.1),
+        attention_dropout=c.get("attention_probs_dropout_prob", 0.1), bert_layernorm_style="post",
+        # Megatron builds its pooler together with the binary head: keep both where the checkpoint has a pooler.
+        add_binary_head=_BERT_KINDS[architecture].pooler,
+        untie_embeddings_and_output_weights=not c.get("tie_word_embeddings", True),
+    )
+
+
+def _bert_hf(m: ModelConfig) -> dict:
+    return dict(
+        num_hidden_layers=m.num_layers, hidden_size=m.hidden_size, intermediate_size=m.ffn_size,
+        num_attention_heads=m.num_attention_heads, max_position_embeddings=m.max_positions,
+        layer_norm_eps=m.layernorm_epsilon, vocab_size=m.vocab_size, hidden_act="gelu",
+        type_vocab_size=m.num_tokentypes, hidden_dropout_prob=m.hidden_dropout,
+        attention_probs_dropout_prob=m.attention_dropout, tie_word_embeddings=not m.untie_embeddings_and_output_weights,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _BertKind:
+    prefix: str          # where the encoder's names start
+    pooler: bool
+    mlm_head: bool
+    binary_head: bool
+
+
+_BERT_KINDS = {
+    "BertForPreTraining": _BertKind("bert.", pooler=True, mlm_head=True, binary_head=True),
+    "BertForMaskedLM": _BertKind("bert.", pooler=False, mlm_head=True, binary_head=False),
+    "BertModel": _BertKind("", pooler=True, mlm_head=False, binary_head=False),
+}
+
+
+def _bert_encoder_rules(p: str) -> tuple[Rule, ...]:
+    layer = p + "encoder.layer.{}."
+    return (
+        rule(p + "embeddings.word_embeddings.weight", "embedding.word_embeddings.weight", "pad_vocab"),
+        rule(p + "embeddings.position_embeddings.weight", "embedding.position_embeddings.weight"),
+        rule(p + "embeddings.token_type_embeddings.weight", "embedding.tokentype_embeddings.weight"),
+        rule(p + "embeddings.LayerNorm.weight", "embedding.layer_norm.weight"),
+        rule(p + "embeddings.LayerNorm.bias", "embedding.layer_norm.bias"),
+        *(rule(tuple(layer + f"attention.self.{n}.{w}" for n in ("query", "key", "value")),
+               f"encoder.layers.{{}}.self_attention.linear_qkv.{w}", "fuse_qkv") for w in ("weight", "bias")),
+        *(rule(layer + hf + w, "encoder.layers.{}." + mc + w) for hf, mc in (
+            ("attention.output.dense.", "self_attention.linear_proj."),
+            ("attention.output.LayerNorm.", "post_attention_layernorm."),
+            ("intermediate.dense.", "mlp.linear_fc1."),
+            ("output.dense.", "mlp.linear_fc2."),
+            ("output.LayerNorm.", "post_mlp_layernorm."),
+        ) for w in ("weight", "bias")),
+    )
+
+
+def _pairs(hf: str, mcore: str) -> tuple[Rule, ...]:
+    return tuple(rule(hf + w, mcore + w) for w in ("weight", "bias"))
+
+
+def _bert_table(m: ModelConfig, architecture: str) -> Table:
+    kind = _BERT_KINDS[architecture]
+    rules = _bert_encoder_rules(kind.prefix)
+    missing = []
+    if kind.pooler:
+        rules += _pairs(kind.prefix + "pooler.dense.", "pooler.dense.")
+    if kind.mlm_head:
+        rules += (*_pairs("cls.predictions.transform.dense.", "lm_head.dense."),
+                  *_pairs("cls.predictions.transform.LayerNorm.", "lm_head.layer_norm."),
+                  rule("cls.predictions.bias", "output_layer.bias", "pad_vocab"))
+        if m.untie_embeddings_and_output_weights:
+            rules += (rule("cls.predictions.decoder.weight", "output_layer.weight", "pad_vocab"),)
+    else:
+        missing += ["lm_head.", "output_layer."]
+    if kind.binary_head:
+        rules += _pairs("cls.seq_relationship.", "binary_head.")
+    elif kind.pooler:
+        missing.append("binary_head.")
+    # decoder.bias is the same Parameter as predictions.bias, decoder.weight the tied word embeddings; older
+    # files also store the position_ids buffer.
+    ignored = (r"cls\.predictions\.decoder\.bias", r".*embeddings\.position_ids")
+    if not m.untie_embeddings_and_output_weights:
+        ignored += (r"cls\.predictions\.decoder\.weight",)
+    return Table(rules, ignored_hf=ignored, missing_mcore_prefixes=tuple(missing))
+
+
+register_family(Family("bert", _bert_config, _bert_hf, _bert_table, tuple(_BERT_KINDS)))

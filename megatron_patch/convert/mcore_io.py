@@ -1,0 +1,462 @@
+"""Megatron checkpoint directories: megatron-core ``torch_dist`` and Megatron-LM's legacy per-rank ``torch`` format.
+
+Example::
+
+    info = read_info("ckpt")                          # megatron_patch_args.json: the model, vocabulary, format
+    model = build_reference_model(info.model_config, info.padded_vocab_size)
+    load_into_reference_model(model, "ckpt", info)    # either format, any TP/PP it was written at
+    full = full_state_dict(model)                     # megatron-core names -> unsharded tensors
+
+Layout of a directory (Megatron-LM's, so its ``--load`` finds the weights)::
+
+    latest_checkpointed_iteration.txt                 "release"
+    megatron_patch_args.json                          ModelConfig, padded vocabulary, HF config, format
+    release/                                          torch_dist: metadata.json, *.distcp, common.pt
+    release/mp_rank_TT[_PPP]/model_optim_rng.pt       torch: one file per TP (x PP) rank, with ``args``
+    hf_tokenizer/                                     the tokenizer files given at conversion
+
+The ``torch_dist`` checkpoint is written from full (TP=1, PP=1) tensors under megatron-core's sharded keys, one
+tensor at a time (:func:`stream_dist`), so ``dist_checkpointing.load(model.sharded_state_dict(), dir)`` reshards
+it to any layout on load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+from typing import Callable
+
+import torch
+
+from megatron_patch.model.config import ModelConfig
+
+ARGS_FILE = "megatron_patch_args.json"
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+RELEASE = "release"
+TOKENIZER_DIR = "hf_tokenizer"
+FORMATS = ("torch_dist", "torch")
+_LAYER = re.compile(r"^((?:decoder|encoder)\.layers\.)(\d+)\.")
+
+
+class CheckpointMismatch(ValueError):
+    """A Megatron checkpoint does not hold what its model needs (architecture, tensor names or shapes)."""
+
+
+@dataclasses.dataclass
+class CheckpointInfo:
+    """What ``megatron_patch_args.json`` records next to the weights, so no model flag has to be repeated."""
+
+    format: str
+    model_config: ModelConfig
+    padded_vocab_size: int
+    dtype: str = "float32"
+    """The dtype of the stored weights (the Hugging Face checkpoint's)."""
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    hf_config: dict | None = None
+    hf_architecture: str | None = None
+    initialized_tensors: list[str] = dataclasses.field(default_factory=list)
+    """megatron tensors the Hugging Face checkpoint did not have (heads of an encoder-only BERT)."""
+    tokenizer_files: list[str] = dataclasses.field(default_factory=list)
+
+    def to_json(self) -> dict:
+        data = dataclasses.asdict(self)
+        data["model_config"] = dataclasses.asdict(self.model_config)
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict) -> "CheckpointInfo":
+        return cls(**{**data, "model_config": ModelConfig(**data["model_config"])})
+
+
+def write_info(megatron_dir: str, info: CheckpointInfo) -> None:
+    with open(os.path.join(megatron_dir, ARGS_FILE), "w") as f:
+        json.dump(info.to_json(), f, indent=2)
+    with open(os.path.join(megatron_dir, TRACKER_FILE), "w") as f:
+        f.write(RELEASE)
+
+
+def read_info(megatron_dir: str) -> CheckpointInfo:
+    path = os.path.join(megatron_dir, ARGS_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"{megatron_dir} has no {ARGS_FILE}; pass a directory written by `megatron-patch convert hf-to-megatron` "
+            "or by our trainer"
+        )
+    with open(path) as f:
+        return CheckpointInfo.from_json(json.load(f))
+
+
+def weights_dir(megatron_dir: str) -> str:
+    """The iteration directory the tracker file points at (``release`` or ``iter_0000100``)."""
+    with open(os.path.join(megatron_dir, TRACKER_FILE)) as f:
+        tag = f.read().strip()
+    return os.path.join(megatron_dir, RELEASE if tag == RELEASE else f"iter_{int(tag):07d}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The reference (TP=1, PP=1) model that full tensors live in
+# ----------------------------------------------------------------------------------------------------------
+
+
+def build_reference_model(model_config: ModelConfig, padded_vocab_size: int, dtype: torch.dtype = torch.float32,
+                          allocate_only: bool = False, meta: bool = False):
+    """megatron-core's model at TP=1, PP=1 in this process (a world of one rank).
+
+    ``allocate_only`` skips the random initialisation of a model whose every tensor is about to be overwritten
+    (it is built on the meta device, then given uninitialised memory): seconds saved per billion parameters.
+    ``meta`` leaves it on the meta device: names, shapes and sharding without memory (for :func:`stream_dist`).
+    """
+    from megatron_patch.distributed import initialize_distributed
+    from megatron_patch.model.builder import build_model_chunks
+    from megatron_patch.model.parallel import ParallelConfig
+
+    if not torch.distributed.is_initialized():
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    initialize_distributed(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, seed=1234)
+    parallel = ParallelConfig(bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16)
+    if not (allocate_only or meta):
+        [model] = build_model_chunks(model_config, parallel, padded_vocab_size)
+        return model
+    with torch.device("meta"):
+        [model] = build_model_chunks(model_config, parallel, padded_vocab_size)
+    if meta:
+        return model
+    # to_empty makes new Parameters; megatron's attributes on them (partition_dim, shared, ...) must survive.
+    attributes = {name: dict(vars(param)) for name, param in model.named_parameters()}
+    model.to_empty(device="cpu")
+    for name, param in model.named_parameters():
+        vars(param).update(attributes[name])
+    return model
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def full_state_dict(model) -> dict[str, torch.Tensor]:
+    """The reference model's tensors by megatron-core name (no ``_extra_state``)."""
+    return {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+
+
+def partition_dims(model) -> dict[str, int | None]:
+    """Tensor-parallel split dimension per tensor name with ``{}`` for the layer (None: replicated), from
+    megatron's parameter attributes; the same at every layout."""
+    dims = {}
+    for name, param in model.named_parameters():
+        dims[_LAYER.sub(r"\1{}.", name)] = param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
+    return dims
+
+
+def _is_gated_fc1(name: str, model_config: ModelConfig) -> bool:
+    return model_config.activation == "swiglu" and re.search(r"\.mlp\.linear_fc1\.(weight|bias)$", name) is not None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# torch_dist (megatron-core dist_checkpointing)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _sharded_tensors(sharded_state_dict, prefix=""):
+    """(state-dict name, ShardedTensor) pairs, factories built (the swiglu fc1 factory yields two)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    for name, value in sharded_state_dict.items():
+        if isinstance(value, dict):
+            yield from _sharded_tensors(value, f"{prefix}{name}.")
+        elif isinstance(value, ShardedTensorFactory):
+            built = value.build()
+            for sharded in built.values() if isinstance(built, dict) else built:
+                yield prefix + name, sharded
+        elif isinstance(value, ShardedTensor):
+            yield prefix + name, value
+
+
+def check_dist_checkpoint(model, ckpt_dir: str) -> None:
+    """Raise CheckpointMismatch naming each tensor the model needs that the checkpoint lacks or holds with
+    another global shape (a checkpoint of another architecture), before megatron-core's own less direct errors."""
+    from megatron.core import dist_checkpointing
+
+    stored = dist_checkpointing.load_tensors_metadata(ckpt_dir)
+    problems = []
+    for _, sharded in _sharded_tensors(model.sharded_state_dict()):
+        if sharded.key not in stored:
+            problems.append(f"{sharded.key}: missing from the checkpoint (model expects {tuple(sharded.global_shape)})")
+        elif tuple(stored[sharded.key].global_shape) != tuple(sharded.global_shape):
+            problems.append(f"{sharded.key}: checkpoint has shape {tuple(stored[sharded.key].global_shape)}, "
+                            f"model expects {tuple(sharded.global_shape)}")
+    if problems:
+        raise CheckpointMismatch(f"{ckpt_dir} does not fit the model in {ARGS_FILE}:\n  " + "\n  ".join(
+            sorted(set(problems))))
+
+
+def save_dist(model, ckpt_dir: str) -> None:
+    from megatron.core import dist_checkpointing
+
+    os.makedirs(ckpt_dir, exist_ok=True)
+    dist_checkpointing.save(model.sharded_state_dict(), ckpt_dir)
+
+
+def stream_dist(model, ckpt_dir: str, materialise: Callable[[str], torch.Tensor]) -> None:
+    """Write a torch_dist checkpoint of ``model`` (a meta-device reference model: it only lends names, shapes
+    and megatron-core's sharding) whose tensors come from ``materialise(name)``, one at a time.
+
+    Example::
+
+        stream_dist(build_reference_model(config, padded, meta=True), "out/release",
+                    lambda name: read_and_transform(name))     # full (TP=1) tensor by megatron-core name
+
+    megatron-core's own ``dist_checkpointing.save`` writes metadata.json, common.pt and the DCP metadata; only
+    the tensor writing is replaced: synchronously, by PyTorch DCP's ``FileSystemWriter`` with one thread, whose
+    planner asks for each tensor as the file reaches it. So one tensor group is in memory at a time (megatron's
+    default strategy holds all of them and copies them to writer processes), and the files are those of its
+    torch_dist format, which ``dist_checkpointing.load`` reshards to any TP/PP.
+    """
+    from megatron.core import dist_checkpointing
+
+    os.makedirs(ckpt_dir, exist_ok=True)
+    sources = {(sharded.key, tuple(sharded.global_offset)): _full_index(name, sharded)
+               for name, sharded in _sharded_tensors(model.sharded_state_dict())}
+    dist_checkpointing.save(model.sharded_state_dict(), ckpt_dir,
+                            sharded_strategy=_streaming_strategy(sources, materialise))
+
+
+def _streaming_strategy(sources: dict, materialise: Callable[[str], torch.Tensor]):
+    """megatron-core's torch_dist save strategy with the writing done lazily (see :func:`stream_dist`)."""
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreSavePlanner, TorchDistSaveShardedStrategy, _replace_state_dict_keys_with_sharded_keys,
+        mcore_to_pyt_state_dict,
+    )
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint import save as dcp_save
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    class LazyPlanner(MCoreSavePlanner):
+        def __init__(self):
+            super().__init__(flatten_state_dict=False)
+            self.current: tuple[str | None, torch.Tensor | None] = (None, None)
+
+        def resolve_data(self, write_item):
+            if write_item.type == WriteItemType.BYTE_IO:
+                return super().resolve_data(write_item)
+            name, index = sources[(write_item.index.fqn, tuple(write_item.index.offset))]
+            if self.current[0] != name:  # items come in state-dict order: a swiglu fc1's halves follow each other
+                self.current = (None, None)  # drop the previous group before making the next
+                self.current = (name, materialise(name))
+            chunk = write_item.tensor_data.chunk
+            tensor = self.current[1][index].reshape(chunk.sizes)  # with the prepended layer axis
+            expected = write_item.tensor_data.properties.dtype
+            if tensor.dtype != expected:
+                raise CheckpointMismatch(f"{name}: produced {tensor.dtype}, the model holds {expected}")
+            return tensor
+
+    class StreamingStrategy(TorchDistSaveShardedStrategy):
+        def save(self, sharded_state_dict, checkpoint_dir):
+            state, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, keep_only_main_replica=True)
+            dcp_save(mcore_to_pyt_state_dict(state, is_loading=False), planner=LazyPlanner(),
+                     storage_writer=FileSystemWriter(checkpoint_dir, thread_count=1))
+
+    return StreamingStrategy("torch_dist", 1)
+
+
+def load_dist(chunks, ckpt_dir: str) -> None:
+    """Load a torch_dist checkpoint into this rank's model chunks at whatever layout they were built."""
+    from megatron.core import dist_checkpointing
+
+    for chunk in chunks:
+        check_dist_checkpoint(chunk, ckpt_dir)
+        state = dist_checkpointing.load(chunk.sharded_state_dict(), ckpt_dir)
+        chunk.load_state_dict(state, strict=False)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# torch (Megatron-LM's legacy per-rank files)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def rank_dir_name(tp_rank: int, pp_rank: int, pp: int) -> str:
+    """``mp_rank_TT`` without pipeline parallelism, ``mp_rank_TT_PPP`` with it (Megatron-LM's naming)."""
+    return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
+def _stage_of(name: str, model_config: ModelConfig, pp: int) -> tuple[list[int], str]:
+    """The pipeline stages that hold ``name`` and the name there (layers renumbered from 0 on each stage)."""
+    per_stage = model_config.num_layers // pp
+    match = _LAYER.match(name)
+    if match:
+        layer = int(match.group(2))
+        return [layer // per_stage], f"{match.group(1)}{layer % per_stage}.{name[match.end():]}"
+    if name.startswith("embedding."):
+        stages = [0]
+        # Tied embeddings: the last stage keeps its own copy as output_layer.weight (kept equal by megatron-core).
+        if name == "embedding.word_embeddings.weight" and pp > 1 and not model_config.untie_embeddings_and_output_weights:
+            return stages + [pp - 1], name
+        return stages, name
+    return [pp - 1], name
+
+
+def _tp_slice(tensor: torch.Tensor, dim: int | None, gated: bool, tp_rank: int, tp: int) -> torch.Tensor:
+    if dim is None:
+        return tensor.clone()
+    if gated:  # each rank holds [gate_shard; up_shard], not a plain chunk of [gate; up]
+        gate, up = tensor.chunk(2, dim=dim)
+        return torch.cat([gate.chunk(tp, dim=dim)[tp_rank], up.chunk(tp, dim=dim)[tp_rank]], dim=dim)
+    return tensor.chunk(tp, dim=dim)[tp_rank].clone()  # clone: torch.save of a view writes its whole storage
+
+
+def legacy_args(info: CheckpointInfo) -> argparse.Namespace:
+    """Megatron-LM's ``args`` for the legacy files (its loader reads model flags from them)."""
+    m = info.model_config
+    return argparse.Namespace(
+        num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_size,
+        num_attention_heads=m.num_attention_heads, group_query_attention=m.query_groups != m.num_attention_heads,
+        num_query_groups=m.query_groups, kv_channels=m.head_dim, seq_length=m.seq_length,
+        max_position_embeddings=m.max_positions, position_embedding_type=m.position_embedding_type,
+        rotary_base=m.rotary_base, rotary_percent=m.rotary_percent, normalization=m.normalization,
+        norm_epsilon=m.layernorm_epsilon, swiglu=m.activation == "swiglu", openai_gelu=m.activation == "gelu_tanh",
+        add_bias_linear=m.add_bias_linear, add_qkv_bias=m.add_qkv_bias,
+        untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
+        padded_vocab_size=info.padded_vocab_size, make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
+        tensor_model_parallel_size=info.tensor_model_parallel_size,
+        pipeline_model_parallel_size=info.pipeline_model_parallel_size, num_tokentypes=m.num_tokentypes,
+        bert_binary_head=m.add_binary_head, ckpt_format="torch",
+        megatron_patch=json.dumps(info.to_json()),
+    )
+
+
+def save_legacy(model, ckpt_dir: str, info: CheckpointInfo) -> None:
+    """One ``model_optim_rng.pt`` per TP x PP rank, cut from the reference model's full tensors."""
+    m, tp, pp = info.model_config, info.tensor_model_parallel_size, info.pipeline_model_parallel_size
+    if m.num_layers % pp:
+        raise ValueError(f"--target-pipeline-parallel-size {pp} must divide the {m.num_layers} layers")
+    full, dims = model.state_dict(), partition_dims(model)
+    args = legacy_args(info)
+    for pp_rank in range(pp):
+        placed = {}
+        for name, value in full.items():
+            stages, local = _stage_of(name, m, pp)
+            if pp_rank in stages:
+                placed[name] = local
+        if pp > 1 and pp_rank == pp - 1 and not m.untie_embeddings_and_output_weights:
+            placed["embedding.word_embeddings.weight"] = "output_layer.weight"
+        for tp_rank in range(tp):
+            state = {}
+            for name, local in placed.items():
+                value = full[name]
+                state[local] = (value if not isinstance(value, torch.Tensor)
+                                else _tp_slice(value, dims.get(_LAYER.sub(r"\1{}.", name)), _is_gated_fc1(name, m), tp_rank, tp))
+            path = os.path.join(ckpt_dir, rank_dir_name(tp_rank, pp_rank, pp), "model_optim_rng.pt")
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            torch.save({"model": state, "args": args, "checkpoint_version": 3.0, "iteration": 0}, path)
+
+
+def load_legacy_file(path: str) -> dict:
+    """A legacy rank file, unpickled with ``weights_only=True`` (Megatron-LM's ``args`` Namespace allowed)."""
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def merge_legacy(ckpt_dir: str, info: CheckpointInfo, dims: dict[str, int | None]) -> dict[str, torch.Tensor]:
+    """Full tensors from the per-rank files: TP shards concatenated along ``dims`` (from
+    :func:`partition_dims`), layers renumbered from their stage, the tied copy on the last stage checked."""
+    m, tp, pp = info.model_config, info.tensor_model_parallel_size, info.pipeline_model_parallel_size
+    per_stage = m.num_layers // pp
+    full, tied_copy = {}, None
+    for pp_rank in range(pp):
+        shards = []
+        for tp_rank in range(tp):
+            path = os.path.join(ckpt_dir, rank_dir_name(tp_rank, pp_rank, pp), "model_optim_rng.pt")
+            if not os.path.isfile(path):
+                raise CheckpointMismatch(f"{path} is missing ({ARGS_FILE} says TP={tp}, PP={pp})")
+            shards.append(load_legacy_file(path)["model"])
+        for local, value in shards[0].items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            match = _LAYER.match(local)
+            name = (f"{match.group(1)}{int(match.group(2)) + pp_rank * per_stage}.{local[match.end():]}"
+                    if match else local)
+            template = _LAYER.sub(r"\1{}.", name)
+            if template not in dims and template != "output_layer.weight":
+                raise CheckpointMismatch(f"{local} (rank files of stage {pp_rank}) is not a tensor of the model")
+            merged = _merge_tp([s[local] for s in shards], dims.get(template, 0), _is_gated_fc1(name, m))
+            if name == "output_layer.weight" and template not in dims:
+                tied_copy = merged  # the last stage's copy of tied embeddings, checked below
+                continue
+            full[name] = merged
+    # With tied embeddings and PP > 1 the export takes the first stage's copy; both must agree.
+    if tied_copy is not None and not torch.equal(tied_copy, full.get("embedding.word_embeddings.weight")):
+        raise CheckpointMismatch("the last pipeline stage's output_layer.weight differs from the tied word "
+                                 "embeddings of the first stage; the checkpoint is inconsistent")
+    return full
+
+
+def load_legacy(model, ckpt_dir: str, info: CheckpointInfo) -> None:
+    """Merge the per-rank files into the reference (TP=1, PP=1) model, checking names and shapes."""
+    full = merge_legacy(ckpt_dir, info, partition_dims(model))
+    copy_full_tensors(model, full, ckpt_dir)
+
+
+def copy_full_tensors(model, full: dict[str, torch.Tensor], source: str) -> None:
+    target = full_state_dict(model)
+    problems = [f"{n}: missing from the checkpoint (model expects {tuple(t.shape)})"
+                for n, t in target.items() if n not in full]
+    problems += [f"{n}: checkpoint has shape {tuple(full[n].shape)}, model expects {tuple(t.shape)}"
+                 for n, t in target.items() if n in full and full[n].shape != t.shape]
+    problems += [f"{n}: in the checkpoint but not a tensor of the model" for n in full if n not in target]
+    if problems:
+        raise CheckpointMismatch(f"{source} does not fit the model in {ARGS_FILE}:\n  " + "\n  ".join(problems))
+    with torch.no_grad():
+        for name, tensor in target.items():
+            tensor.copy_(full[name])
+
+
+def _merge_tp(shards: list[torch.Tensor], dim: int | None, gated: bool) -> torch.Tensor:
+    if dim is None:
+        return shards[0]
+    if gated:
+        gates, ups = zip(*(s.chunk(2, dim=dim) for s in shards))
+        return torch.cat([*gates, *ups], dim=dim)
+    return torch.cat(shards, dim=dim)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Either format
+# ----------------------------------------------------------------------------------------------------------
+
+
+def load_into_reference_model(model, megatron_dir: str, info: CheckpointInfo) -> None:
+    LOADERS[info.format](model, weights_dir(megatron_dir), info)
+
+
+LOADERS = {
+    "torch_dist": lambda model, path, info: load_dist([model], path),
+    "torch": load_legacy,
+}
+
+
+def load_full_into_chunks(chunks, full: dict[str, torch.Tensor]) -> None:
+    """Fill this rank's chunks (any TP/PP/VPP) from full tensors, using the offsets of megatron-core's sharded
+    state dict (the mapping dist_checkpointing reshards with)."""
+    with torch.no_grad():
+        for chunk in chunks:
+            for name, sharded in _sharded_tensors(chunk.sharded_state_dict()):
+                name, index = _full_index(name, sharded)
+                if name == "output_layer.weight" and name not in full:
+                    name = "embedding.word_embeddings.weight"  # the last stage's copy of tied embeddings
+                sharded.data.copy_(full[name][index])
+
+
+def _full_index(name: str, sharded) -> tuple[str, tuple[slice, ...]]:
+    """The full (TP=1, PP=1) tensor a ShardedTensor is cut from, and where: its global offsets."""
+    if sharded.prepend_axis_num:  # layers are stacked along a prepended axis: offset = global layer
+        match = _LAYER.match(name)
+        name = f"{match.group(1)}{sharded.global_offset[0]}.{name[match.end():]}"
+    offsets = sharded.global_offset[sharded.prepend_axis_num:]
+    return name, tuple(slice(o, o + s) for o, s in zip(offsets, sharded.local_shape))

@@ -1,0 +1,228 @@
+"""Run the Hugging Face model and the converted Megatron model on the same inputs and compare their outputs.
+
+Example::
+
+    megatron-patch convert verify --hf-dir llama-hf --megatron-dir llama-mcore \\
+        --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2          # torchrun on 4 processes
+
+    logits: max abs diff 3.1e-07, max rel diff 2.4e-07, cosine 1.0000000, top-1 100.0%, top-5 100.0%  PASS
+
+The oracle is transformers' own forward pass. Compared are the LM logits (the padded vocabulary rows trimmed),
+BERT's sentence-relation logits where the checkpoint has that head, and for encoder-only BERT the last hidden
+states, padded positions included (attention masks exercised). The run fails, and the command exits non-zero,
+when the relative difference or the cosine similarity is outside the threshold for the dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from megatron_patch.convert.mcore_io import (
+    CheckpointInfo, load_dist, load_full_into_chunks, merge_legacy, partition_dims, read_info, weights_dir,
+)
+
+# (max relative difference, min cosine similarity, min top-1 agreement) per dtype the models run in.
+THRESHOLDS = {
+    "float32": (1e-4, 0.99999, 0.95),
+    "bfloat16": (5e-2, 0.999, 0.8),
+    "float16": (1e-2, 0.9999, 0.9),
+}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Which output of the Hugging Face class is compared, and with which Megatron output.
+_HF_OUTPUTS = {
+    "GPT2LMHeadModel": {"logits": "logits"},
+    "LlamaForCausalLM": {"logits": "logits"},
+    "Qwen2ForCausalLM": {"logits": "logits"},
+    "BertForPreTraining": {"logits": "prediction_logits", "binary_logits": "seq_relationship_logits"},
+    "BertForMaskedLM": {"logits": "logits"},
+    "BertModel": {"hidden_states": "last_hidden_state"},
+}
+
+
+@dataclasses.dataclass
+class Comparison:
+    """How far one Megatron output is from the Hugging Face one."""
+
+    output: str
+    max_abs_diff: float
+    max_rel_diff: float
+    """max |megatron - hf| / max |hf|."""
+    cosine: float
+    top1: float | None
+    top5: float | None
+    passed: bool
+
+    def line(self) -> str:
+        top = "" if self.top1 is None else f", top-1 {100 * self.top1:.1f}%, top-5 {100 * self.top5:.1f}%"
+        return (f"{self.output}: max abs diff {self.max_abs_diff:.3g}, max rel diff {self.max_rel_diff:.3g}, "
+                f"cosine {self.cosine:.7f}{top}  {'PASS' if self.passed else 'FAIL'}")
+
+
+def compare(output: str, actual: torch.Tensor, expected: torch.Tensor, dtype: str = "float32") -> Comparison:
+    """Compare ``actual`` (Megatron) with ``expected`` (Hugging Face) of the same shape.
+
+    Example::
+
+        >>> compare("logits", torch.ones(1, 2, 8), torch.ones(1, 2, 8)).passed
+        True
+    """
+    max_rel, min_cos, min_top1 = THRESHOLDS[dtype]
+    a, e = actual.double(), expected.double()
+    diff = (a - e).abs().max().item()
+    rel = diff / max(e.abs().max().item(), 1e-30)
+    cosine = torch.nn.functional.cosine_similarity(a.flatten(), e.flatten(), dim=0).item()
+    top1 = top5 = None
+    if output.endswith("logits") and e.shape[-1] > 5:
+        top1 = (a.argmax(-1) == e.argmax(-1)).double().mean().item()
+        ta, te = a.topk(5, dim=-1).indices, e.topk(5, dim=-1).indices
+        top5 = (ta.unsqueeze(-1) == te.unsqueeze(-2)).any(-1).double().mean().item()
+    passed = rel <= max_rel and cosine >= min_cos and (top1 is None or top1 >= min_top1)
+    return Comparison(output, diff, rel, cosine, top1, top5, passed)
+
+
+def make_inputs(info: CheckpointInfo, hf_dir: str, text: str | None = None, batch: int = 2, seq: int = 16,
+                seed: int = 0) -> dict:
+    """Token ids (from ``text`` with the checkpoint's tokenizer, or random), position ids, and for BERT an
+    attention mask that pads the end of the second sequence and token types that mark a second segment."""
+    m = info.model_config
+    seq = min(seq, m.max_positions)
+    if text is not None:
+        from transformers import AutoTokenizer
+
+        tokens = AutoTokenizer.from_pretrained(hf_dir)(text, return_tensors="pt")["input_ids"][:, :m.max_positions]
+    else:
+        gen = torch.Generator().manual_seed(seed)
+        tokens = torch.randint(0, m.vocab_size, (batch, seq), generator=gen)
+    b, s = tokens.shape
+    attention_mask = torch.ones(b, s, dtype=torch.long)
+    inputs = {"tokens": tokens, "position_ids": torch.arange(s).expand(b, s).contiguous()}
+    if m.family == "bert":
+        if b > 1:
+            attention_mask[1, s - s // 4:] = 0
+        inputs["types"] = (torch.arange(s) >= s // 2).long().expand(b, s).contiguous() if m.num_tokentypes else None
+    inputs["attention_mask"] = attention_mask
+    return inputs
+
+
+def hf_outputs(hf_dir: str, architecture: str, inputs: dict, dtype: str = "float32") -> dict[str, torch.Tensor]:
+    import transformers
+
+    model = getattr(transformers, architecture).from_pretrained(hf_dir, dtype=_DTYPES[dtype]).eval()
+    kwargs = {"input_ids": inputs["tokens"], "attention_mask": inputs["attention_mask"]}
+    if inputs.get("types") is not None:
+        kwargs["token_type_ids"] = inputs["types"]
+    with torch.no_grad():
+        out = model(**kwargs)
+    return {name: getattr(out, attr).float() for name, attr in _HF_OUTPUTS[architecture].items()}
+
+
+def _forward_step(family: str, inputs: dict, wanted: set[str]):
+    from megatron.core import tensor_parallel
+
+    def forward_step(data_iterator, model):
+        captured = {}
+        if "hidden_states" in wanted and getattr(model, "post_process", False):
+            model.encoder.register_forward_hook(lambda mod, args, out: captured.setdefault("hidden", out))
+        if family == "gpt":
+            output = model(inputs["tokens"], inputs["position_ids"], None)
+        else:
+            output = model(inputs["tokens"], inputs["attention_mask"], tokentype_ids=inputs.get("types"))
+
+        def collect(output, non_loss_data=True):
+            result = {}
+            logits, binary = (output, None) if family == "gpt" else output
+            result["logits"] = tensor_parallel.gather_from_tensor_model_parallel_region(logits).float()
+            if binary is not None:
+                result["binary_logits"] = binary.float()
+            if "hidden" in captured:
+                result["hidden_states"] = captured["hidden"].transpose(0, 1).float()
+            return result
+
+        return output, collect
+
+    return forward_step
+
+
+def megatron_outputs(chunks, info: CheckpointInfo, inputs: dict, wanted: set[str]) -> dict | None:
+    """Forward through this rank's chunks with megatron-core's pipeline schedule; outputs on the last stage."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    for chunk in chunks:
+        chunk.eval()
+    b, s = inputs["tokens"].shape
+    with torch.no_grad():
+        collected = get_forward_backward_func()(
+            forward_step_func=_forward_step(info.model_config.family, inputs, wanted),
+            data_iterator=[iter([None]) for _ in chunks] if len(chunks) > 1 else iter([None]),
+            model=chunks, num_microbatches=1, seq_length=s, micro_batch_size=b, forward_only=True,
+            collect_non_loss_data=True,
+        )
+    return collected[0] if collected else None
+
+
+def build_and_load(megatron_dir: str, info: CheckpointInfo, tp: int, pp: int, dtype: str):
+    """This rank's chunks at TP x PP with the checkpoint's weights, in a freshly initialised process group."""
+    from megatron_patch.distributed import initialize_distributed
+    from megatron_patch.model.builder import build_model_chunks
+    from megatron_patch.model.parallel import ParallelConfig
+
+    initialize_distributed(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, seed=1234)
+    config = dataclasses.replace(info.model_config, hidden_dropout=0.0, attention_dropout=0.0)
+    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                              bf16=dtype == "bfloat16", fp16=dtype == "float16")
+    chunks = build_model_chunks(config, parallel, info.padded_vocab_size)
+    load_into_chunks(chunks, megatron_dir, info)
+    return chunks
+
+
+def load_into_chunks(chunks, megatron_dir: str, info: CheckpointInfo) -> None:
+    """Fill this rank's chunks (built at any TP/PP with ``info.padded_vocab_size``) from a converted checkpoint;
+    every rank of the world calls it. dist_checkpointing reshards torch_dist; the legacy format is merged to
+    full tensors and cut to this layout.
+
+    Example::
+
+        info = read_info("llama-mcore")
+        chunks = build_model_chunks(info.model_config, ParallelConfig(tensor_model_parallel_size=2),
+                                    info.padded_vocab_size)
+        load_into_chunks(chunks, "llama-mcore", info)
+    """
+    if info.format == "torch_dist":
+        load_dist(chunks, weights_dir(megatron_dir))
+        return
+    # Every rank merges the per-rank files into full tensors and cuts out its own shards; the split
+    # dimensions come from all ranks' parameters (a stage sees only its own).
+    dims = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(dims, {k: v for c in chunks for k, v in partition_dims(c).items()})
+    merged = merge_legacy(weights_dir(megatron_dir), info, {k: v for d in dims for k, v in d.items()})
+    load_full_into_chunks(chunks, merged)
+
+
+def verify_on_rank(hf_dir: str, megatron_dir: str, tp: int = 1, pp: int = 1, text: str | None = None,
+                   dtype: str = "float32") -> list[Comparison] | None:
+    """Compare under TP x PP; every rank of the world calls this. Returns the comparisons on the rank that
+    holds the outputs (last pipeline stage, TP rank 0), None on the others."""
+    from megatron.core import parallel_state
+
+    info = read_info(megatron_dir)
+    architecture = info.hf_architecture
+    wanted = set(_HF_OUTPUTS[architecture])
+    inputs = make_inputs(info, hf_dir, text)
+    chunks = build_and_load(megatron_dir, info, tp, pp, dtype)
+    actual = megatron_outputs(chunks, info, inputs, wanted)
+    if not (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+            and parallel_state.get_tensor_model_parallel_rank() == 0):
+        return None
+    expected = hf_outputs(hf_dir, architecture, inputs, dtype)
+    vocab = info.model_config.vocab_size
+    results = []
+    for name, hf_value in expected.items():
+        value = actual[name][..., :vocab] if name == "logits" else actual[name]
+        if value.shape != hf_value.shape:
+            raise ValueError(f"{name}: Megatron output has shape {tuple(value.shape)}, Hugging Face "
+                             f"{tuple(hf_value.shape)}")
+        results.append(compare(name, value, hf_value, dtype))
+    return results

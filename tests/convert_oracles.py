@@ -1,0 +1,197 @@
+"""Tiny random Hugging Face models (built from config classes, nothing downloaded) and the rank bodies of the
+conversion tests (module level, so run_on_ranks' workers can import them)."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+VOCAB = 100  # not a multiple of 128: every conversion pads and trims the vocabulary
+_SMALL = dict(vocab_size=VOCAB, max_position_embeddings=32)
+_BERT = dict(num_hidden_layers=4, hidden_size=32, num_attention_heads=4, intermediate_size=64, **_SMALL)
+
+# name -> (config class, config kwargs, model class)
+HF_MODELS = {
+    "gpt2": ("GPT2Config", dict(n_layer=4, n_embd=32, n_head=4, n_positions=32, vocab_size=VOCAB,
+                                bos_token_id=0, eos_token_id=0), "GPT2LMHeadModel"),
+    "llama-gqa": ("LlamaConfig", dict(num_hidden_layers=4, hidden_size=32, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=48, rope_theta=50000.0,
+                                      tie_word_embeddings=False, **_SMALL), "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", dict(num_hidden_layers=4, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                  intermediate_size=48, tie_word_embeddings=True, **_SMALL), "Qwen2ForCausalLM"),
+    "bert-pretraining": ("BertConfig", _BERT, "BertForPreTraining"),
+    "bert-mlm": ("BertConfig", _BERT, "BertForMaskedLM"),
+    "bert-encoder": ("BertConfig", _BERT, "BertModel"),
+}
+
+
+def make_hf_model(name: str, out_dir: str, seed: int = 0) -> str:
+    """A random model of kind ``name`` saved with save_pretrained (biases and norms randomised too, so that a
+    wrong mapping of any tensor shows in the outputs)."""
+    import torch
+    import transformers
+
+    config_class, kwargs, model_class = HF_MODELS[name]
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**kwargs))
+    with torch.no_grad():
+        for pname, param in model.named_parameters():
+            if pname.endswith("bias") or "norm" in pname.lower() or "ln_" in pname:
+                param.add_(0.1 * torch.randn_like(param))
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def hf_tensors(hf_dir: str) -> dict:
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for path in glob.glob(os.path.join(hf_dir, "*.safetensors")):
+        tensors.update(load_file(path))
+    return tensors
+
+
+def assert_bit_exact(original_dir: str, exported_dir: str) -> None:
+    import torch
+
+    a, b = hf_tensors(original_dir), hf_tensors(exported_dir)
+    assert a.keys() == b.keys(), f"tensor names differ: {sorted(a.keys() ^ b.keys())}"
+    differing = [k for k in a if a[k].dtype != b[k].dtype or not torch.equal(a[k], b[k])]
+    assert not differing, f"tensors differ after the round trip: {differing}"
+
+
+def cli(rank, world_size, argv):
+    """``megatron-patch convert ...`` in a worker (a one-rank world)."""
+    from megatron_patch.convert.cli import main
+
+    return main(argv)
+
+
+def verify_layouts(rank, world_size, hf_dir, megatron_dir, layouts, resave_dir=None):
+    """verify_on_rank at each (tp, pp); optionally re-save the checkpoint from the last layout (a reshard)."""
+    from megatron_patch.convert.verify import verify_on_rank
+
+    results = {}
+    for tp, pp in layouts:
+        comparisons = verify_on_rank(hf_dir, megatron_dir, tp, pp)
+        if comparisons is not None:
+            results.setdefault((tp, pp), comparisons)
+    gathered = [None] * world_size
+    import torch
+
+    torch.distributed.all_gather_object(gathered, results)
+    merged = {}
+    for r in gathered:
+        merged.update(r)
+    if resave_dir is not None:
+        resave(megatron_dir, resave_dir, *layouts[-1])
+    return merged if rank == 0 else None
+
+
+def resave(megatron_dir, out_dir, tp, pp):
+    """Load at TP x PP and save a torch_dist checkpoint from all ranks (what a trainer's save does)."""
+    import shutil
+
+    import torch
+    from megatron.core import dist_checkpointing
+
+    from megatron_patch.convert.mcore_io import ARGS_FILE, TRACKER_FILE, read_info
+    from megatron_patch.convert.verify import build_and_load
+
+    info = read_info(megatron_dir)
+    [chunk] = build_and_load(megatron_dir, info, tp, pp, "float32")
+    if torch.distributed.get_rank() == 0:
+        os.makedirs(os.path.join(out_dir, "release"), exist_ok=True)
+        for name in (ARGS_FILE, TRACKER_FILE):
+            shutil.copy(os.path.join(megatron_dir, name), out_dir)
+    torch.distributed.barrier()
+    dist_checkpointing.save(chunk.sharded_state_dict(), os.path.join(out_dir, "release"))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Converted checkpoint -> our trainer -> megatron-to-hf -> transformers' generate
+# ----------------------------------------------------------------------------------------------------------
+
+
+def training_sequences(count: int = 4, length: int = 17, seed: int = 1) -> list[list[int]]:
+    """Fixed random token sequences (the whole training set: a few steps on them lower the loss)."""
+    import torch
+
+    return torch.randint(0, VOCAB, (count, length), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _converted_pretrainer(converted_dir: str, sequences: list[list[int]]):
+    """A Pretrainer whose model hook builds the converted checkpoint's model at the flags' TP/PP, with the
+    recorded padded vocabulary, and loads its weights (the trainer's ``--load`` expects its own iter_N layout)."""
+    import torch
+
+    from megatron_patch.convert.mcore_io import read_info
+    from megatron_patch.convert.verify import load_into_chunks
+    from megatron_patch.model.builder import build_model_chunks
+    from megatron_patch.model.parallel import ParallelConfig
+    from megatron_patch.training.tasks import MegatronGPTPretrainer
+
+    samples = [{"tokens": torch.tensor(s[:-1]), "labels": torch.tensor(s[1:]),
+                "loss_mask": torch.ones(len(s) - 1), "position_ids": torch.arange(len(s) - 1)} for s in sequences]
+
+    class ConvertedPretrainer(MegatronGPTPretrainer):
+        def train_valid_test_datasets_provider(self, train_val_test_num_samples):
+            return samples, None, None
+
+        def model_optimizer_lr_scheduler_provider(self):
+            info = read_info(converted_dir)
+            parallel = ParallelConfig(tensor_model_parallel_size=self.args.tensor_model_parallel_size,
+                                      pipeline_model_parallel_size=self.args.pipeline_model_parallel_size)
+            chunks = build_model_chunks(info.model_config, parallel, info.padded_vocab_size)
+            load_into_chunks(chunks, converted_dir, info)
+            return chunks, None, None
+
+    return ConvertedPretrainer
+
+
+def megatron_greedy(chunks, info, prompt: list[int], new_tokens: int) -> list[int]:
+    """Greedy decoding by megatron-core: the argmax of the last position's logits (padded rows cut off),
+    appended and run again from the start (no KV cache, so nothing but the forward pass is involved)."""
+    import torch
+
+    from megatron_patch.convert.verify import megatron_outputs
+
+    tokens = torch.tensor([prompt])
+    for _ in range(new_tokens):
+        inputs = {"tokens": tokens, "position_ids": torch.arange(tokens.shape[1])[None]}
+        logits = megatron_outputs(chunks, info, inputs, {"logits"})["logits"]
+        next_token = logits[0, -1, :info.model_config.vocab_size].argmax()
+        tokens = torch.cat([tokens, next_token.view(1, 1)], dim=1)
+    return tokens[0, len(prompt):].tolist()
+
+
+def train_converted(rank, world_size, converted_dir, argv, sequences, prompt, new_tokens):
+    """Continue training the converted checkpoint with the Pretrainer (flags ``argv``, saving to ``--save``);
+    return the losses and the trained model's greedy continuation of ``prompt``."""
+    from megatron_patch.convert.mcore_io import read_info
+    from megatron_patch.training.engine import Engine
+
+    trainer = _converted_pretrainer(converted_dir, sequences)(engine=Engine(argv))
+    log = trainer.train()
+    tokens = megatron_greedy(trainer.model, read_info(converted_dir), prompt, new_tokens)
+    return {"losses": [loss for _, loss in log.train_losses], "tokens": tokens}
+
+
+def hf_reference(rank, world_size, original_dir, exported_dir, sequences, padded_vocab, prompt, new_tokens):
+    """transformers' loss of the original model on ``sequences`` (what the trainer's first step must report)
+    and the greedy ``generate`` of the exported model."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    batch = torch.tensor(sequences)
+    with torch.no_grad():
+        logits = AutoModelForCausalLM.from_pretrained(original_dir).eval()(input_ids=batch[:, :-1]).logits
+    # Megatron's softmax also spans the padded vocabulary rows, whose output weights (zeros) give logit 0.
+    logits = torch.nn.functional.pad(logits, (0, padded_vocab - logits.shape[-1]))
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).item()
+    exported = AutoModelForCausalLM.from_pretrained(exported_dir).eval()
+    # No end-of-sequence token: a random model may emit it, and generate would stop early.
+    greedy = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0)
+    out = exported.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                            generation_config=greedy)
+    return {"loss": loss, "tokens": out[0, len(prompt):].tolist()}

@@ -1,0 +1,89 @@
+"""The named transforms against hand-built tensors in megatron-core's documented layouts, and the mapping
+tables against what megatron-core's models actually hold."""
+
+import pytest
+import torch
+
+from megatron_patch.convert.families import FAMILIES, UnsupportedCheckpoint, family_for
+from megatron_patch.convert.transforms import TRANSFORMS, Shapes, apply_to_hf, apply_to_mcore
+
+GQA = Shapes(num_attention_heads=4, num_query_groups=2, head_dim=2, vocab_size=5, padded_vocab_size=8)
+
+
+def _rows(prefix: int, n: int, width: int = 3) -> torch.Tensor:
+    """Rows labelled prefix*100 + row index, so a layout can be read off the first column."""
+    return (prefix * 100 + torch.arange(n)).float()[:, None].expand(n, width).contiguous()
+
+
+def test_fuse_qkv_is_grouped_per_query_group():
+    # 4 heads x 2 dims of q, 2 groups x 2 dims of k and v; group g takes q heads 2g, 2g+1 then k_g, v_g
+    # (SelfAttention.get_query_key_value_tensors).
+    q, k, v = _rows(1, 8), _rows(2, 4), _rows(3, 4)
+    [qkv] = apply_to_mcore(("fuse_qkv",), [q, k, v], GQA)
+    assert qkv[:, 0].tolist() == [100, 101, 102, 103, 200, 201, 300, 301,
+                                  104, 105, 106, 107, 202, 203, 302, 303]
+    # TP=2 takes whole groups: the first half of the rows is group 0.
+    assert set(qkv.chunk(2)[0][:, 0].tolist()) == {100, 101, 102, 103, 200, 201, 300, 301}
+    for original, back in zip((q, k, v), apply_to_hf(("fuse_qkv",), qkv, GQA)):
+        assert torch.equal(original, back)
+
+
+def test_gpt2_conv1d_qkv_transposes_then_groups():
+    mha = Shapes(num_attention_heads=2, num_query_groups=2, head_dim=1, vocab_size=1, padded_vocab_size=1)
+    c_attn = torch.arange(12.).reshape(2, 6)  # Conv1D [in=2, out=3 x 2]: columns q0 q1 k0 k1 v0 v1
+    [qkv] = apply_to_mcore(("transpose", "fuse_stacked_qkv"), [c_attn], mha)
+    assert qkv[:, 0].tolist() == [0, 2, 4, 1, 3, 5]  # q0 k0 v0 q1 k1 v1
+    [back] = apply_to_hf(("transpose", "fuse_stacked_qkv"), qkv, mha)
+    assert torch.equal(back, c_attn)
+
+
+def test_gate_up_and_vocab_padding_round_trip():
+    gate, up = _rows(1, 4), _rows(2, 4)
+    [fc1] = apply_to_mcore(("fuse_gate_up",), [gate, up], GQA)
+    assert fc1[:, 0].tolist() == [100, 101, 102, 103, 200, 201, 202, 203]
+    assert all(torch.equal(a, b) for a, b in zip((gate, up), apply_to_hf(("fuse_gate_up",), fc1, GQA)))
+    emb = torch.randn(5, 3)
+    [padded] = apply_to_mcore(("pad_vocab",), [emb], GQA)
+    assert padded.shape == (8, 3) and torch.equal(padded[:5], emb) and not padded[5:].any()
+    assert torch.equal(apply_to_hf(("pad_vocab",), padded, GQA)[0], emb)
+    with pytest.raises(ValueError, match="vocab_size 5"):
+        apply_to_mcore(("pad_vocab",), [torch.randn(6, 3)], GQA)
+
+
+# Inputs of each transform in Hugging Face layout (GQA shapes above).
+_HF_INPUTS = {
+    "transpose": lambda: [torch.randn(3, 5)],
+    "fuse_qkv": lambda: [torch.randn(8, 3), torch.randn(4, 3), torch.randn(4, 3)],
+    "fuse_stacked_qkv": lambda: [torch.randn(24)],
+    "fuse_gate_up": lambda: [torch.randn(6, 3), torch.randn(6, 3)],
+    "pad_vocab": lambda: [torch.randn(5, 3)],
+}
+
+
+@pytest.mark.parametrize("name", sorted(TRANSFORMS))
+def test_every_transform_inverts_bit_exactly(name):
+    shapes = Shapes(num_attention_heads=4, num_query_groups=4, head_dim=2, vocab_size=5, padded_vocab_size=8) \
+        if name == "fuse_stacked_qkv" else GQA
+    inputs = _HF_INPUTS[name]()
+    [mcore] = apply_to_mcore((name,), inputs, shapes)
+    back = apply_to_hf((name,), mcore, shapes)
+    assert len(back) == len(inputs) and all(torch.equal(a, b) and b.is_contiguous() for a, b in zip(inputs, back))
+
+
+def test_registry_is_keyed_by_model_type():
+    assert {"gpt2", "llama", "qwen2", "bert"} <= set(FAMILIES)
+    with pytest.raises(UnsupportedCheckpoint, match="model_type 't5'.*supported model types"):
+        family_for({"model_type": "t5"})
+
+
+def test_unsupported_options_are_named():
+    llama = family_for({"model_type": "llama"})
+    base = dict(model_type="llama", num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+                num_attention_heads=4, max_position_embeddings=32, vocab_size=100)
+    assert llama.config_from_hf({**base, "rope_theta": 500000.0}).rotary_base == 500000
+    assert llama.config_from_hf({**base, "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}}
+                                ).rotary_base == 1000000
+    with pytest.raises(UnsupportedCheckpoint, match="RoPE scaling 'llama3'"):
+        llama.config_from_hf({**base, "rope_parameters": {"rope_theta": 1e6, "rope_type": "llama3"}})
+    with pytest.raises(UnsupportedCheckpoint, match="attention_bias=True"):
+        llama.config_from_hf({**base, "attention_bias": True})
