@@ -120,33 +120,21 @@ def training_sequences(count: int = 4, length: int = 17, seed: int = 1) -> list[
     return torch.randint(0, VOCAB, (count, length), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _converted_pretrainer(converted_dir: str, sequences: list[list[int]]):
-    """A Pretrainer whose model hook builds the converted checkpoint's model at the flags' TP/PP, with the
-    recorded padded vocabulary, and loads its weights (the trainer's ``--load`` expects its own iter_N layout)."""
+def _fixed_data_pretrainer(sequences: list[list[int]]):
+    """The black-box GPT Pretrainer on ``sequences`` (no tokenizer or data files: the model comes from ``--load``'s
+    megatron_patch_args.json)."""
     import torch
 
-    from megatron_patch.convert.mcore_io import read_info
-    from megatron_patch.convert.verify import load_into_chunks
-    from megatron_patch.model.builder import build_model_chunks
-    from megatron_patch.model.parallel import ParallelConfig
     from megatron_patch.training.tasks import MegatronGPTPretrainer
 
     samples = [{"tokens": torch.tensor(s[:-1]), "labels": torch.tensor(s[1:]),
                 "loss_mask": torch.ones(len(s) - 1), "position_ids": torch.arange(len(s) - 1)} for s in sequences]
 
-    class ConvertedPretrainer(MegatronGPTPretrainer):
+    class FixedDataPretrainer(MegatronGPTPretrainer):
         def train_valid_test_datasets_provider(self, train_val_test_num_samples):
             return samples, None, None
 
-        def model_optimizer_lr_scheduler_provider(self):
-            info = read_info(converted_dir)
-            parallel = ParallelConfig(tensor_model_parallel_size=self.args.tensor_model_parallel_size,
-                                      pipeline_model_parallel_size=self.args.pipeline_model_parallel_size)
-            chunks = build_model_chunks(info.model_config, parallel, info.padded_vocab_size)
-            load_into_chunks(chunks, converted_dir, info)
-            return chunks, None, None
-
-    return ConvertedPretrainer
+    return FixedDataPretrainer
 
 
 def megatron_greedy(chunks, info, prompt: list[int], new_tokens: int) -> list[int]:
@@ -165,15 +153,14 @@ def megatron_greedy(chunks, info, prompt: list[int], new_tokens: int) -> list[in
     return tokens[0, len(prompt):].tolist()
 
 
-def train_converted(rank, world_size, converted_dir, argv, sequences, prompt, new_tokens):
-    """Continue training the converted checkpoint with the Pretrainer (flags ``argv``, saving to ``--save``);
-    return the losses and the trained model's greedy continuation of ``prompt``."""
-    from megatron_patch.convert.mcore_io import read_info
+def train_converted(rank, world_size, argv, sequences, prompt, new_tokens):
+    """Train with the GPT Pretrainer (flags ``argv``: ``--load`` a converted checkpoint, ``--save``); return the
+    losses and the trained model's greedy continuation of ``prompt``."""
     from megatron_patch.training.engine import Engine
 
-    trainer = _converted_pretrainer(converted_dir, sequences)(engine=Engine(argv))
+    trainer = _fixed_data_pretrainer(sequences)(engine=Engine(argv))
     log = trainer.train()
-    tokens = megatron_greedy(trainer.model, read_info(converted_dir), prompt, new_tokens)
+    tokens = megatron_greedy(trainer.model, trainer.checkpoint_info, prompt, new_tokens)
     return {"losses": [loss for _, loss in log.train_losses], "tokens": tokens}
 
 

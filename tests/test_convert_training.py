@@ -1,16 +1,16 @@
-"""A converted checkpoint trains on with our Pretrainer (at TP=2, on the recorded padded vocabulary), and its
-export generates with transformers exactly the greedy tokens the trained megatron-core model predicts; the
+"""A converted checkpoint trains on with our Pretrainer given only ``--load`` (at TP=2, on the recorded padded
+vocabulary; a contradicting model flag is refused), the trainer's own save exports, and that export generates with transformers exactly the greedy tokens the trained megatron-core model predicts; the
 command line's ``verify`` relaunches itself under torchrun for a multi-rank layout."""
 
+import dataclasses
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from megatron_patch.convert.mcore_io import ARGS_FILE, read_info
+from megatron_patch.convert.mcore_io import read_info
 from megatron_patch.testing import run_on_ranks
 from tests.convert_oracles import (
     cli, hf_reference, hf_tensors, make_hf_model, train_converted, training_sequences,
@@ -34,13 +34,15 @@ def test_converted_checkpoint_trains_and_its_export_generates_the_same_tokens(ll
     trained, exported = str(tmp_path / "trained"), str(tmp_path / "exported")
     sequences = training_sequences()
     prompt, new_tokens = sequences[0][:6], 10
-    argv = ["--tensor-model-parallel-size", "2", "--micro-batch-size", "2", "--global-batch-size", "4",
-            "--seq-length", "16", "--train-iters", str(STEPS), "--lr", "1e-2", "--lr-decay-style", "constant",
-            "--log-interval", "1", "--seed", "3", "--save", trained]
-    ranks = run_on_ranks(train_converted, 2, args=(converted, argv, sequences, prompt, new_tokens), timeout=300)
+    # No model flags: the model and its padded vocabulary come from the conversion's megatron_patch_args.json.
+    argv = ["--load", converted, "--tensor-model-parallel-size", "2", "--micro-batch-size", "2",
+            "--global-batch-size", "4", "--seq-length", "16", "--train-iters", str(STEPS), "--lr", "1e-2",
+            "--lr-decay-style", "constant", "--log-interval", "1", "--seed", "3", "--save", trained]
+    ranks = run_on_ranks(train_converted, 2, args=(argv, sequences, prompt, new_tokens), timeout=300)
 
-    # The trainer's checkpoint holds weights only; the model description comes from the conversion.
-    shutil.copy(os.path.join(converted, ARGS_FILE), trained)
+    # megatron-to-hf reads the trainer's own save directory (its iter_N and megatron_patch_args.json).
+    stored = read_info(converted).model_config
+    assert read_info(trained).model_config == dataclasses.replace(stored, seq_length=16)  # the trained length
     assert run_on_ranks(cli, 1, args=(["megatron-to-hf", "--load-dir", trained, "--save-dir", exported,
                                        "--no-progress"],)) == [0]
     [reference] = run_on_ranks(hf_reference, 1, args=(hf, exported, sequences, read_info(converted).padded_vocab_size,
@@ -54,6 +56,19 @@ def test_converted_checkpoint_trains_and_its_export_generates_the_same_tokens(ll
     assert not torch.equal(original["model.layers.0.mlp.up_proj.weight"], after["model.layers.0.mlp.up_proj.weight"])
     assert ranks[0]["tokens"] == ranks[1]["tokens"]
     assert reference["tokens"] == ranks[0]["tokens"], (reference["tokens"], ranks[0]["tokens"])
+
+
+def test_model_flag_contradicting_the_loaded_checkpoint_is_refused(llama):
+    from megatron_patch.training.arguments import parse_args
+
+    _, converted = llama
+    with pytest.raises(SystemExit, match=r"--hidden-size 64 contradicts hidden_size=32 in .*megatron_patch_args"):
+        parse_args(["--load", converted, "--hidden-size", "64"])
+    with pytest.raises(SystemExit, match=r"--add-qkv-bias \(sets add_qkv_bias=True\) contradicts add_qkv_bias=False"):
+        parse_args(["--load", converted, "--add-qkv-bias"])
+    args = parse_args(["--load", converted, "--hidden-size", "32", "--seq-length", "16"])
+    assert (args.num_layers, args.num_query_groups, args.seq_length) == (4, 2, 16)
+    assert args.checkpoint_info.padded_vocab_size == read_info(converted).padded_vocab_size
 
 
 def test_verify_command_relaunches_itself_on_two_ranks(llama):

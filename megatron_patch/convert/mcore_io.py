@@ -72,9 +72,22 @@ class CheckpointInfo:
         return cls(**{**data, "model_config": ModelConfig(**data["model_config"])})
 
 
-def write_info(megatron_dir: str, info: CheckpointInfo) -> None:
-    with open(os.path.join(megatron_dir, ARGS_FILE), "w") as f:
+def write_args_file(megatron_dir: str, info: CheckpointInfo) -> None:
+    """Write ``megatron_patch_args.json`` under a temporary name, then rename it: a reader never sees half a file
+    (the trainer rewrites it at every save of a directory that may be being exported).
+
+    Example::
+
+        write_args_file("ckpt", CheckpointInfo("torch_dist", get_model_config("tiny-llama"), 128))
+    """
+    path = os.path.join(megatron_dir, ARGS_FILE)
+    with open(path + ".tmp", "w") as f:
         json.dump(info.to_json(), f, indent=2)
+    os.replace(path + ".tmp", path)
+
+
+def write_info(megatron_dir: str, info: CheckpointInfo) -> None:
+    write_args_file(megatron_dir, info)
     with open(os.path.join(megatron_dir, TRACKER_FILE), "w") as f:
         f.write(RELEASE)
 

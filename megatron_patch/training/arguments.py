@@ -9,15 +9,20 @@ Example::
     args.fp16, args.memory_optimization        # (True, 'zero-1')
 
 Unknown flags are refused with their names (``allow_abbrev`` is off, so a typo never silently matches a longer
-flag), and every conflict names both flags and the fix.
+flag), and every conflict names both flags and the fix. ``--load DIR`` with ``DIR/megatron_patch_args.json`` (a
+conversion's or our trainer's) supplies the model flags not given, as Megatron-LM's ``--use-checkpoint-args``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
+import os
 
-from megatron_patch.model.config import add_model_arguments
+from megatron_patch.convert.mcore_io import ARGS_FILE, read_info
+# The flag tables themselves: which model flags exist and which ModelConfig field each one sets.
+from megatron_patch.model.config import _SWITCH_FLAGS, _VALUE_FLAGS, add_model_arguments
 from megatron_patch.model.parallel import add_parallel_arguments
 from megatron_patch.tokenizer.registry import add_tokenizer_args
 
@@ -171,6 +176,52 @@ _CHECKS = [
 ]
 
 
+# Fields a flag may change on a stored model: they shape the training run, not the weights.
+_TRAINING_FIELDS = {"seq_length", "hidden_dropout", "attention_dropout", "init_method_std"}
+
+
+def _apply_checkpoint_args(args: argparse.Namespace) -> None:
+    """Set ``args.checkpoint_info`` from ``--load``'s ``megatron_patch_args.json`` (None without one) and fill the
+    model flags not given from it; a given flag that contradicts the stored model is refused.
+
+    Example::
+
+        args = parse_args(["--load", "llama-mcore", "--seq-length", "16"])   # a converted checkpoint
+        args.hidden_size, args.checkpoint_info.padded_vocab_size             # (32, 128): from the file
+    """
+    path = os.path.join(args.load, ARGS_FILE) if args.load else None
+    if path is None or not os.path.isfile(path):
+        args.checkpoint_info = None
+        return
+    info = read_info(args.load)
+    stored = info.model_config
+    if args.model_name is not None:
+        _refuse(f"--model-name {args.model_name} conflicts with --load {args.load}: {path} describes the model; "
+                "drop --model-name")
+    if args.model_family not in (None, stored.family):
+        _refuse(f"--model-family {args.model_family} contradicts family={stored.family!r} in {path}")
+    training = {}
+    for flag, field, _ in _VALUE_FLAGS:
+        given, kept = getattr(args, field), getattr(stored, field)
+        if given is None:
+            setattr(args, field, kept)
+        elif field in _TRAINING_FIELDS:
+            training[field] = given
+        elif given != kept:
+            _refuse(f"{flag} {given} contradicts {field}={kept!r} in {path}; drop {flag} (the stored model is "
+                    "used) or load another checkpoint")
+    for flag, field, value in _SWITCH_FLAGS:
+        dest = f"_switch_{flag[2:].replace('-', '_')}"
+        if getattr(args, dest) and getattr(stored, field) != value:
+            _refuse(f"{flag} (sets {field}={value!r}) contradicts {field}={getattr(stored, field)!r} in {path}")
+        setattr(args, dest, getattr(stored, field) == value)
+    args.model_family = stored.family
+    if info.padded_vocab_size % args.tensor_model_parallel_size:
+        _refuse(f"--tensor-model-parallel-size {args.tensor_model_parallel_size} does not divide the padded "
+                f"vocabulary {info.padded_vocab_size} in {path}")
+    args.checkpoint_info = dataclasses.replace(info, model_config=dataclasses.replace(stored, **training))
+
+
 def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     """Derive the typed values the rest of the code uses and refuse conflicts, once."""
     args.memory_optimization = _memory_mode(args)
@@ -183,6 +234,7 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
         args.use_distributed_optimizer = True
     args.dataset_path = args.dataset_path or (args.data_path[0] if args.data_path else None)
     args.dataset_name = args.dataset_name or args.data_name
+    _apply_checkpoint_args(args)
     # Megatron-LM user scripts read these names.
     args.params_dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     return args

@@ -2,8 +2,12 @@
 
 Example::
 
-    save_checkpoint("ckpt", 100, model, optimizer, scheduler)        # any TP/PP/DP layout
-    iteration = load_checkpoint("ckpt", model, optimizer, scheduler)  # loads at another TP/PP too
+    save_checkpoint("ckpt", 100, model, optimizer, scheduler, True, info)   # any TP/PP/DP layout
+    iteration = load_checkpoint("ckpt", model, optimizer, scheduler, True)  # loads at another TP/PP too
+
+A megatron model whose description is known (``info``) also gets ``SAVE/megatron_patch_args.json``, the file
+``megatron-patch convert megatron-to-hf`` reads. A tracker holding ``release`` names a converted checkpoint
+(``SAVE/release/``, Megatron-LM's convention): it has weights only, so loading it starts at iteration 0.
 
 megatron-core models go through ``dist_checkpointing`` (torch_dist), which reshards on load; the distributed
 optimizer's state is saved ``fully_reshardable`` so it loads at another TP/PP/DP (the default format refuses
@@ -17,7 +21,10 @@ import os
 
 import torch
 
-TRACKER = "latest_checkpointed_iteration.txt"
+from megatron_patch.convert.mcore_io import (
+    RELEASE, TRACKER_FILE as TRACKER, CheckpointInfo, read_info, weights_dir, write_args_file,
+)
+
 # Reshardable across TP/PP/DP at load time (shared/notes/megatron-core-on-cpu.md, item 9).
 _OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
@@ -26,16 +33,40 @@ def checkpoint_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
-def read_tracker(root: str) -> int | None:
-    """The iteration in ``latest_checkpointed_iteration.txt``, or None when there is no checkpoint."""
+def read_tracker(root: str) -> int | str | None:
+    """The iteration in ``latest_checkpointed_iteration.txt``, ``"release"`` for a converted checkpoint, or
+    None when there is no checkpoint."""
     path = os.path.join(root, TRACKER)
     if not os.path.isfile(path):
         return None
     with open(path) as f:
         text = f.read().strip()
+    if text == RELEASE:
+        return RELEASE
     if not text.isdigit():
-        raise ValueError(f"{path} holds {text!r}; expected an iteration number")
+        raise ValueError(f"{path} holds {text!r}; expected an iteration number or {RELEASE!r}")
     return int(text)
+
+
+_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def trained_model_info(model_config, padded_vocab_size: int, args, loaded: CheckpointInfo | None) -> CheckpointInfo:
+    """What ``megatron_patch_args.json`` records for the trainer's own checkpoints: the model, the stored weights'
+    dtype and layout, and the Hugging Face description of the checkpoint it was ``loaded`` from (for export).
+
+    Example::
+
+        info = trained_model_info(config, 128, args, args.checkpoint_info)   # args: the parsed flags
+        save_checkpoint("ckpt", 10, model, optimizer, scheduler, True, info)
+    """
+    return CheckpointInfo(
+        format="torch_dist", model_config=model_config, padded_vocab_size=padded_vocab_size,
+        dtype=_DTYPES[args.params_dtype], tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        hf_config=loaded.hf_config if loaded else None, hf_architecture=loaded.hf_architecture if loaded else None,
+        initialized_tensors=loaded.initialized_tensors if loaded else [],
+    )
 
 
 def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
@@ -89,8 +120,10 @@ def _restore_adam_step(optimizer) -> None:
                     inner.state[param]["step"] = torch.tensor(float(group["step"]))
 
 
-def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, megatron: bool) -> str:
-    """Write ``iter_{iteration}`` and then the tracker (so a crash mid-save leaves the previous one current)."""
+def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, megatron: bool,
+                    info: CheckpointInfo | None = None) -> str:
+    """Write ``iter_{iteration}``, ``info`` as ``megatron_patch_args.json`` (megatron models), and then the tracker
+    (so a crash mid-save leaves the previous one current)."""
     path = checkpoint_dir(root, iteration)
     rank = torch.distributed.get_rank()
     if megatron:
@@ -107,6 +140,8 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, mega
     torch.distributed.barrier()
     _save_rng(path, rank)
     if rank == 0:
+        if megatron and info is not None:
+            write_args_file(root, info)
         with open(os.path.join(root, TRACKER), "w") as f:
             f.write(str(iteration))
     torch.distributed.barrier()
@@ -156,10 +191,15 @@ def _load_rng(path: str, rank: int, logger) -> None:
 def load_checkpoint(root: str, model, optimizer, scheduler, megatron: bool, *, load_optim: bool = True,
                     load_rng: bool = True, finetune: bool = False, logger=None) -> int:
     """Load the tracker's iteration into ``model`` (and optimizer/scheduler); return the iteration to resume
-    from (0 with ``finetune``). Raises FileNotFoundError when ``root`` has no tracker."""
+    from (0 with ``finetune``). Raises FileNotFoundError when ``root`` has no tracker.
+
+    A converted checkpoint (tracker ``release``) loads the model only and returns 0, as Megatron-LM does.
+    """
     iteration = read_tracker(root)
     if iteration is None:
         raise FileNotFoundError(f"--load {root}: no {TRACKER}; nothing to resume from")
+    if iteration == RELEASE:
+        return _load_release(root, model, megatron, logger)
     path = checkpoint_dir(root, iteration)
     with_optimizer = load_optim and not finetune
     if megatron:
@@ -181,6 +221,21 @@ def load_checkpoint(root: str, model, optimizer, scheduler, megatron: bool, *, l
         _load_rng(path, torch.distributed.get_rank(), logger)
     torch.distributed.barrier()
     return 0 if finetune else iteration
+
+
+def _load_release(root: str, model, megatron: bool, logger) -> int:
+    if not megatron:
+        raise ValueError(f"--load {root}: a converted ({RELEASE}) checkpoint holds a megatron-core model; this "
+                         "trainer's model is a plain torch/Hugging Face one")
+    from megatron_patch.convert.verify import load_into_chunks
+
+    # verify's loader reads both formats a conversion writes (torch_dist and the legacy per-rank files).
+    load_into_chunks([_unwrap(chunk) for chunk in model], root, read_info(root))
+    if logger is not None:
+        logger.info(f"--load {root}: converted checkpoint ({weights_dir(root)}) has no optimizer, scheduler or "
+                    "RNG state; loaded the model only, starting at iteration 0 (as --finetune)")
+    torch.distributed.barrier()
+    return 0
 
 
 def _load_plain(path: str, model, optimizer, scheduler, with_optimizer: bool) -> None:

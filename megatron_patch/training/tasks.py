@@ -123,12 +123,20 @@ class MegatronGPTPretrainer(Pretrainer):
     def model_optimizer_lr_scheduler_provider(self):
         from megatron_patch.model import model_config_from_args, parallel_config_from_args
         from megatron_patch.model.builder import build_model_chunks, padded_vocab_size
+        from megatron_patch.training.checkpointing import trained_model_info
 
         args = self.args
-        model_config = model_config_from_args(args, vocab_size=self.engine.tokenizer.vocab_size)
+        loaded = args.checkpoint_info
+        if loaded is not None:
+            # The stored padded vocabulary, not one recomputed from the tokenizer x TP: that may differ (a
+            # conversion pads for TP=1) and give a shape mismatch on load.
+            model_config, vocab = loaded.model_config, loaded.padded_vocab_size
+        else:
+            model_config = model_config_from_args(args, vocab_size=self.engine.tokenizer.vocab_size)
+            vocab = padded_vocab_size(model_config.vocab_size, model_config.make_vocab_size_divisible_by,
+                                      args.tensor_model_parallel_size)
         parallel = parallel_config_from_args(args, model_config.num_layers)
-        vocab = padded_vocab_size(model_config.vocab_size, model_config.make_vocab_size_divisible_by,
-                                  args.tensor_model_parallel_size)
+        self.checkpoint_info = trained_model_info(model_config, vocab, args, loaded)
         return build_model_chunks(model_config, parallel, vocab), None, None
 
     def run_forward_step(self, data_iterator, model):

@@ -103,6 +103,9 @@ class _Trainer:
         self.model = self.optimizer = self.lr_scheduler = None
         self.megatron = False
         self.iteration = 0
+        # The megatron model's description, written next to each save (so megatron-to-hf can export it); set by
+        # a model provider that knows its ModelConfig (checkpointing.trained_model_info).
+        self.checkpoint_info = None
 
     # -- the user's side --------------------------------------------------------------------------------
     @_hook
@@ -210,7 +213,7 @@ class _Trainer:
 
     def save(self) -> str:
         return checkpointing.save_checkpoint(self.args.save, self.iteration, self.model, self.optimizer,
-                                             self.lr_scheduler, self.megatron)
+                                             self.lr_scheduler, self.megatron, self.checkpoint_info)
 
     def _finish(self, log: TrainingLog) -> None:
         args = self.args
@@ -266,6 +269,9 @@ class Pretrainer(_Trainer):
             return None
         from megatron_patch.model import model_config_from_args, num_floating_point_operations
 
+        if self.checkpoint_info is not None:
+            config = self.checkpoint_info.model_config
+            return num_floating_point_operations(config, 1, args.seq_length, config.vocab_size)
         try:
             config = model_config_from_args(args)
         except (ValueError, TypeError):
