@@ -27,6 +27,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import faulthandler
+import gc
 import multiprocessing
 import multiprocessing.util  # before our atexit hook: see _close_all
 import os
@@ -51,6 +52,18 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+# A worker whose test bodies left more OS threads than this behind (gloo runs two per group and process
+# group, and megatron-core builds dozens of groups per layout) is replaced before the next test.
+MAX_WORKER_THREADS = 256
+
+
+def _thread_count() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:  # not Linux: no recycling
+        return 0
 
 
 def _worker_main(rank: int, world_size: int, port: int, tasks, results, sys_path: list[str], log_path: str):
@@ -85,9 +98,12 @@ def _worker_main(rank: int, world_size: int, port: int, tasks, results, sys_path
             # shared memory, which stalls for large results.
             value = pickle.dumps(fn(rank, world_size, *args, **kwargs))
         except BaseException:
-            results.put((rank, False, traceback.format_exc()))
+            results.put((rank, False, traceback.format_exc(), 0))
         else:
-            results.put((rank, True, value))
+            # Models and optimizers hold process groups in reference cycles; collecting them lets the groups'
+            # communication threads end. The thread count tells the harness when to recycle this worker.
+            gc.collect()
+            results.put((rank, True, value, _thread_count()))
         sys.stdout.flush()
         sys.stderr.flush()
     if torch.distributed.is_initialized():
@@ -195,6 +211,7 @@ def run_on_ranks(
         q.put((fn, args, kwargs or {}))
     values: dict[int, Any] = {}
     errors: dict[int, str] = {}
+    most_threads = 0
     deadline = time.monotonic() + timeout
     while len(values) + len(errors) < world_size:
         if errors:
@@ -202,7 +219,7 @@ def run_on_ranks(
             # moment to report, then stop waiting.
             deadline = min(deadline, time.monotonic() + 5)
         try:
-            rank, ok, value = pool.results.get(timeout=max(0.05, min(1.0, deadline - time.monotonic())))
+            rank, ok, value, threads = pool.results.get(timeout=max(0.05, min(1.0, deadline - time.monotonic())))
         except queue.Empty:
             dead = [r for r, p in enumerate(pool.processes) if not p.is_alive() and r not in values]
             if dead:
@@ -216,6 +233,7 @@ def run_on_ranks(
                 break
             continue
         (values if ok else errors)[rank] = value
+        most_threads = max(most_threads, threads)
 
     if errors:
         _discard(world_size)
@@ -236,4 +254,6 @@ def run_on_ranks(
             f"rank(s) {stuck} of {world_size} did not finish within {timeout:.0f}s (finished: "
             f"{sorted(values)}); a rank that never joins a collective leaves the others waiting in it.\n{stacks}"
         )
+    if most_threads > MAX_WORKER_THREADS:
+        _pools.pop(world_size).close()
     return [pickle.loads(values[r]) for r in range(world_size)]
