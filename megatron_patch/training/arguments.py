@@ -136,6 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt.add_argument("--finetune", action="store_true",
                       help="load model weights only and start at iteration 0")
     ckpt.add_argument("--exit-on-missing-checkpoint", action="store_true")
+    ckpt.add_argument("--load-fallback", action="store_true",
+                      help="when --load's latest checkpoint has a missing or truncated file, load the newest "
+                           "complete earlier iter_* instead of stopping")
+    ckpt.add_argument("--keep-last-k", type=int, default=None, metavar="K",
+                      help="after each save keep only the newest K iter_* checkpoints under --save")
 
     log = parser.add_argument_group("logging")
     log.add_argument("--log-interval", type=int, default=10)
@@ -171,6 +176,9 @@ _CHECKS = [
      "--global-batch-size must be a multiple of --micro-batch-size"),
     (lambda a: a.finetune and a.load is None, "--finetune needs --load DIR"),
     (lambda a: a.save_interval is not None and a.save is None, "--save-interval needs --save DIR"),
+    (lambda a: a.keep_last_k is not None and a.save is None, "--keep-last-k needs --save DIR"),
+    (lambda a: a.keep_last_k is not None and a.keep_last_k < 1, "--keep-last-k must be at least 1"),
+    (lambda a: a.load_fallback and a.load is None, "--load-fallback needs --load DIR"),
     (lambda a: a.tensorboard_dir is not None and importlib.util.find_spec("tensorboard") is None,
      "--tensorboard-dir needs the tensorboard package (pip install tensorboard)"),
 ]

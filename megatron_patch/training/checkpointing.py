@@ -13,11 +13,23 @@ megatron-core models go through ``dist_checkpointing`` (torch_dist), which resha
 optimizer's state is saved ``fully_reshardable`` so it loads at another TP/PP/DP (the default format refuses
 that). Plain/Hugging Face models are saved with ``save_pretrained`` (full weights gathered from FSDP shards) plus
 the optimizer and scheduler state of rank 0's view when not sharded.
+
+Crash safety: a save goes to ``SAVE/iter_0000100.tmp-<id>/``, is fsynced, renamed to ``iter_0000100`` and only
+then named by the tracker (replaced atomically), so a process killed mid-save leaves the previous checkpoint
+current; loading ignores ``*.tmp-*`` leftovers and the next successful save removes them. A checkpoint with a
+missing or truncated file raises CorruptCheckpointError naming both; ``load_fallback`` loads the newest complete
+earlier ``iter_*`` instead.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import re
+import shutil
+import uuid
+import zipfile
 
 import torch
 
@@ -29,8 +41,30 @@ from megatron_patch.convert.mcore_io import (
 _OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
+_COMPLETE = re.compile(r"iter_(\d{7})")
+_STAGING = re.compile(r"iter_\d{7}\.tmp-")
+
+
+class CorruptCheckpointError(RuntimeError):
+    """A checkpoint directory with a missing or truncated file (a save that died half-way, a damaged disk)."""
+
+
 def checkpoint_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def complete_iterations(root: str) -> list[int]:
+    """The iterations of ``root``'s ``iter_*`` directories, oldest first; ``*.tmp-*`` saves in progress (or
+    killed) are not among them.
+
+    Example::
+
+        complete_iterations("ckpt")   # [100, 200] for ckpt/iter_0000100, ckpt/iter_0000200, ckpt/iter_0000300.tmp-1f
+    """
+    if not os.path.isdir(root):
+        return []
+    found = (_COMPLETE.fullmatch(name) for name in os.listdir(root))
+    return sorted(int(m.group(1)) for m in found if m and os.path.isdir(os.path.join(root, m.group(0))))
 
 
 def read_tracker(root: str) -> int | str | None:
@@ -121,31 +155,109 @@ def _restore_adam_step(optimizer) -> None:
 
 
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, megatron: bool,
-                    info: CheckpointInfo | None = None) -> str:
-    """Write ``iter_{iteration}``, ``info`` as ``megatron_patch_args.json`` (megatron models), and then the tracker
-    (so a crash mid-save leaves the previous one current)."""
+                    info: CheckpointInfo | None = None, *, keep_last_k: int | None = None) -> str:
+    """Write ``iter_{iteration}`` (through a ``.tmp-`` directory, renamed once every rank's files are on disk),
+    ``info`` as ``megatron_patch_args.json`` (megatron models), then the tracker; with ``keep_last_k`` delete all
+    but the newest K ``iter_*`` (never the tracker's).
+
+    Example::
+
+        save_checkpoint("ckpt", 300, model, optimizer, scheduler, True, info, keep_last_k=2)
+        # ckpt/iter_0000200, ckpt/iter_0000300; the tracker holds 300
+    """
     path = checkpoint_dir(root, iteration)
     rank = torch.distributed.get_rank()
+    staging = _make_staging_dir(path, rank)
     if megatron:
         from megatron.core import dist_checkpointing
 
-        if rank == 0:
-            os.makedirs(path, exist_ok=True)
-        torch.distributed.barrier()
         state = _megatron_state(model, optimizer, scheduler, is_loading=False, with_optimizer=True)
         state["iteration"] = iteration
-        dist_checkpointing.save(state, path)
+        dist_checkpointing.save(state, staging)
     else:
-        _save_plain(path, model, optimizer, scheduler, iteration, rank)
-    torch.distributed.barrier()
-    _save_rng(path, rank)
+        _save_plain(staging, model, optimizer, scheduler, iteration, rank)
+    _save_rng(staging, rank)
+    torch.distributed.barrier()  # every rank's files are written: rank 0 may publish them
     if rank == 0:
+        _fsync_tree(staging)
+        _publish(staging, path)
         if megatron and info is not None:
             write_args_file(root, info)
-        with open(os.path.join(root, TRACKER), "w") as f:
-            f.write(str(iteration))
+        _write_tracker(root, iteration)
+        _remove_old(root, iteration, keep_last_k)
     torch.distributed.barrier()
     return path
+
+
+def _make_staging_dir(path: str, rank: int) -> str:
+    """A fresh ``iter_*.tmp-<id>`` every rank writes into; the id (made by rank 0) keeps a killed save's
+    leftovers from mixing with this one's files."""
+    name = [f"{path}.tmp-{uuid.uuid4().hex[:8]}" if rank == 0 else None]
+    if rank == 0:
+        os.makedirs(name[0])
+    torch.distributed.broadcast_object_list(name, src=0)
+    return name[0]
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(path: str) -> None:
+    """Flush every file and directory under ``path`` before the rename publishes it: a rename can reach the disk
+    before the data it names (ext4/xfs delayed allocation), leaving a complete-looking checkpoint of empty files."""
+    for directory, _, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(directory, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(directory)
+
+
+def _publish(staging: str, path: str) -> None:
+    """Rename ``staging`` to ``path``; an existing ``path`` (the same iteration saved again) is moved aside
+    first, since a directory cannot be renamed onto a non-empty one."""
+    replaced = None
+    if os.path.exists(path):
+        replaced = f"{staging}-replaced"
+        os.rename(path, replaced)
+    os.rename(staging, path)
+    _fsync_dir(os.path.dirname(path))
+    if replaced is not None:
+        shutil.rmtree(replaced)
+
+
+def _write_tracker(root: str, iteration: int) -> None:
+    """Replace the tracker atomically: a reader (or a restart after a crash) sees the old or the new iteration,
+    never an empty file."""
+    path = os.path.join(root, TRACKER)
+    with open(path + ".tmp", "w") as f:
+        f.write(str(iteration))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+    _fsync_dir(root)
+
+
+def _remove_old(root: str, iteration: int, keep_last_k: int | None) -> None:
+    """Remove killed saves' ``*.tmp-*`` directories and, with ``keep_last_k``, all but the newest K checkpoints
+    (``iteration``, the one the tracker now names, always stays)."""
+    for name in os.listdir(root):
+        if _STAGING.match(name):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    if keep_last_k is None:
+        return
+    complete = complete_iterations(root)
+    keep = set(complete[-keep_last_k:]) | {iteration}
+    for old in complete:
+        if old not in keep:
+            shutil.rmtree(checkpoint_dir(root, old))
 
 
 def _full_model_state(model: torch.nn.Module) -> dict:
@@ -175,8 +287,12 @@ def _save_plain(path: str, model, optimizer, scheduler, iteration: int, rank: in
 
 def _save_rng(path: str, rank: int) -> None:
     os.makedirs(os.path.join(path, "rng"), exist_ok=True)
-    torch.save({"torch": torch.get_rng_state(), "world_size": torch.distributed.get_world_size()},
-               os.path.join(path, "rng", f"rank_{rank:05d}.pt"))
+    file = os.path.join(path, "rng", f"rank_{rank:05d}.pt")
+    with open(file, "wb") as f:
+        torch.save({"torch": torch.get_rng_state(), "world_size": torch.distributed.get_world_size()}, f)
+        f.flush()
+        # Each rank flushes its own file: on a shared filesystem rank 0's fsync does not reach another node's.
+        os.fsync(f.fileno())
 
 
 def _load_rng(path: str, rank: int, logger) -> None:
@@ -189,9 +305,14 @@ def _load_rng(path: str, rank: int, logger) -> None:
 
 
 def load_checkpoint(root: str, model, optimizer, scheduler, megatron: bool, *, load_optim: bool = True,
-                    load_rng: bool = True, finetune: bool = False, logger=None) -> int:
+                    load_rng: bool = True, finetune: bool = False, load_fallback: bool = False, logger=None) -> int:
     """Load the tracker's iteration into ``model`` (and optimizer/scheduler); return the iteration to resume
-    from (0 with ``finetune``). Raises FileNotFoundError when ``root`` has no tracker.
+    from (0 with ``finetune``). Raises FileNotFoundError when ``root`` has no tracker, CorruptCheckpointError when
+    that checkpoint has a missing or truncated file (with ``load_fallback``: loads the newest complete earlier one).
+
+    Example::
+
+        iteration = load_checkpoint("ckpt", model, optimizer, scheduler, True, load_fallback=True)
 
     A converted checkpoint (tracker ``release``) loads the model only and returns 0, as Megatron-LM does.
     """
@@ -200,6 +321,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, megatron: bool, *, l
         raise FileNotFoundError(f"--load {root}: no {TRACKER}; nothing to resume from")
     if iteration == RELEASE:
         return _load_release(root, model, megatron, logger)
+    iteration = _complete_iteration(root, iteration, megatron, load_fallback, logger or logging.getLogger(__name__))
     path = checkpoint_dir(root, iteration)
     with_optimizer = load_optim and not finetune
     if megatron:
@@ -221,6 +343,84 @@ def load_checkpoint(root: str, model, optimizer, scheduler, megatron: bool, *, l
         _load_rng(path, torch.distributed.get_rank(), logger)
     torch.distributed.barrier()
     return 0 if finetune else iteration
+
+
+def _complete_iteration(root: str, iteration: int, megatron: bool, load_fallback: bool, logger) -> int:
+    """``iteration`` when its checkpoint is complete; else, with ``load_fallback``, the newest complete earlier
+    one. Every rank checks the same files, so all ranks pick the same checkpoint."""
+    try:
+        verify_checkpoint(checkpoint_dir(root, iteration), megatron)
+        return iteration
+    except CorruptCheckpointError as error:
+        if not load_fallback:
+            raise CorruptCheckpointError(f"--load {root}: {error}; pass --load-fallback to load the newest "
+                                         "complete earlier checkpoint instead") from None
+        problem = error
+    for earlier in reversed([i for i in complete_iterations(root) if i < iteration]):
+        try:
+            verify_checkpoint(checkpoint_dir(root, earlier), megatron)
+        except CorruptCheckpointError as error:
+            logger.warning(f"--load-fallback: skipping {error}")
+            continue
+        logger.warning(f"--load {root}: {problem}; --load-fallback: loading iteration {earlier} instead")
+        return earlier
+    raise CorruptCheckpointError(f"--load {root}: {problem}; --load-fallback found no complete earlier checkpoint")
+
+
+def verify_checkpoint(path: str, megatron: bool) -> None:
+    """Raise CorruptCheckpointError naming ``path`` and the file when a file is missing or shorter than what the
+    checkpoint's own metadata records; reads metadata only, not the weights.
+
+    Example::
+
+        verify_checkpoint("ckpt/iter_0000100", megatron=True)   # a truncated __0_0.distcp raises
+    """
+    if not os.path.isdir(path):
+        raise CorruptCheckpointError(f"checkpoint {path} does not exist")
+    if not megatron:
+        _require(path, "trainer_state.pt", zipped=True)
+        if not any(os.path.isfile(os.path.join(path, name)) for name in ("model.pt", "config.json")):
+            raise CorruptCheckpointError(f"checkpoint {path} is incomplete: neither model.pt nor config.json")
+        return
+    _require(path, "common.pt", zipped=True)
+    try:
+        with open(_require(path, "metadata.json")) as f:
+            json.load(f)
+    except ValueError as error:
+        raise CorruptCheckpointError(f"checkpoint {path} is corrupted: metadata.json is not JSON ({error})") from None
+    _verify_distcp_sizes(path)
+
+
+def _require(path: str, name: str, zipped: bool = False) -> str:
+    file = os.path.join(path, name)
+    if not os.path.isfile(file):
+        raise CorruptCheckpointError(f"checkpoint {path} is incomplete: {name} is missing")
+    # torch.save writes a zip whose directory sits at the end, so a truncated file is not a zip any more.
+    if zipped and not zipfile.is_zipfile(file):
+        raise CorruptCheckpointError(f"checkpoint {path} is corrupted: {name} is truncated or not a torch.save file")
+    return file
+
+
+def _verify_distcp_sizes(path: str) -> None:
+    """torch_dist's ``.metadata`` records each tensor's file, offset and length; a ``.distcp`` shorter than its
+    last record was cut off."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    _require(path, ".metadata")
+    try:
+        storage = FileSystemReader(path).read_metadata().storage_data
+    except Exception as error:  # any unpickling failure means the same thing: a damaged .metadata
+        raise CorruptCheckpointError(f"checkpoint {path} is corrupted: .metadata does not load ({error!r})") from None
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            raise CorruptCheckpointError(f"checkpoint {path} is incomplete: {name} is missing")
+        if os.path.getsize(file) < size:
+            raise CorruptCheckpointError(f"checkpoint {path} is corrupted: {name} is truncated "
+                                         f"({os.path.getsize(file)} bytes; .metadata records {size})")
 
 
 def _load_release(root: str, model, megatron: bool, logger) -> int:

@@ -147,7 +147,7 @@ class _Trainer:
             self.iteration = checkpointing.load_checkpoint(
                 args.load, self.model, self.optimizer, self.lr_scheduler, self.megatron,
                 load_optim=not args.no_load_optim, load_rng=not args.no_load_rng, finetune=args.finetune,
-                logger=self.engine.logger,
+                load_fallback=args.load_fallback, logger=self.engine.logger,
             ) if checkpointing.read_tracker(args.load) is not None or args.exit_on_missing_checkpoint else 0
 
     def _chunks(self) -> list:
@@ -213,7 +213,8 @@ class _Trainer:
 
     def save(self) -> str:
         return checkpointing.save_checkpoint(self.args.save, self.iteration, self.model, self.optimizer,
-                                             self.lr_scheduler, self.megatron, self.checkpoint_info)
+                                             self.lr_scheduler, self.megatron, self.checkpoint_info,
+                                             keep_last_k=self.args.keep_last_k)
 
     def _finish(self, log: TrainingLog) -> None:
         args = self.args
