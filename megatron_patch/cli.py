@@ -10,20 +10,15 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import socket
 import subprocess
 import sys
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def launch(module: str, nproc_per_node: int, module_args: list[str]) -> int:
     """Run ``python -m module`` on ``nproc_per_node`` local processes with torch's elastic launcher."""
-    port = os.environ.get("MASTER_PORT") or str(_free_port())
+    from megatron_patch.distributed import free_port  # here: the data tools need no torch import
+
+    port = os.environ.get("MASTER_PORT") or str(free_port())
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}",
                f"--master-port={port}", "-m", module, *module_args]
     print("+ " + " ".join(command), flush=True)

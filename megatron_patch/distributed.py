@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import socket
 
 import torch
 
@@ -37,6 +38,19 @@ class ParallelLayout:
     context_parallel_size: int
     data_parallel_size: int
     device: torch.device
+
+
+def free_port() -> int:
+    """A TCP port that is free on this host now, for a rendezvous (``MASTER_PORT``) of local processes.
+
+    Example::
+
+        >>> 1024 <= free_port() < 65536
+        True
+    """
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _env_int(name: str, default: int) -> int:

@@ -34,24 +34,19 @@ import os
 import pickle
 import queue
 import signal
-import socket
 import sys
 import tempfile
 import time
 import traceback
 from typing import Any, Callable
 
+from megatron_patch.distributed import free_port
+
 DEFAULT_TIMEOUT_S = 120.0
 
 
 class RankFailure(AssertionError):
     """A test body raised on some rank, or did not finish in time."""
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # A worker whose test bodies left more OS threads than this behind (gloo runs two per group and process
@@ -150,7 +145,7 @@ _log_dir = tempfile.mkdtemp(prefix="megatron_patch_ranks_")
 
 def _start_pool(world_size: int) -> _Pool:
     ctx = multiprocessing.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     results = ctx.Queue()
     tasks = [ctx.Queue() for _ in range(world_size)]
     stamp = f"{world_size}_{port}"

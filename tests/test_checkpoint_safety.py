@@ -5,7 +5,6 @@ import glob
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -15,6 +14,7 @@ import pytest
 from seed_scripts.assets import rapidformer_assets
 from test_trainer_megatron import _gpt_flags, train_gpt
 
+from megatron_patch.distributed import free_port
 from megatron_patch.testing import run_on_ranks
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -102,9 +102,7 @@ def test_killed_save_leaves_the_previous_checkpoint_current(assets, tmp_path):
         checkpointing._save_rng = stalling_save_rng
         train_gpt(0, 1, {argv!r})
     """)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     tests = os.path.dirname(__file__)
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
                PYTHONPATH=os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]))

@@ -2,8 +2,6 @@
 transformers' at TP=1, TP=2, PP=2 and TP=2 x PP=2, and every tensor comes back bit for bit, through both
 checkpoint formats and after a resharded save."""
 
-import os
-
 import pytest
 
 from megatron_patch.testing import run_on_ranks

@@ -106,7 +106,6 @@ def corrupt_checkpoint(rank, world_size, megatron_dir, out_dir, pre_ln):
     """Re-save ``megatron_dir`` with one layer's weights perturbed, or (pre_ln) with post-LN BERT weights
     mapped by name into Megatron's pre-LN BERT, the conversion that runs without error and is wrong."""
     import dataclasses
-    import shutil
 
     import torch
 

@@ -31,6 +31,7 @@ from typing import Callable
 
 import torch
 
+from megatron_patch.distributed import free_port
 from megatron_patch.model.config import ModelConfig
 
 ARGS_FILE = "megatron_patch_args.json"
@@ -128,7 +129,7 @@ def build_reference_model(model_config: ModelConfig, padded_vocab_size: int, dty
     from megatron_patch.model.parallel import ParallelConfig
 
     if not torch.distributed.is_initialized():
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     initialize_distributed(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, seed=1234)
     parallel = ParallelConfig(bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16)
     if not (allocate_only or meta):
@@ -144,14 +145,6 @@ def build_reference_model(model_config: ModelConfig, padded_vocab_size: int, dty
     for name, param in model.named_parameters():
         vars(param).update(attributes[name])
     return model
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def full_state_dict(model) -> dict[str, torch.Tensor]:

@@ -16,21 +16,15 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 import subprocess
 import sys
 import traceback
 import types
 
+from megatron_patch.distributed import free_port
 from megatron_patch.training.arguments import parse_args
 
 _RANK_ENTRY = "--rank-entry"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _processes_per_node(requested: int | None) -> int:
@@ -70,7 +64,7 @@ def launch_command(argv: list[str]) -> list[str]:
         f"--nproc-per-node={_processes_per_node(args.nproc_per_node)}",
         f"--nnodes={env.get('NNODES', '1')}", f"--node-rank={env.get('NODE_RANK', '0')}",
         f"--master-addr={env.get('MASTER_ADDR', '127.0.0.1')}",
-        f"--master-port={env.get('MASTER_PORT') or _free_port()}",
+        f"--master-port={env.get('MASTER_PORT') or free_port()}",
         "-m", "megatron_patch.training.launcher", _RANK_ENTRY, *_without(argv, "--nproc-per-node"),
     ]
 
