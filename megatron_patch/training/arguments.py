@@ -170,7 +170,6 @@ _CHECKS = [
     (lambda a: a.fp16 and a.bf16, "--fp16 and --bf16 conflict; give one (or --mixed-precision [--bf16])"),
     (lambda a: a.lr_warmup_fraction is not None and a.lr_warmup_iters,
      "--lr-warmup-iters and --lr-warmup-fraction conflict; give one"),
-    (lambda a: a.task and a.user_script is None and a.task not in TASKS, "unknown --task"),
     (lambda a: a.micro_batch_size < 1, "--micro-batch-size must be at least 1"),
     (lambda a: a.global_batch_size is not None and a.global_batch_size % a.micro_batch_size,
      "--global-batch-size must be a multiple of --micro-batch-size"),

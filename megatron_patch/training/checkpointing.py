@@ -126,16 +126,20 @@ def _megatron_state(model, optimizer, scheduler, is_loading: bool, with_optimize
     return state
 
 
+def _optimizer_parts(optimizer):
+    """(megatron optimizer, its torch optimizer or None) for each part of a possibly chained optimizer."""
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        yield part, getattr(part, "optimizer", None)
+
+
 def _has_adam_state(optimizer) -> bool:
-    parts = getattr(optimizer, "chained_optimizers", [optimizer])
-    return all(getattr(part, "optimizer", None) is None or part.optimizer.state for part in parts)
+    return all(inner is None or inner.state for _, inner in _optimizer_parts(optimizer))
 
 
 def _initialise_adam_state(optimizer) -> None:
     """A fresh torch Adam has no state; megatron-core's loader needs it, with a ``step`` (without TE/apex the
     optimizer's ``state_dict`` reads ``step``; shared/notes/megatron-core-on-cpu.md item 9)."""
-    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(part, "optimizer", None)
+    for part, inner in _optimizer_parts(optimizer):
         if inner is None or getattr(part, "init_state_fn", None) is None:
             continue
         part.init_state_fn(inner, part.config)
@@ -146,8 +150,7 @@ def _initialise_adam_state(optimizer) -> None:
 def _restore_adam_step(optimizer) -> None:
     """Without TE/apex megatron-core saves torch Adam's step per param group (``distrib_optimizer.py:672``) but
     torch Adam reads it per parameter; put it back there, or bias correction restarts after a resume."""
-    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(part, "optimizer", None)
+    for _, inner in _optimizer_parts(optimizer):
         for group in getattr(inner, "param_groups", []):
             if group.get("step") is not None:
                 for param in group["params"]:
@@ -199,7 +202,8 @@ def _make_staging_dir(path: str, rank: int) -> str:
     return name[0]
 
 
-def _fsync_dir(path: str) -> None:
+def _fsync_path(path: str) -> None:
+    """fsync a file or a directory (both can be opened read-only for it)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -212,12 +216,8 @@ def _fsync_tree(path: str) -> None:
     before the data it names (ext4/xfs delayed allocation), leaving a complete-looking checkpoint of empty files."""
     for directory, _, files in os.walk(path):
         for name in files:
-            fd = os.open(os.path.join(directory, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(directory)
+            _fsync_path(os.path.join(directory, name))
+        _fsync_path(directory)
 
 
 def _publish(staging: str, path: str) -> None:
@@ -228,7 +228,7 @@ def _publish(staging: str, path: str) -> None:
         replaced = f"{staging}-replaced"
         os.rename(path, replaced)
     os.rename(staging, path)
-    _fsync_dir(os.path.dirname(path))
+    _fsync_path(os.path.dirname(path))
     if replaced is not None:
         shutil.rmtree(replaced)
 
@@ -242,7 +242,7 @@ def _write_tracker(root: str, iteration: int) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(path + ".tmp", path)
-    _fsync_dir(root)
+    _fsync_path(root)
 
 
 def _remove_old(root: str, iteration: int, keep_last_k: int | None) -> None:

@@ -172,7 +172,7 @@ def _layer_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [layer for module in model.modules() if isinstance(module, torch.nn.ModuleList) for layer in module]
 
 
-def _wrap_ddp(model: torch.nn.Module, reshard_after_forward: bool | None = None) -> torch.nn.Module:
+def _wrap_ddp(model: torch.nn.Module) -> torch.nn.Module:
     if torch.distributed.get_world_size() == 1:
         return model
     return torch.nn.parallel.DistributedDataParallel(model)
@@ -413,6 +413,16 @@ def _compile(model: torch.nn.Module, backend: str, logger: logging.Logger) -> No
     model.compile(backend=backend)
 
 
+def _user_scheduler(lr_scheduler_fn, optimizer, default: Callable[[], object]):
+    """``compose``'s ``lr_scheduler_fn``: None -> ``default()``; a factory such as
+    ``partial(get_linear_schedule_with_warmup, ...)`` -> called with the optimizer; a scheduler -> itself."""
+    if lr_scheduler_fn is None:
+        return default()
+    if callable(lr_scheduler_fn) and not hasattr(lr_scheduler_fn, "step"):
+        return lr_scheduler_fn(optimizer=optimizer)
+    return lr_scheduler_fn
+
+
 def _compose_plain(engine: Engine, model: torch.nn.Module, optimizer, lr_scheduler_fn, train_iters: int):
     args = engine.args
     if args.tensor_model_parallel_size > 1 or args.pipeline_model_parallel_size > 1:
@@ -440,12 +450,8 @@ def _compose_plain(engine: Engine, model: torch.nn.Module, optimizer, lr_schedul
     autocast = _plain_autocast_dtype(args)
     if autocast is not None:
         model.forward = torch.autocast(engine.device.type, dtype=autocast)(model.forward)
-    if lr_scheduler_fn is None:
-        scheduler = IterationScheduler(_default_scheduler(args, optimizer, train_iters))
-    elif callable(lr_scheduler_fn) and not hasattr(lr_scheduler_fn, "step"):
-        scheduler = lr_scheduler_fn(optimizer=optimizer)
-    else:
-        scheduler = lr_scheduler_fn
+    scheduler = _user_scheduler(lr_scheduler_fn, optimizer,
+                                lambda: IterationScheduler(_default_scheduler(args, optimizer, train_iters)))
     return model, wrapped, scheduler
 
 
@@ -485,12 +491,9 @@ def _compose_megatron(engine: Engine, model_obj, optimizer, lr_scheduler_fn, tra
             loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
             use_distributed_optimizer=args.use_distributed_optimizer,
         ))
-    if lr_scheduler_fn is None:
-        scheduler = _default_scheduler(args, optimizer, train_iters, unit=args.global_batch_size)
-    elif callable(lr_scheduler_fn) and not hasattr(lr_scheduler_fn, "step"):
-        scheduler = lr_scheduler_fn(optimizer=optimizer)
-    else:
-        scheduler = lr_scheduler_fn
+    scheduler = _user_scheduler(
+        lr_scheduler_fn, optimizer, lambda: _default_scheduler(args, optimizer, train_iters, unit=args.global_batch_size)
+    )
     return model, optimizer, scheduler
 
 
