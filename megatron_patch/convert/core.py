@@ -246,8 +246,9 @@ def megatron_to_hf(
     model = build_reference_model(m, info.padded_vocab_size, _DTYPES[info.dtype], allocate_only=True)
     load_into_reference_model(model, load_dir, info)
     state = full_state_dict(model)
-    rules = family.table(m, architecture).expanded(m.num_layers)
-    _check_coverage(rules, family.table(m, architecture), state)
+    table = family.table(m, architecture)
+    rules = table.expanded(m.num_layers)
+    _check_coverage(rules, table, state)
     shapes = shapes_of(m, info.padded_vocab_size)
     with atomic_directory(save_dir, overwrite) as tmp:
         bar = _Progress("megatron-to-hf", sum(state[r.mcore].nbytes for r in rules), len(rules), progress)

@@ -38,7 +38,6 @@ ARGS_FILE = "megatron_patch_args.json"
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
 TOKENIZER_DIR = "hf_tokenizer"
-FORMATS = ("torch_dist", "torch")
 _LAYER = re.compile(r"^((?:decoder|encoder)\.layers\.)(\d+)\.")
 
 
@@ -228,9 +227,10 @@ def stream_dist(model, ckpt_dir: str, materialise: Callable[[str], torch.Tensor]
     from megatron.core import dist_checkpointing
 
     os.makedirs(ckpt_dir, exist_ok=True)
+    sharded_state = model.sharded_state_dict()
     sources = {(sharded.key, tuple(sharded.global_offset)): _full_index(name, sharded)
-               for name, sharded in _sharded_tensors(model.sharded_state_dict())}
-    dist_checkpointing.save(model.sharded_state_dict(), ckpt_dir,
+               for name, sharded in _sharded_tensors(sharded_state)}
+    dist_checkpointing.save(sharded_state, ckpt_dir,
                             sharded_strategy=_streaming_strategy(sources, materialise))
 
 

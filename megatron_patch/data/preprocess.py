@@ -262,6 +262,7 @@ class _Batch:
     first_line: int  # 1-based line number in `path`
     global_line: int  # 0-based index of the first line over all inputs
     lines: list[bytes]
+    nbytes: int  # sum of len(lines), counted while reading
     position: int  # input bytes (compressed for .gz) consumed up to the end of this batch
 
 
@@ -281,7 +282,7 @@ def _read_batches(paths: list[str], config: PreprocessConfig) -> Iterator[_Batch
                         break
                 if not lines:
                     break
-                yield _Batch(path, line_number, global_line, lines, done_bytes + raw.tell())
+                yield _Batch(path, line_number, global_line, lines, size, done_bytes + raw.tell())
                 line_number += len(lines)
                 global_line += len(lines)
         done_bytes += os.path.getsize(path)
@@ -369,7 +370,7 @@ def preprocess(config: PreprocessConfig) -> PreprocessReport:
         for key, prefixes in part_prefixes.items():
             builders[key] = [IndexedDatasetBuilder(p + ".bin", dtype=dtype) for p in prefixes]
         for batch, result in _encode_in_pool(_read_batches(paths, config), config, dtype):
-            report.input_bytes += sum(len(line) for line in batch.lines)
+            report.input_bytes += batch.nbytes
             for offset, reason in result.errors:
                 if not config.skip_invalid:
                     raise InputError(f"{batch.path}:{batch.first_line + offset}: {reason}")

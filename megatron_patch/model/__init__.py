@@ -4,7 +4,7 @@ Example::
 
     from megatron_patch.model import ParallelConfig, build_model_chunks, get_model_config, padded_vocab_size
     model_config = get_model_config("tiny-llama", num_layers=4)
-    chunks = build_model_chunks(model_config, ParallelConfig(), padded_vocab_size(128, 1, tp=1))
+    chunks = build_model_chunks(model_config, ParallelConfig(), padded_vocab_size(128, 1, 1))
 """
 
 from megatron_patch.model.config import (

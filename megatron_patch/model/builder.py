@@ -5,7 +5,7 @@ Example::
     initialize_distributed(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
     model_config = get_model_config("tiny-llama")
     parallel = ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
-    chunks = build_model_chunks(model_config, parallel, padded_vocab_size(128, 1, tp=2))
+    chunks = build_model_chunks(model_config, parallel, padded_vocab_size(128, 1, 2))
 
 Model code never branches on the backend (that is ``specs``) nor on a model's name (that is the registry):
 GPT-2, LLaMA and Qwen2 are all GPTModel with different TransformerConfig fields.
@@ -27,6 +27,8 @@ from megatron_patch.model.bert import BertForSequenceClassification, BertModel
 from megatron_patch.model.config import ModelConfig
 from megatron_patch.model.parallel import ParallelConfig
 from megatron_patch.model.specs import block_spec, norm_module
+# One padding rule for tokenizer, model and converter, or checkpoint shapes stop matching.
+from megatron_patch.tokenizer.registry import padded_vocab_size  # noqa: F401  (re-exported)
 
 # activation -> (activation_func, gated_linear_unit, whether megatron-core's fused kernel computes the same).
 # Its fused bias-GeLU is the tanh approximation (fusions/fused_bias_gelu.py), so erf-GeLU models never use it.
@@ -37,16 +39,6 @@ _ACTIVATIONS = {
 }
 
 
-def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
-    """Megatron's vocabulary padding: the next multiple of ``divisible_by x tp`` (each TP rank gets equal rows).
-
-    Example::
-
-        >>> padded_vocab_size(50257, 128, tp=1)   # GPT-2's 50257 -> 50304
-        50304
-    """
-    multiple = divisible_by * tp
-    return -(-vocab_size // multiple) * multiple
 
 
 def to_transformer_config(model_config: ModelConfig, parallel_config: ParallelConfig) -> TransformerConfig:

@@ -7,7 +7,6 @@
 
 import argparse
 import inspect
-import math
 import os
 from typing import Any, Callable
 
@@ -123,7 +122,7 @@ def padded_vocab_size(
             f"{make_vocab_size_divisible_by} and {tensor_model_parallel_size}"
         )
     multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
-    return int(math.ceil(vocab_size / multiple) * multiple)
+    return -(-vocab_size // multiple) * multiple  # integer ceiling: exact for any size
 
 
 def require_file(path: str | None, flag: str, tokenizer_type: str, what: str) -> str:

@@ -16,8 +16,8 @@ import os
 from typing import Callable, Iterator
 
 from megatron_patch.data.jsonl import expand_inputs, iter_jsonl_texts
+from megatron_patch.tokenizer.gpt2 import EOD_TOKEN
 
-EOD_TOKEN = "<|endoftext|>"
 BERT_SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
 
