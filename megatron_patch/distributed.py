@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import multiprocessing
 import os
 import socket
+import sys
 
 import torch
 
@@ -192,3 +194,26 @@ def destroy_distributed() -> None:
         parallel_state.destroy_model_parallel()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+def exit_rank(status: int) -> None:
+    """End a torchrun rank for good: barrier (on success), flush, stop helper processes, ``os._exit(status)``.
+
+    Example::
+
+        exit_rank(run_my_rank())     # never returns
+
+    After gloo collectives a normal interpreter exit sometimes aborts with "terminate called without an active
+    exception" (SIGABRT; shared/notes/megatron-core-on-cpu.md, "Torch-native sharding"), which torchrun reports
+    as a failed rank. ``os._exit`` skips multiprocessing's atexit hook, which would stop dist_checkpointing's
+    spawned Manager; left alone it outlives the rank, holding the launcher's stdout open (a caller reading it
+    waits forever), so its children are stopped here.
+    """
+    if torch.distributed.is_initialized() and status == 0:
+        torch.distributed.barrier()
+    for child in multiprocessing.active_children():
+        child.terminate()
+        child.join()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

@@ -129,4 +129,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    if torch.distributed.is_initialized():  # a torchrun rank of verify: end it without the interpreter's teardown
+        from megatron_patch.distributed import exit_rank
+
+        exit_rank(status)
+    sys.exit(status)

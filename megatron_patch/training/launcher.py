@@ -8,8 +8,7 @@ Example::
 
 Each process runs ``python -m megatron_patch.training.launcher --rank-entry ...``: the user script (as
 ``__main__``, with ``from megatron import mpu`` available; see ``run_user_script``) or the ``--task``. A rank ends
-with a barrier, flushed output and ``os._exit``, because after FSDP2 a normal interpreter exit sometimes aborts
-(shared/notes/megatron-core-on-cpu.md, "Torch-native sharding").
+through ``megatron_patch.distributed.exit_rank`` (a normal interpreter exit after gloo sometimes aborts).
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import sys
 import traceback
 import types
 
-from megatron_patch.distributed import free_port
+from megatron_patch.distributed import exit_rank, free_port
 from megatron_patch.training.arguments import parse_args
 
 _RANK_ENTRY = "--rank-entry"
@@ -113,23 +112,6 @@ def run_user_script(path: str, argv: list[str]) -> None:
     exec(code, module.__dict__)
 
 
-def _exit_rank(status: int) -> None:
-    import multiprocessing
-
-    import torch
-
-    if torch.distributed.is_initialized() and status == 0:
-        torch.distributed.barrier()
-    # os._exit skips multiprocessing's atexit hook, which would stop dist_checkpointing's spawned Manager; left
-    # alone it outlives the rank, holding the launcher's stdout open (a caller reading it waits forever).
-    for child in multiprocessing.active_children():
-        child.terminate()
-        child.join()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == [_RANK_ENTRY]:
@@ -141,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         except BaseException:  # noqa: BLE001  (report every failure of a rank before the hard exit)
             traceback.print_exc()
             status = 1
-        _exit_rank(status)
+        exit_rank(status)
     command = launch_command(argv)
     print("+ " + " ".join(command), flush=True)
     return subprocess.run(command).returncode
