@@ -152,7 +152,7 @@ def initialize_distributed(
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
         context_parallel_size=context_parallel_size,
-        distributed_timeout_minutes=max(1, round(timeout_minutes)),
+        distributed_timeout_minutes=timeout_minutes,  # a float: timedelta(minutes=...) takes it
     )
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
@@ -217,3 +217,48 @@ def exit_rank(status: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
+
+
+_PROGRESS_KEY = "megatron_patch/progress/{}"
+_finished_iterations = 0
+
+
+def record_progress(finished_iterations: int | None = None) -> None:
+    """Note in torchrun's rendezvous store how far this rank got (for ``progress_report``): the iterations it
+    finished, or, called without a count, that it computed the gradients of the next one.
+
+    The store lives in the launcher's agent, so it outlives a rank that died; one small write each time.
+    """
+    global _finished_iterations
+    if finished_iterations is not None:
+        _finished_iterations = finished_iterations
+    milestone = 2 * _finished_iterations + (finished_iterations is None)
+    store = torch.distributed.distributed_c10d._get_default_store()
+    store.set(_PROGRESS_KEY.format(torch.distributed.get_rank()), str(milestone))
+
+
+def _describe_milestone(milestone: int) -> str:
+    if milestone % 2:
+        return f"computed the gradients of iteration {milestone // 2 + 1}"
+    return f"finished {milestone // 2} iteration(s)"
+
+
+def progress_report() -> str:
+    """How far each rank got, from ``record_progress``: after a collective timed out, the ranks that got least far
+    are the ones that hung or died (their peers wait for them).
+
+    Example::
+
+        progress_report()
+        # 'rank 1: finished 1 iteration(s); rank 0: computed the gradients of iteration 2 -> rank 1 fell behind'
+    """
+    store = torch.distributed.distributed_c10d._get_default_store()
+    reached: dict[int, list[int]] = {}
+    for rank in range(torch.distributed.get_world_size()):
+        key = _PROGRESS_KEY.format(rank)
+        reached.setdefault(int(store.get(key)) if store.check([key]) else 0, []).append(rank)
+    names = lambda ranks: f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"  # noqa: E731
+    report = "; ".join(f"{names(ranks)}: {_describe_milestone(m)}" for m, ranks in sorted(reached.items()))
+    if len(reached) > 1:
+        report += f" -> {names(reached[min(reached)])} fell behind"
+    return report

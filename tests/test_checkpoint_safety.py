@@ -88,18 +88,18 @@ def test_killed_save_leaves_the_previous_checkpoint_current(assets, tmp_path):
     save = str(tmp_path / "ckpt")
     argv = _gpt_flags(assets, *_BATCH, "--train-iters", "2", "--save", save, "--save-interval", "1")
     # A tiny model's save takes milliseconds, too short to aim a kill at; the second save stops after its
-    # torch_dist files are written (before the RNG state, the rename and the tracker) so the kill lands mid-save.
+    # files are written (before the rename and the tracker) so the kill lands mid-save.
     script = textwrap.dedent(f"""
         import time
         from megatron_patch.training import checkpointing
         from test_trainer_megatron import train_gpt
 
-        save_rng = checkpointing._save_rng
-        def stalling_save_rng(path, rank):
-            if "iter_0000002.tmp-" in path:
+        publish = checkpointing._publish_when_written
+        def stalling_publish(root, staging, *args):
+            if "iter_0000002.tmp-" in staging:
                 time.sleep(600)
-            save_rng(path, rank)
-        checkpointing._save_rng = stalling_save_rng
+            publish(root, staging, *args)
+        checkpointing._publish_when_written = stalling_publish
         train_gpt(0, 1, {argv!r})
     """)
     port = free_port()

@@ -110,6 +110,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--loss-scale", type=float, default=None, help="static fp16 loss scale (default: dynamic)")
     train.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32)
     train.add_argument("--use-distributed-optimizer", action="store_true")
+    train.add_argument("--max-bad-steps", type=int, default=3, metavar="N",
+                       help="bf16/fp32: stop after N consecutive steps with NaN/Inf gradients (each is skipped, "
+                            "not applied), keeping the last checkpoint; fp16 skips them and lowers the loss scale")
+    train.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                       help="a collective waiting longer than this (a rank died or hangs) fails the job")
+    train.add_argument("--exit-signal-handler", action="store_true",
+                       help="on SIGTERM (preemption) finish the current iteration, save a checkpoint under --save "
+                            "and exit with status 0")
 
     data = parser.add_argument_group("data")
     data.add_argument("--data-path", nargs="*", default=None,
@@ -141,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "complete earlier iter_* instead of stopping")
     ckpt.add_argument("--keep-last-k", type=int, default=None, metavar="K",
                       help="after each save keep only the newest K iter_* checkpoints under --save")
+    ckpt.add_argument("--async-save", action="store_true",
+                      help="write megatron-core checkpoints in a background process while training goes on; "
+                           "a save becomes the latest only once every rank's files are complete")
 
     log = parser.add_argument_group("logging")
     log.add_argument("--log-interval", type=int, default=10)
@@ -178,6 +189,11 @@ _CHECKS = [
     (lambda a: a.keep_last_k is not None and a.save is None, "--keep-last-k needs --save DIR"),
     (lambda a: a.keep_last_k is not None and a.keep_last_k < 1, "--keep-last-k must be at least 1"),
     (lambda a: a.load_fallback and a.load is None, "--load-fallback needs --load DIR"),
+    (lambda a: a.max_bad_steps < 1, "--max-bad-steps must be at least 1"),
+    (lambda a: a.distributed_timeout_minutes <= 0, "--distributed-timeout-minutes must be positive"),
+    (lambda a: a.exit_signal_handler and a.save is None,
+     "--exit-signal-handler saves on SIGTERM: give --save DIR"),
+    (lambda a: a.async_save and a.save is None, "--async-save needs --save DIR"),
     (lambda a: a.tensorboard_dir is not None and importlib.util.find_spec("tensorboard") is None,
      "--tensorboard-dir needs the tensorboard package (pip install tensorboard)"),
 ]
@@ -242,6 +258,15 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     args.dataset_path = args.dataset_path or (args.data_path[0] if args.data_path else None)
     args.dataset_name = args.dataset_name or args.data_name
     _apply_checkpoint_args(args)
+    if args.task == "pretraining" and args.data_path and not args.mock_data:
+        # Found now, before torchrun starts and models are built, not when the datasets are (user scripts that
+        # build megatron-core datasets get the same check then, still before the first step).
+        from megatron_patch.data.datasets import parse_data_path
+
+        try:
+            parse_data_path(args.data_path)
+        except ValueError as error:
+            _refuse(str(error))
     # Megatron-LM user scripts read these names.
     args.params_dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     return args

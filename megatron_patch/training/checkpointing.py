@@ -23,14 +23,17 @@ earlier ``iter_*`` instead.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
+import random
 import re
 import shutil
 import uuid
 import zipfile
 
+import numpy
 import torch
 
 from megatron_patch.convert.mcore_io import (
@@ -42,7 +45,7 @@ _OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
 _COMPLETE = re.compile(r"iter_(\d{7})")
-_STAGING = re.compile(r"iter_\d{7}\.tmp-")
+_STAGING = re.compile(r"iter_(\d{7})\.tmp-")
 
 
 class CorruptCheckpointError(RuntimeError):
@@ -158,7 +161,7 @@ def _restore_adam_step(optimizer) -> None:
 
 
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, megatron: bool,
-                    info: CheckpointInfo | None = None, *, keep_last_k: int | None = None) -> str:
+                    info: CheckpointInfo | None = None, *, keep_last_k: int | None = None, async_queue=None) -> str:
     """Write ``iter_{iteration}`` (through a ``.tmp-`` directory, renamed once every rank's files are on disk),
     ``info`` as ``megatron_patch_args.json`` (megatron models), then the tracker; with ``keep_last_k`` delete all
     but the newest K ``iter_*`` (never the tracker's).
@@ -167,29 +170,44 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, mega
 
         save_checkpoint("ckpt", 300, model, optimizer, scheduler, True, info, keep_last_k=2)
         # ckpt/iter_0000200, ckpt/iter_0000300; the tracker holds 300
+
+    With ``async_queue`` (megatron-core's ``AsyncCallsQueue``) the tensors are written by a background process
+    and the publishing (rename, tracker) happens when the queue finalizes the save on every rank
+    (``maybe_finalize_async_calls``), so an unfinished save is never the latest.
     """
     path = checkpoint_dir(root, iteration)
     rank = torch.distributed.get_rank()
     staging = _make_staging_dir(path, rank)
+    _save_rng(staging, rank)
+    publish = functools.partial(_publish_when_written, root, staging, path, iteration,
+                                info if megatron else None, keep_last_k)
     if megatron:
         from megatron.core import dist_checkpointing
 
         state = _megatron_state(model, optimizer, scheduler, is_loading=False, with_optimizer=True)
         state["iteration"] = iteration
-        dist_checkpointing.save(state, staging)
+        request = dist_checkpointing.save(state, staging, async_sharded_save=async_queue is not None)
+        if request is not None:
+            request.add_finalize_fn(publish)
+            async_queue.schedule_async_request(request)
+            return path
     else:
         _save_plain(staging, model, optimizer, scheduler, iteration, rank)
-    _save_rng(staging, rank)
+    publish()
+    return path
+
+
+def _publish_when_written(root: str, staging: str, path: str, iteration: int, info: CheckpointInfo | None,
+                          keep_last_k: int | None) -> None:
     torch.distributed.barrier()  # every rank's files are written: rank 0 may publish them
-    if rank == 0:
+    if torch.distributed.get_rank() == 0:
         _fsync_tree(staging)
         _publish(staging, path)
-        if megatron and info is not None:
+        if info is not None:
             write_args_file(root, info)
         _write_tracker(root, iteration)
         _remove_old(root, iteration, keep_last_k)
     torch.distributed.barrier()
-    return path
 
 
 def _make_staging_dir(path: str, rank: int) -> str:
@@ -246,10 +264,12 @@ def _write_tracker(root: str, iteration: int) -> None:
 
 
 def _remove_old(root: str, iteration: int, keep_last_k: int | None) -> None:
-    """Remove killed saves' ``*.tmp-*`` directories and, with ``keep_last_k``, all but the newest K checkpoints
+    """Remove killed saves' ``*.tmp-*`` directories (up to ``iteration``) and, with ``keep_last_k``, all but the newest K checkpoints
     (``iteration``, the one the tracker now names, always stays)."""
     for name in os.listdir(root):
-        if _STAGING.match(name):
+        staging = _STAGING.match(name)
+        # Later iterations' staging directories may be asynchronous saves still being written.
+        if staging and int(staging.group(1)) <= iteration:
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     if keep_last_k is None:
         return
@@ -285,11 +305,35 @@ def _save_plain(path: str, model, optimizer, scheduler, iteration: int, rank: in
                 "optimizer": None if sharded else optimizer.state_dict()}, os.path.join(path, "trainer_state.pt"))
 
 
+def _rng_state() -> dict:
+    """Every generator a step draws from, as Megatron-LM saves them: Python's and NumPy's (data code), torch's
+    (dropout outside tensor-parallel regions), the GPU's, and megatron-core's tensor-parallel tracker (dropout
+    inside them, different per TP rank)."""
+    from megatron.core import tensor_parallel
+
+    return {
+        "python": random.getstate(), "numpy": numpy.random.get_state(), "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["python"])
+    numpy.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
 def _save_rng(path: str, rank: int) -> None:
     os.makedirs(os.path.join(path, "rng"), exist_ok=True)
     file = os.path.join(path, "rng", f"rank_{rank:05d}.pt")
     with open(file, "wb") as f:
-        torch.save({"torch": torch.get_rng_state(), "world_size": torch.distributed.get_world_size()}, f)
+        torch.save({**_rng_state(), "world_size": torch.distributed.get_world_size()}, f)
         f.flush()
         # Each rank flushes its own file: on a shared filesystem rank 0's fsync does not reach another node's.
         os.fsync(f.fileno())
@@ -301,7 +345,7 @@ def _load_rng(path: str, rank: int, logger) -> None:
     if state is None or state["world_size"] != torch.distributed.get_world_size():
         logger.warning(f"{path}: no RNG state for this world size; keeping the seeded RNG (as --no-load-rng)")
         return
-    torch.set_rng_state(state["torch"])
+    _set_rng_state(state)
 
 
 def load_checkpoint(root: str, model, optimizer, scheduler, megatron: bool, *, load_optim: bool = True,

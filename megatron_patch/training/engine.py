@@ -22,6 +22,8 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import math
+import os
 import sys
 import time
 from typing import Callable
@@ -128,6 +130,8 @@ class PlainOptimizer:
             grad_norm = grad_norm.full_tensor()
         grad_norm = float(grad_norm)
         if not self.scaled:
+            if not math.isfinite(grad_norm):  # bf16/fp32 have no scaler to skip a NaN/Inf step; skip it here
+                return False, grad_norm, None
             self.optimizer.step()
             return True, grad_norm, None
         scale = self.scaler.get_scale()
@@ -283,6 +287,7 @@ class Engine:
             virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
             context_parallel_size=args.context_parallel_size,
             seed=args.seed,
+            timeout_minutes=args.distributed_timeout_minutes,
         )
         self.device = self.layout.device
         dp = self.layout.data_parallel_size
@@ -322,6 +327,8 @@ class Engine:
                 raise SystemExit("rapidformer: error: this script needs --tokenizer-type (and its files)")
             options = {k: v for k, v in tokenizer_options(self.args).items() if v is not None}
             self._tokenizer = build_tokenizer(self.args.tokenizer_type, **options)
+            if self.args.checkpoint_info is not None:
+                _check_tokenizer_fits(self._tokenizer, self.args.checkpoint_info, self.args)
         return self._tokenizer
 
     @property
@@ -386,6 +393,24 @@ class Engine:
 
     def print_rank_0(self, message: str) -> None:
         self.logger.info(message)
+
+
+def _check_tokenizer_fits(tokenizer, info, args) -> None:
+    """Refuse a tokenizer whose ids the ``--load`` checkpoint cannot embed, before any step.
+
+    A Hugging Face model's vocabulary may be larger than its tokenizer's (rows kept for added tokens); one our
+    trainer started from scratch was sized by its tokenizer, so another size means another tokenizer.
+    """
+    from megatron_patch.convert.mcore_io import ARGS_FILE
+
+    stored = info.model_config.vocab_size
+    given = tokenizer.vocab_size
+    if given > stored or (info.hf_config is None and given != stored):
+        raise SystemExit(
+            f"rapidformer: error: --tokenizer-type {args.tokenizer_type} has {given} tokens but "
+            f"{os.path.join(args.load, ARGS_FILE)} records vocab_size={stored}: the checkpoint was trained with "
+            "another tokenizer; give that tokenizer's files (--vocab-file/--merge-file/--tokenizer-model)"
+        )
 
 
 def _plain_autocast_dtype(args) -> torch.dtype | None:

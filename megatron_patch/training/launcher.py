@@ -112,6 +112,19 @@ def run_user_script(path: str, argv: list[str]) -> None:
     exec(code, module.__dict__)
 
 
+def _print_progress() -> None:
+    """After a failure (a collective that timed out names no culprit), say which rank fell behind."""
+    import torch
+
+    from megatron_patch.distributed import progress_report
+
+    if torch.distributed.is_initialized():
+        try:
+            print(f"rapidformer: {progress_report()}", file=sys.stderr)
+        except RuntimeError:  # the store went away with the launcher: nothing to add
+            pass
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == [_RANK_ENTRY]:
@@ -120,8 +133,10 @@ def main(argv: list[str] | None = None) -> int:
         except SystemExit as error:  # argument errors and the like: the message is the report
             print(error, file=sys.stderr)
             status = error.code if isinstance(error.code, int) else 1
-        except BaseException:  # noqa: BLE001  (report every failure of a rank before the hard exit)
+        except BaseException as error:  # noqa: BLE001  (report every failure of a rank before the hard exit)
             traceback.print_exc()
+            print(f"rapidformer: rank {os.environ.get('RANK', 0)} failed: {error!r}", file=sys.stderr)
+            _print_progress()
             status = 1
         exit_rank(status)
     command = launch_command(argv)

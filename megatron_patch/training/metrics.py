@@ -8,6 +8,10 @@ Example::
     log.validation(iteration=10, loss=3.3)
     log.plot("logs/loss_curves.png")
 
+With ``record_path`` every iteration is also appended to a JSON-lines file at full precision (``iteration``,
+``consumed_samples``, ``lr``, ``loss``, ``grad_norm``, ``loss_scale``, ``skipped``), flushed as it is written, so a
+run killed at any point leaves the record of what it did (a resumed run appends the iterations it repeats).
+
 A line reads like Megatron-LM's: `` iteration 10/100 | consumed samples: 80 | elapsed time per iteration (ms):
 120.0 | learning rate: 1.000E-04 | lm loss: 3.200E+00 | loss scale: 65536.0 | grad norm: 1.100 | number of
 skipped iterations: 0 | tokens/s: 34133 | peak memory (MB): 512``; TFLOP/s and MFU are added on GPUs.
@@ -15,6 +19,7 @@ skipped iterations: 0 | tokens/s: 34133 | peak memory (MB): 512``; TFLOP/s and M
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -44,7 +49,8 @@ class TrainingLog:
     """Accumulates per-iteration numbers, prints every ``log_interval`` and keeps the curves."""
 
     def __init__(self, logger: logging.Logger, log_interval: int, train_iters: int | None = None,
-                 flops_per_sample: float | None = None, tensorboard_dir: str | None = None):
+                 flops_per_sample: float | None = None, tensorboard_dir: str | None = None,
+                 record_path: str | None = None):
         self.logger = logger
         self.log_interval = max(1, log_interval)
         self.train_iters = train_iters
@@ -55,6 +61,15 @@ class TrainingLog:
         self.step_times: list[float] = []  # seconds per iteration (bench/train_overhead.py reads them)
         self.skipped = 0
         self._window: list[dict] = []
+        self.record = None
+        if record_path is not None:
+            os.makedirs(os.path.dirname(os.path.abspath(record_path)), exist_ok=True)
+            self.record = open(record_path, "a", encoding="utf-8")
+            if self.record.tell():  # a killed run may have left half a line: end it, so this run's lines parse
+                with open(record_path, "rb") as f:
+                    f.seek(-1, os.SEEK_END)
+                    if f.read(1) != b"\n":
+                        self.record.write("\n")
         self.writer = None
         if tensorboard_dir and torch.distributed.get_rank() == 0:
             from torch.utils.tensorboard import SummaryWriter
@@ -73,6 +88,10 @@ class TrainingLog:
             self.train_losses.append((iteration, loss))
         self._window.append(dict(loss=loss, grad_norm=grad_norm, step_time=step_time, tokens=tokens,
                                  samples=samples))
+        if self.record is not None:
+            self.record.write(json.dumps(dict(iteration=iteration, consumed_samples=consumed_samples, lr=lr, loss=loss,
+                                              grad_norm=grad_norm, loss_scale=loss_scale, skipped=skipped)) + "\n")
+            self.record.flush()
         for name, value in (("lm loss", loss), ("learning-rate", lr), ("grad-norm", grad_norm),
                             ("loss-scale", loss_scale)):
             self._scalar(name, value, iteration)

@@ -11,6 +11,8 @@ Example::
 This follows Megatron-LM's ``training.train_step``: zero the grad buffers, run
 ``get_forward_backward_func()`` (no pipelining, 1F1B or interleaved 1F1B as the parallel state says), let
 ``finalize_model_grads`` reduce gradients over data-parallel and embedding groups, then step the optimizer.
+A step whose gradients hold NaN/Inf is skipped (``StepStats.skipped``): in fp16 megatron-core's loss scaler finds
+the overflow (and lowers the scale); in bf16/fp32 there is no scaler, so ``train_step`` looks itself.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
+
+from megatron_patch.distributed import record_progress
 
 
 def wrap_model(
@@ -55,13 +59,20 @@ def build_optimizer(chunks: list[DistributedDataParallel], optimizer_config: Opt
     optimizer = get_megatron_optimizer(optimizer_config, chunks)
     config = get_model_config(chunks[0])
     config.grad_scale_func = optimizer.scale_loss
-    config.finalize_model_grads_func = finalize_model_grads
+    config.finalize_model_grads_func = _finalize_model_grads
     ddp_config = chunks[0].ddp_config
     if ddp_config.overlap_grad_reduce:
         config.no_sync_func = [chunk.no_sync for chunk in chunks]
         if len(chunks) == 1:
             config.no_sync_func = config.no_sync_func[0]
     return optimizer
+
+
+def _finalize_model_grads(*args, **kwargs):
+    # This rank's backward is done; should the reduction below time out, the ranks that never got here are the
+    # ones their peers waited for (megatron_patch.distributed.progress_report).
+    record_progress()
+    return finalize_model_grads(*args, **kwargs)
 
 
 @dataclasses.dataclass
@@ -82,6 +93,17 @@ def _reduce_loss_reports(reports: list[dict]) -> tuple[float | None, int]:
     torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
     loss_sum, num_tokens = total.tolist()
     return loss_sum / max(num_tokens, 1.0), int(num_tokens)
+
+
+def gradients_are_finite(chunks: list[DistributedDataParallel]) -> bool:
+    """True when no rank holds a NaN/Inf gradient (every rank gets the same answer: one all-reduce over the
+    world, since tensor- and pipeline-parallel ranks hold different parameters)."""
+    bad = torch.zeros(1, device=chunks[0].buffers[0].grad_data.device)
+    for chunk in chunks:
+        for buffer in chunk.buffers + chunk.expert_parallel_buffers:
+            bad += (~torch.isfinite(buffer.grad_data)).any()
+    torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+    return not bad.item()
 
 
 def train_step(
@@ -112,7 +134,10 @@ def train_step(
         micro_batch_size=micro_batch_size,
         forward_only=False,
     )
-    update_successful, grad_norm, _ = optimizer.step()
+    if get_model_config(chunks[0]).fp16 or gradients_are_finite(chunks):
+        update_successful, grad_norm, _ = optimizer.step()
+    else:  # an update with NaN/Inf gradients would poison every weight (and Adam's moments)
+        update_successful, grad_norm = False, None
     if update_successful and scheduler is not None:
         data_parallel_size = parallel_state.get_data_parallel_world_size()
         scheduler.step(increment=num_microbatches * micro_batch_size * data_parallel_size)

@@ -29,6 +29,7 @@ import time
 import torch
 from torch.utils.data import default_collate
 
+from megatron_patch.distributed import record_progress
 from megatron_patch.training import checkpointing
 from megatron_patch.training.engine import Engine, is_megatron_model
 from megatron_patch.training.metrics import TrainingLog
@@ -36,6 +37,11 @@ from megatron_patch.training.metrics import TrainingLog
 
 class MissingHook(TypeError):
     """A trainer subclass lacks a hook its template needs."""
+
+
+class TrainingStopped(SystemExit):
+    """Training gave up on purpose (NaN/Inf gradients for ``--max-bad-steps`` steps in a row); the message says
+    why and which checkpoint is the last good one. The launcher prints it and exits non-zero."""
 
 
 class _StageOutput(Exception):
@@ -103,6 +109,10 @@ class _Trainer:
         self.model = self.optimizer = self.lr_scheduler = None
         self.megatron = False
         self.iteration = 0
+        self._last_saved = None  # the iteration of the last save (so nothing is saved twice)
+        self._bad_steps = 0  # consecutive steps skipped for NaN/Inf gradients (bf16/fp32)
+        self._exit_signal = None  # signals.ExitSignal with --exit-signal-handler
+        self._async_saves = None  # megatron-core's AsyncCallsQueue with --async-save
         # The megatron model's description, written next to each save (so megatron-to-hf can export it); set by
         # a model provider that knows its ModelConfig (checkpointing.trained_model_info).
         self.checkpoint_info = None
@@ -143,6 +153,17 @@ class _Trainer:
         self.model, self.optimizer, self.lr_scheduler = self.engine.compose(
             model, optimizer, scheduler, train_iters=train_iters)
         args = self.args
+        if args.async_save:
+            if not self.megatron:
+                raise SystemExit("rapidformer: error: --async-save applies to megatron-core models (dist_checkpointing)"
+                                 "; drop it for plain torch/Hugging Face models")
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            self._async_saves = AsyncCallsQueue()
+        if args.exit_signal_handler:
+            from megatron_patch.training.signals import ExitSignal
+
+            self._exit_signal = ExitSignal()
         if args.load:
             self.iteration = checkpointing.load_checkpoint(
                 args.load, self.model, self.optimizer, self.lr_scheduler, self.megatron,
@@ -191,7 +212,8 @@ class _Trainer:
         self.optimizer.zero_grad()
         return _all_reduce_mean(losses, self.engine.device), grad_norm, not success, float(loss_scale)
 
-    def _run(self, forward, data_iterator, train_iters: int, log: TrainingLog, after_step=None) -> None:
+    def _run(self, forward, data_iterator, train_iters: int, log: TrainingLog, after_step=None) -> bool:
+        """Train up to ``train_iters``; returns True when an exit signal stopped it (after saving)."""
         args = self.args
         for chunk in self._chunks():
             chunk.train()
@@ -200,33 +222,79 @@ class _Trainer:
             loss, grad_norm, skipped, loss_scale = self._step(forward, data_iterator)
             self.iteration += 1
             elapsed = time.perf_counter() - start
+            record_progress(self.iteration)
             log.step(self.iteration, self.iteration * args.global_batch_size, self._lr(), loss, grad_norm,
                      loss_scale, skipped, elapsed, args.global_batch_size * (args.seq_length or 0),
                      args.global_batch_size)
+            self._count_bad_step(skipped)
             if after_step is not None:
                 after_step(self.iteration)
             if args.save and args.save_interval and self.iteration % args.save_interval == 0:
                 self.save()
+            if self._async_saves is not None:
+                self._async_saves.maybe_finalize_async_calls(blocking=False)
+            if self._exit_signal is not None and self._exit_signal.any_rank_received(self.engine.device):
+                self._finish_saves()
+                self.engine.logger.info(f" exiting on signal {self._exit_signal.signum}: saved iteration "
+                                        f"{self.iteration} to {args.save}")
+                return True
+        return False
+
+    def _count_bad_step(self, skipped: bool) -> None:
+        """fp16 skips overflowing steps as a matter of course (the loss scaler adapts); in bf16/fp32 a skipped
+        step had NaN/Inf gradients, and ``--max-bad-steps`` of them in a row stop the run."""
+        args = self.args
+        self._bad_steps = self._bad_steps + 1 if skipped and not args.fp16 else 0
+        if self._bad_steps < args.max_bad_steps:
+            return
+        self._wait_for_saves()
+        first = self.iteration - self._bad_steps + 1
+        latest = checkpointing.read_tracker(args.save) if args.save else None
+        kept = (f"the last checkpoint, iteration {latest} under --save {args.save}, is intact: resume from it "
+                "with --load" if latest is not None else "no checkpoint was saved")
+        raise TrainingStopped(
+            f"rapidformer: error: iterations {first}-{self.iteration} had NaN/Inf gradients ({self._bad_steps} "
+            f"consecutive steps, --max-bad-steps {args.max_bad_steps}); none of them changed the weights and "
+            f"nothing was saved after them; {kept}; lower --lr or check the data around consumed sample "
+            f"{(first - 1) * args.global_batch_size}"
+        )
 
     def _lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
     def save(self) -> str:
+        self._last_saved = self.iteration
         return checkpointing.save_checkpoint(self.args.save, self.iteration, self.model, self.optimizer,
                                              self.lr_scheduler, self.megatron, self.checkpoint_info,
-                                             keep_last_k=self.args.keep_last_k)
+                                             keep_last_k=self.args.keep_last_k, async_queue=self._async_saves)
+
+    def _wait_for_saves(self) -> None:
+        """Publish every asynchronous save still being written (a no-op without --async-save)."""
+        if self._async_saves is not None:
+            self._async_saves.maybe_finalize_async_calls(blocking=True)
+
+    def _finish_saves(self) -> None:
+        """Save the current iteration unless that is done, and wait until every save is published."""
+        if self.args.save and self._last_saved != self.iteration:
+            self.save()
+        self._wait_for_saves()
 
     def _finish(self, log: TrainingLog) -> None:
         args = self.args
-        if args.save and (not args.save_interval or self.iteration % args.save_interval):
-            self.save()
+        self._finish_saves()
+        if self._exit_signal is not None:
+            self._exit_signal.restore()
         directory = args.log_dir or args.tensorboard_dir or args.save
         if directory and torch.distributed.get_rank() == torch.distributed.get_world_size() - 1:
             log.plot(os.path.join(directory, "loss_curves.png"))
 
     def _log(self, train_iters: int, flops_per_sample: float | None = None) -> TrainingLog:
-        return TrainingLog(self.engine.logger, self.args.log_interval, train_iters, flops_per_sample,
-                           self.args.tensorboard_dir)
+        args = self.args
+        # The last rank holds the last pipeline stage, so the loss: it keeps the per-iteration record.
+        last = torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
+        record = os.path.join(args.log_dir, "iterations.jsonl") if args.log_dir and last else None
+        return TrainingLog(self.engine.logger, args.log_interval, train_iters, flops_per_sample,
+                           args.tensorboard_dir, record_path=record)
 
 
 def _pretraining_batches(dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
@@ -364,7 +432,8 @@ class Finetuner(_Trainer):
         for epoch in range(epochs):
             train_loader.set_epoch(epoch)
             batches = iter(train_loader)
-            self._run(forward, batches, min(train_iters, self.iteration + steps_per_epoch), log)
+            if self._run(forward, batches, min(train_iters, self.iteration + steps_per_epoch), log):
+                break
             if eval_loader is not None:
                 for chunk in self._chunks():
                     chunk.eval()
