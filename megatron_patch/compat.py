@@ -280,6 +280,17 @@ def _skip_step_on_optimizer_load() -> None:
     )
 
 
+def _save_a_zero_optimizer_step() -> None:
+    """Not CPU-specific: without TE/apex the optimizer is torch's Adam, whose per-parameter ``step`` megatron-core
+    saves as one ``common_step``, but only ``if step:`` (``optimizer.py:845`` and ``:1033``), so a checkpoint
+    taken before any step succeeded (fp16 skips its first overflowing steps) has none and its load raises
+    ``KeyError: 'step'`` in torch's Adam."""
+    import megatron.core.optimizer.optimizer as optimizer
+
+    for owner in (optimizer.Float16OptimizerWithFloat16Params, optimizer.FP32Optimizer):
+        _rewrite_function(owner, "sharded_state_dict", [("    if step:", "    if step is not None:")])
+
+
 class _MegatronTorchView(importlib.abc.MetaPathFinder):
     """Gives every megatron-core module imported from now on the CPU view of torch."""
 
@@ -370,4 +381,5 @@ def apply() -> None:
     apply_cpu_shim()
     if not _fallback_fixes_applied and not (transformer_engine_available() or apex_available()):
         _skip_step_on_optimizer_load()
+        _save_a_zero_optimizer_step()
         _fallback_fixes_applied = True

@@ -255,3 +255,25 @@ def test_an_async_save_becomes_the_latest_only_once_written(assets, tmp_path):
     save = str(tmp_path / "ckpt")
     argv = _gpt_flags(assets, "--train-iters", "1", "--save", save, "--async-save")
     assert run_on_ranks(_async_save_published, 2, args=(argv,), timeout=300) == [(False, True, 2)] * 2
+
+
+@pytest.mark.parametrize("precision", ["--fp16", "--bf16"])
+def test_mixed_precision_resume_restores_the_loss_scaler(assets, tmp_path, precision):
+    """fp16 from 2**32 overflows and skips its first steps, halving the scale every second time; a resume that
+    forgot the scaler would start over at 2**32 and skip again. bf16 has no scaler; its resume must be exact
+    too."""
+    from test_trainer_megatron import train_gpt
+
+    from megatron_patch.testing import run_on_ranks
+
+    save = str(tmp_path / "ckpt")
+    argv = _flags(assets, precision, "--initial-loss-scale", str(2.0 ** 32), "--train-iters", "8")
+    run_on_ranks(train_gpt, 1, args=(argv + ["--save", save, "--save-interval", "4", "--log-dir",
+                                             str(tmp_path / "unbroken")],), timeout=300)
+    run_on_ranks(train_gpt, 1, args=(argv + ["--load", save, "--log-dir", str(tmp_path / "resumed")], 4),
+                 timeout=300)
+    unbroken, resumed = _records(tmp_path / "unbroken"), _records(tmp_path / "resumed")
+    if precision == "--fp16":
+        assert unbroken[0]["skipped"] and unbroken[3]["loss_scale"] < 2.0 ** 32
+    assert [r["iteration"] for r in resumed] == [5, 6, 7, 8]
+    assert resumed == unbroken[4:]
