@@ -62,18 +62,26 @@ def write_stdlib_corpus(
     Stops at `max_docs` documents or once `max_bytes` of JSONL are written; `max_doc_chars`
     cuts files into documents of at most that many characters. Blank pieces are left out.
     """
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    staging = output + ".tmp"  # renamed when complete: an interrupted run leaves no half corpus under `output`
+    with open(staging, "w", encoding="utf-8") as f:
+        written = _write_documents(f, iter_stdlib_sources(root), max_docs, max_bytes, max_doc_chars)
+    os.replace(staging, output)
+    return written
+
+
+def _write_documents(f, sources, max_docs: int | None, max_bytes: int | None, max_doc_chars: int | None) -> int:
     written = size = 0
-    with open(output, "w", encoding="utf-8") as f:
-        for relpath, source in iter_stdlib_sources(root):
-            for text in _chunks(source, max_doc_chars):
-                if not text.strip():
-                    continue
-                if (max_docs is not None and written >= max_docs) or (max_bytes is not None and size >= max_bytes):
-                    return written
-                line = json.dumps({"text": text, "path": relpath}, ensure_ascii=False) + "\n"
-                f.write(line)
-                size += len(line.encode("utf-8"))
-                written += 1
+    for relpath, source in sources:
+        for text in _chunks(source, max_doc_chars):
+            if not text.strip():
+                continue
+            if (max_docs is not None and written >= max_docs) or (max_bytes is not None and size >= max_bytes):
+                return written
+            line = json.dumps({"text": text, "path": relpath}, ensure_ascii=False) + "\n"
+            f.write(line)
+            size += len(line.encode("utf-8"))
+            written += 1
     return written
 
 

@@ -49,7 +49,7 @@ def _norm_parameters(m: ModelConfig) -> int:
     return m.hidden_size * (2 if m.normalization == "LayerNorm" else 1)
 
 
-def _layer_parameters(m: ModelConfig) -> int:
+def layer_parameters(m: ModelConfig) -> int:
     h, f = m.hidden_size, m.ffn_size
     q_size, kv_size = m.head_dim * m.num_attention_heads, m.head_dim * m.query_groups
     qkv_out = q_size + 2 * kv_size
@@ -76,7 +76,7 @@ def num_parameters(model_config: ModelConfig, padded_vocab_size: int) -> int:
         embedding += m.max_positions * h
     embedding += m.num_tokentypes * h
     # Pre-LN models end with a final norm; post-LN BERT has its norm on the embeddings instead.
-    total = embedding + m.num_layers * _layer_parameters(m) + _norm_parameters(m)
+    total = embedding + m.num_layers * layer_parameters(m) + _norm_parameters(m)
     if m.untie_embeddings_and_output_weights:
         total += vocab * h
     if m.family == "bert":

@@ -22,7 +22,7 @@ import os
 
 from megatron_patch.convert.mcore_io import ARGS_FILE, read_info
 # The flag tables themselves: which model flags exist and which ModelConfig field each one sets.
-from megatron_patch.model.config import _SWITCH_FLAGS, _VALUE_FLAGS, add_model_arguments
+from megatron_patch.model.config import _SWITCH_FLAGS, _VALUE_FLAGS, add_model_arguments, get_model_config
 from megatron_patch.model.parallel import add_parallel_arguments
 from megatron_patch.tokenizer.registry import add_tokenizer_args
 
@@ -258,6 +258,12 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     args.dataset_path = args.dataset_path or (args.data_path[0] if args.data_path else None)
     args.dataset_name = args.dataset_name or args.data_name
     _apply_checkpoint_args(args)
+    if args.checkpoint_info is None and args.model_name is not None:
+        # Code that reads the flags (the datasets' --seq-length, the FLOP count) sees the named model's values.
+        named = get_model_config(args.model_name)
+        for _, field, _ in _VALUE_FLAGS:
+            if getattr(args, field) is None:
+                setattr(args, field, getattr(named, field))
     if args.task == "pretraining" and args.data_path and not args.mock_data:
         # Found now, before torchrun starts and models are built, not when the datasets are (user scripts that
         # build megatron-core datasets get the same check then, still before the first step).

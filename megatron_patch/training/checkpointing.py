@@ -370,12 +370,20 @@ def load_checkpoint(root: str, model, optimizer, scheduler, megatron: bool, *, l
     with_optimizer = load_optim and not finetune
     if megatron:
         from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.validation import StrictHandling
 
         state = _megatron_state(model, optimizer, scheduler, is_loading=True, with_optimizer=with_optimizer)
-        loaded = dist_checkpointing.load(state, path)
+        if finetune:
+            # --finetune may put a new head on the loaded weights (a classifier on a pretrained BERT): tensors the
+            # checkpoint lacks keep their initialisation, as Megatron-LM's tasks/finetune_utils.py loads its
+            # pretrained checkpoint with strict=False.
+            loaded, _, absent = dist_checkpointing.load(state, path, strict=StrictHandling.RETURN_UNEXPECTED)
+            _check_finetune_coverage(path, state, absent, logger)
+        else:
+            loaded = dist_checkpointing.load(state, path)
         chunks = [_unwrap(c) for c in model]
         for i, chunk in enumerate(chunks):
-            chunk.load_state_dict(loaded["model" if len(chunks) == 1 else f"model{i}"])
+            chunk.load_state_dict(loaded["model" if len(chunks) == 1 else f"model{i}"], strict=not finetune)
         if with_optimizer:
             optimizer.load_state_dict(loaded["optimizer"])
             _restore_adam_step(optimizer)
@@ -387,6 +395,21 @@ def load_checkpoint(root: str, model, optimizer, scheduler, megatron: bool, *, l
         _load_rng(path, torch.distributed.get_rank(), logger)
     torch.distributed.barrier()
     return 0 if finetune else iteration
+
+
+def _check_finetune_coverage(path: str, state: dict, absent: set, logger) -> None:
+    """Log the model tensors ``path`` does not have (they keep their initialisation); refuse a checkpoint that
+    has none of them (another model altogether)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    keys = {v.key for v in nested_values(state) if isinstance(v, ShardedTensor)}
+    absent = set(absent) & keys
+    if absent == keys:
+        raise ValueError(f"--load {path} --finetune: the checkpoint has none of this model's tensors; it holds "
+                         "another model")
+    if absent and logger is not None:
+        logger.info(f"--finetune: {path} has no {', '.join(sorted(absent))}; initialised, not loaded")
 
 
 def _complete_iteration(root: str, iteration: int, megatron: bool, load_fallback: bool, logger) -> int:

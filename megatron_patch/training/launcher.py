@@ -26,7 +26,7 @@ from megatron_patch.training.arguments import parse_args
 _RANK_ENTRY = "--rank-entry"
 
 
-def _processes_per_node(requested: int | None) -> int:
+def processes_per_node(requested: int | None) -> int:
     if requested:
         return requested
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -60,7 +60,7 @@ def launch_command(argv: list[str]) -> list[str]:
     env = os.environ
     return [
         sys.executable, "-m", "torch.distributed.run",
-        f"--nproc-per-node={_processes_per_node(args.nproc_per_node)}",
+        f"--nproc-per-node={processes_per_node(args.nproc_per_node)}",
         f"--nnodes={env.get('NNODES', '1')}", f"--node-rank={env.get('NODE_RANK', '0')}",
         f"--master-addr={env.get('MASTER_ADDR', '127.0.0.1')}",
         f"--master-port={env.get('MASTER_PORT') or free_port()}",

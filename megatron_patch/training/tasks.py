@@ -24,6 +24,8 @@ from megatron_patch.training.data import (
     load_sentence_pair_dataset,
 )
 from megatron_patch.training.engine import Engine
+from megatron_patch.training.gpt import gpt_datasets, gpt_forward_step
+from megatron_patch.training.models import megatron_model
 from megatron_patch.training.trainers import Finetuner, Pretrainer
 
 TASKS: dict[str, Callable[[Engine], object]] = {}
@@ -37,7 +39,10 @@ def register_task(name: str):
     return register
 
 
-class _PairDataset(torch.utils.data.Dataset):
+class HuggingFacePairDataset(torch.utils.data.Dataset):
+    """Rows of ``load_sentence_pair_dataset`` tokenized by a Hugging Face tokenizer (``input_ids``,
+    ``token_type_ids``, ``attention_mask`` as lists, padded per batch by the loader) with their ``labels``."""
+
     def __init__(self, rows: list[dict], tokenizer, max_length: int | None):
         self.encodings = [tokenizer(r["sentence1"], r["sentence2"], truncation=True, max_length=max_length)
                           for r in rows]
@@ -60,7 +65,7 @@ class SequenceClassificationFinetuner(Finetuner):
         self.tokenizer = AutoTokenizer.from_pretrained(args.pretrained_model_name_or_path)
         splits = load_sentence_pair_dataset(args.data_path[0], args.data_name)
         self.num_labels = max(r["label"] for r in splits["train"]) + 1
-        built = [_PairDataset(splits[s], self.tokenizer, args.seq_length) if s in splits else None
+        built = [HuggingFacePairDataset(splits[s], self.tokenizer, args.seq_length) if s in splits else None
                  for s in ("train", "validation", "test")]
 
         def collate(examples):
@@ -107,49 +112,18 @@ class HuggingFaceBertPretrainer(Pretrainer):
 
 
 class MegatronGPTPretrainer(Pretrainer):
-    """A megatron-core GPT from the model flags (or ``--model-name``) on mmap document data (or --mock-data)."""
+    """A megatron-core GPT from the model flags (or ``--model-name``, or ``--load``'s description) on mmap
+    document data (or --mock-data); examples/gpt/pretrain_gpt.py is the same trainer as a user script."""
 
     def train_valid_test_datasets_provider(self, train_val_test_num_samples):
-        from megatron.core import parallel_state
-
-        from megatron_patch.data.datasets import build_gpt_datasets
-
-        args = self.args
-        return build_gpt_datasets(
-            args.data_path, args.split, args.seq_length, self.engine.tokenizer, train_val_test_num_samples,
-            seed=args.seed, mock=args.mock_data, create_attention_mask=False,
-            is_built_on_rank=lambda: parallel_state.get_tensor_model_parallel_rank() == 0)
+        return gpt_datasets(self.args, self.engine.tokenizer, train_val_test_num_samples)
 
     def model_optimizer_lr_scheduler_provider(self):
-        from megatron_patch.model import model_config_from_args, parallel_config_from_args
-        from megatron_patch.model.builder import build_model_chunks, padded_vocab_size
-        from megatron_patch.training.checkpointing import trained_model_info
-
-        args = self.args
-        loaded = args.checkpoint_info
-        if loaded is not None:
-            # The stored padded vocabulary, not one recomputed from the tokenizer x TP: that may differ (a
-            # conversion pads for TP=1) and give a shape mismatch on load.
-            model_config, vocab = loaded.model_config, loaded.padded_vocab_size
-        else:
-            model_config = model_config_from_args(args, vocab_size=self.engine.tokenizer.vocab_size)
-            vocab = padded_vocab_size(model_config.vocab_size, model_config.make_vocab_size_divisible_by,
-                                      args.tensor_model_parallel_size)
-        parallel = parallel_config_from_args(args, model_config.num_layers)
-        self.checkpoint_info = trained_model_info(model_config, vocab, args, loaded)
-        return build_model_chunks(model_config, parallel, vocab), None, None
+        model, self.checkpoint_info = megatron_model(self.engine, family="gpt")
+        return model, None, None
 
     def run_forward_step(self, data_iterator, model):
-        from megatron.core import tensor_parallel
-
-        from megatron_patch.training.step import lm_loss_func
-
-        keys = ["tokens", "labels", "loss_mask", "position_ids"]
-        raw = next(data_iterator) if data_iterator is not None else None
-        batch = tensor_parallel.broadcast_data(keys[:2] + keys[3:], raw, torch.int64)
-        loss_mask = tensor_parallel.broadcast_data(["loss_mask"], raw, torch.float32)["loss_mask"]
-        per_token_loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-        return per_token_loss, lambda output: lm_loss_func(loss_mask, output)
+        return gpt_forward_step(data_iterator, model)
 
 
 def _pretraining(engine: Engine):

@@ -71,10 +71,12 @@ def _mean_loss_func(loss: torch.Tensor):
 
 
 def _post_process(chunk) -> bool:
+    """Whether ``chunk`` holds the last pipeline stage (where the loss is computed)."""
     module = chunk
     while hasattr(module, "module"):
         module = module.module
-    return getattr(module, "post_process", True)
+    # A sequence classifier keeps post_process off (no LM head) and marks its last stage with ``classify``.
+    return getattr(module, "classify", getattr(module, "post_process", True))
 
 
 def _ddp_no_sync(model, last: bool):
@@ -391,7 +393,9 @@ class Pretrainer(_Trainer):
         log = self._log(args.train_iters, self._flops_per_sample())
 
         def after_step(iteration: int):
-            if valid_iterator is not None and iteration % args.eval_interval == 0:
+            # Not `valid_iterator is not None`: TP ranks other than 0 have no iterator (rank 0 broadcasts each
+            # batch) but must evaluate with it, or rank 0 waits in the broadcast for ever.
+            if evals and iteration % args.eval_interval == 0:
                 loss = self.evaluate(valid_iterator)
                 if loss is not None:
                     log.validation(iteration, loss)

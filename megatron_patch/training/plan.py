@@ -1,0 +1,312 @@
+"""The ``--dry-run`` plan of a launch: world size, process layout, batch arithmetic and the memory of weights,
+gradients and optimizer state per GPU, from the flags ``rapidformer`` takes. Nothing is started.
+
+Example::
+
+    NNODES=2 python -m megatron_patch.training.plan --model-name llama2-7b --nproc-per-node 8 --bf16 \
+        --tensor-model-parallel-size 4 --pipeline-model-parallel-size 2 --use-distributed-optimizer \
+        --micro-batch-size 1 --global-batch-size 256
+    python -m megatron_patch.training.plan --print-train-iters --train-tokens 1000000000 --model-name gpt2-124m \
+        --global-batch-size 512                            # prints 1908: ceil(1e9 / (512 x 1024 tokens))
+
+The run_scripts/ recipes call this for ``--dry-run`` and to turn ``--train-tokens`` into iterations. The world is
+``NNODES`` (``--nnodes``) x ``--nproc-per-node`` processes, the ranks are grouped by megatron-core's own
+``RankGenerator`` in its default order, and the memory follows Megatron-LM's accounting in
+``megatron/training/theoretical_memory_usage.py`` (``compute_weight_and_optimizer_memory``): the most loaded
+pipeline stage's parameters divided by TP, times bytes per parameter. Activations are left out (they depend on
+the schedule, recompute and sequence parallelism; the same file's ``compute_activation_memory`` estimates them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+
+from megatron_patch.distributed import check_layout
+from megatron_patch.model import ModelConfig, model_config_from_args, num_parameters, parallel_config_from_args
+from megatron_patch.model.flops import layer_parameters
+from megatron_patch.tokenizer.registry import build_tokenizer, padded_vocab_size, tokenizer_options
+from megatron_patch.training.arguments import parse_args
+from megatron_patch.training.launcher import processes_per_node
+
+GIB = 2 ** 30
+# megatron-core's default order of the process grid (parallel_state.initialize_model_parallel's `order`), which
+# megatron_patch.distributed.initialize_distributed keeps: TP ranks are adjacent (one node), PP the outermost.
+RANK_ORDER = "tp-cp-ep-dp-pp"
+
+
+@dataclasses.dataclass
+class Stage:
+    """One pipeline stage: its ranks, its layers and what it holds besides them."""
+
+    ranks: list[int]
+    layers: list[int]
+    extras: list[str]
+    parameters: int
+    """All parameters of the stage (every TP shard together)."""
+
+
+@dataclasses.dataclass
+class Plan:
+    model_name: str
+    model: ModelConfig
+    padded_vocab: int
+    nnodes: int
+    nproc_per_node: int
+    tp: int
+    pp: int
+    vpp: int
+    cp: int
+    dp: int
+    sequence_parallel: bool
+    recompute: str
+    micro_batch_size: int
+    global_batch_size: int
+    train_iters: int | None
+    precision: str
+    distributed_optimizer: bool
+    stages: list[Stage]
+    tp_groups: list[list[int]]
+    dp_groups: list[list[int]]
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.global_batch_size // (self.micro_batch_size * self.dp)
+
+    @property
+    def total_parameters(self) -> int:
+        return num_parameters(self.model, self.padded_vocab)
+
+    @property
+    def most_loaded_stage(self) -> int:
+        return max(range(self.pp), key=lambda s: self.stages[s].parameters)
+
+    @property
+    def parameters_per_gpu(self) -> float:
+        # As Megatron-LM: the stage's parameters / TP (norms, replicated over TP, are a rounding error here).
+        return self.stages[self.most_loaded_stage].parameters / self.tp
+
+    def bytes_per_parameter(self) -> dict[str, float]:
+        """Weights, gradients and optimizer state in bytes per parameter, as Megatron-LM counts them.
+
+        Mixed precision with Adam: 2 (bf16/fp16 weights) + 4 (fp32 gradients: the engine reduces gradients in
+        fp32) + 12 (fp32 master weights, Adam's two moments) = 18; the distributed optimizer shards the 12 over
+        DP: 6 + 12/DP (theoretical_memory_usage.py, ``num_bytes_per_parameter``). In fp32 the weights are the
+        master copy: 4 + 4 + 8 = 16, or 8 + 8/DP.
+        """
+        mixed = self.precision in ("bf16", "fp16")
+        optimizer = 12 if mixed else 8
+        return {"weights": 2 if mixed else 4, "gradients": 4,
+                "optimizer": optimizer / self.dp if self.distributed_optimizer else optimizer}
+
+    def memory_gib(self) -> dict[str, float]:
+        return {name: self.parameters_per_gpu * size / GIB for name, size in self.bytes_per_parameter().items()}
+
+    def render(self) -> str:
+        m, node = self.model, lambda rank: rank // self.nproc_per_node
+        seq = m.seq_length
+        groups = m.query_groups
+        lines = [
+            "dry run: the plan of this launch; nothing is started",
+            f"model: {self.model_name} ({m.family}): {m.num_layers} layers, hidden {m.hidden_size}, ffn "
+            f"{m.ffn_size}, {m.num_attention_heads} heads ({groups} query groups), seq {seq}, vocab "
+            f"{m.vocab_size} padded to {self.padded_vocab}"
+            f"{', untied output layer' if m.untie_embeddings_and_output_weights else ', tied output layer'}",
+            f"world size: {self.world_size} = {self.nnodes} node{'s' if self.nnodes > 1 else ''} (NNODES) x "
+            f"{self.nproc_per_node} processes (--nproc-per-node)",
+            f"layout: TP {self.tp} x CP {self.cp} x DP {self.dp} x PP {self.pp} (VPP {self.vpp}, sequence parallel "
+            f"{'on' if self.sequence_parallel else 'off'}, recompute {self.recompute}); ranks in megatron-core's "
+            f"order {RANK_ORDER}",
+        ]
+        for index, stage in enumerate(self.stages):
+            nodes = sorted({node(r) for r in stage.ranks})
+            lines.append(
+                f"pipeline stage {index}: ranks {_spans(stage.ranks)} (node {_spans(nodes)}), layers "
+                f"{_spans(stage.layers)}{''.join(' + ' + e for e in stage.extras)}: {stage.parameters:,} parameters")
+        for name, found in (("tensor", self.tp_groups), ("data", self.dp_groups)):
+            shown = " ".join(str(g) for g in found[:4]) + (f" ... ({len(found)} groups)" if len(found) > 4 else "")
+            lines.append(f"{name}-parallel groups: {shown}")
+        if any(len({node(r) for r in group}) > 1 for group in self.tp_groups):
+            lines.append("warning: tensor-parallel groups span nodes (TP all-reduces every layer); use "
+                         "--tensor-model-parallel-size <= --nproc-per-node")
+        gbs, accumulation = self.global_batch_size, self.gradient_accumulation_steps
+        lines += [
+            f"micro batch per GPU: {self.micro_batch_size} sequences ({self.micro_batch_size * seq:,} tokens)",
+            f"global batch: {gbs} sequences ({gbs * seq:,} tokens)",
+            f"gradient accumulation steps: {accumulation} = {gbs} / ({self.micro_batch_size} micro x "
+            f"{self.dp} DP)",
+        ]
+        if self.train_iters:
+            lines.append(f"train iterations: {self.train_iters} ({self.train_iters * gbs * seq:,} tokens)")
+        size, memory = self.bytes_per_parameter(), self.memory_gib()
+        optimizer = (f"{size['optimizer']:g} (fp32 master weights and Adam moments / DP {self.dp}, distributed "
+                     "optimizer)" if self.distributed_optimizer else f"{size['optimizer']:g} (Adam, not sharded)")
+        lines += [
+            f"parameters: {self.total_parameters:,} total",
+            f"parameters per GPU: {round(self.parameters_per_gpu):,} (pipeline stage {self.most_loaded_stage} / "
+            f"TP {self.tp})",
+            f"bytes per parameter: {sum(size.values()):g} = weights {size['weights']:g} ({self.precision}) + "
+            f"gradients {size['gradients']:g} (fp32) + optimizer {optimizer}",
+            f"memory per GPU: {sum(memory.values()):.2f} GiB = weights {memory['weights']:.2f} + gradients "
+            f"{memory['gradients']:.2f} + optimizer {memory['optimizer']:.2f} GiB; activations, buffers and "
+            "the CUDA context not included",
+        ]
+        return "\n".join(lines)
+
+
+def _spans(values: list[int]) -> str:
+    """``[0, 1, 2, 5, 8, 9]`` -> ``"0-2, 5, 8-9"``."""
+    spans: list[list[int]] = []
+    for value in values:
+        if spans and value == spans[-1][1] + 1:
+            spans[-1][1] = value
+        else:
+            spans.append([value, value])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def _model(args: argparse.Namespace) -> tuple[ModelConfig, int]:
+    """The model and its padded vocabulary, resolved as the trainers do (a stored checkpoint's, else the flags
+    with the tokenizer's vocabulary, else the named configuration's)."""
+    if args.checkpoint_info is not None:
+        return args.checkpoint_info.model_config, args.checkpoint_info.padded_vocab_size
+    vocab = None
+    if args.tokenizer_type:
+        options = {k: v for k, v in tokenizer_options(args).items() if v is not None}
+        vocab = build_tokenizer(args.tokenizer_type, **options).vocab_size
+    model = model_config_from_args(args, vocab_size=vocab)
+    if model.vocab_size is None:
+        raise ValueError("the vocabulary size is unknown: give --tokenizer-type and its files, or a --model-name "
+                         "that has one")
+    return model, padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by,
+                                    args.tensor_model_parallel_size)
+
+
+def _stages(model: ModelConfig, vocab: int, pp: int, vpp: int, stage_ranks: list[list[int]]) -> list[Stage]:
+    """What each pipeline rank holds: its VPP chunks of layers, the input embedding on the first, the final norm,
+    heads and output layer on the last. With tied embeddings and PP > 1 the last stage keeps its own copy of the
+    word embeddings as the output layer (megatron-core's ``setup_embeddings_and_output_layer``)."""
+    m, h = model, model.hidden_size
+    per_layer = layer_parameters(m)
+    embedding = vocab * h + m.num_tokentypes * h + (m.max_positions * h if m.position_embedding_type ==
+                                                    "learned_absolute" else 0)
+    output = vocab * h if m.untie_embeddings_and_output_weights or pp > 1 else 0
+    # Final norm (and BERT's LM and binary heads): what the whole model has beyond layers, embedding and output.
+    head = num_parameters(m, vocab) - m.num_layers * per_layer - embedding - (
+        vocab * h if m.untie_embeddings_and_output_weights else 0)
+    chunk = m.num_layers // (pp * vpp)
+    stages = []
+    for s in range(pp):
+        layers = [c * chunk + i for c in range(s, pp * vpp, pp) for i in range(chunk)]
+        extras, parameters = [], len(layers) * per_layer
+        if s == 0:
+            extras.append("embedding")
+            parameters += embedding
+        if s == pp - 1:
+            extras.append("final norm" if m.family == "gpt" else "LM head")
+            parameters += head
+            if output:
+                extras.append("output layer" if m.untie_embeddings_and_output_weights else
+                              "output layer (a copy of the tied embedding)")
+                parameters += output
+        stages.append(Stage(ranks=sorted(stage_ranks[s]), layers=layers, extras=extras, parameters=parameters))
+    return stages
+
+
+def _check(args: argparse.Namespace, model: ModelConfig, world: int, vpp: int) -> int:
+    """Refuse, naming the flag, what would fail after the processes start; returns the data-parallel size."""
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    dp = check_layout(world, tp, pp, cp)
+    if model.num_layers % pp:
+        raise ValueError(f"--num-layers {model.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
+    if (model.num_layers // pp) % vpp:
+        raise ValueError(f"the {model.num_layers // pp} layers of a pipeline stage are not divisible by "
+                         f"--virtual-pipeline-model-parallel-size {vpp}")
+    if model.num_attention_heads % tp:
+        raise ValueError(f"--num-attention-heads {model.num_attention_heads} is not divisible by "
+                         f"--tensor-model-parallel-size {tp}")
+    micro, gbs = args.micro_batch_size, args.global_batch_size
+    if gbs is not None and gbs % (micro * dp):
+        raise ValueError(f"--global-batch-size {gbs} is not divisible by --micro-batch-size {micro} x "
+                         f"data-parallel size {dp} (world {world} / (TP {tp} x PP {pp} x CP {cp}))")
+    return dp
+
+
+def build_plan(argv: list[str], nnodes: int = 1, train_tokens: int | None = None) -> Plan:
+    """The plan of ``rapidformer argv`` on ``nnodes`` nodes; ValueError/SystemExit name the flag at fault.
+
+    Example::
+
+        plan = build_plan(["--model-name", "gpt2-124m", "--nproc-per-node", "8", "--global-batch-size", "64"])
+        plan.gradient_accumulation_steps, plan.memory_gib()      # 8, {'weights': ..., ...}
+    """
+    from megatron.core.parallel_state import RankGenerator
+
+    args = parse_args(argv)
+    model, vocab = _model(args)
+    parallel = parallel_config_from_args(args, model.num_layers)
+    vpp = parallel.virtual_pipeline_model_parallel_size or 1
+    nproc = processes_per_node(args.nproc_per_node)
+    if nnodes < 1:
+        raise ValueError(f"NNODES (--nnodes) must be at least 1, got {nnodes}")
+    dp = _check(args, model, nnodes * nproc, vpp)
+    # The remaining layout rules (query groups, ffn width, SP, recompute) are the model builder's own checks; CP
+    # is checked above without asking for Transformer Engine, which the machine planning a GPU run may lack.
+    dataclasses.replace(parallel, context_parallel_size=1).validate(model)
+    if train_tokens is not None and args.train_iters is not None:
+        raise ValueError("give --train-iters or --train-tokens, not both")
+    gbs = args.global_batch_size or args.micro_batch_size * dp
+    train_iters = math.ceil(train_tokens / (gbs * model.seq_length)) if train_tokens is not None else args.train_iters
+    ranks = RankGenerator(tp=parallel.tensor_model_parallel_size, ep=1, dp=dp,
+                          pp=parallel.pipeline_model_parallel_size, cp=parallel.context_parallel_size,
+                          order=RANK_ORDER)
+    pp = parallel.pipeline_model_parallel_size
+    # get_ranks("pp") lists the pipelines; stage s holds the s-th rank of every pipeline.
+    stage_ranks = [[pipeline[s] for pipeline in ranks.get_ranks("pp")] for s in range(pp)]
+    precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    return Plan(
+        model_name=args.model_name or (f"--load {args.load}" if args.checkpoint_info else "from the flags"),
+        model=model, padded_vocab=vocab, nnodes=nnodes,
+        nproc_per_node=nproc, tp=parallel.tensor_model_parallel_size, pp=pp, vpp=vpp,
+        cp=parallel.context_parallel_size, dp=dp, sequence_parallel=parallel.sequence_parallel,
+        recompute=parallel.recompute_granularity or "none", micro_batch_size=args.micro_batch_size,
+        global_batch_size=gbs, train_iters=train_iters, precision=precision,
+        distributed_optimizer=args.use_distributed_optimizer, stages=_stages(model, vocab, pp, vpp, stage_ranks),
+        tp_groups=ranks.get_ranks("tp"), dp_groups=ranks.get_ranks("dp"),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_patch.training.plan", allow_abbrev=False,
+        description="Print the plan of a rapidformer launch (layout, batches, memory per GPU) and exit; every "
+                    "other flag is a rapidformer flag (see rapidformer --help).")
+    parser.add_argument("--nnodes", type=int, default=int(os.environ.get("NNODES") or 1),
+                        help="nodes in the job (default: $NNODES, else 1)")
+    parser.add_argument("--train-tokens", type=int, default=None,
+                        help="train for this many tokens: ceil(tokens / (global batch x seq length)) iterations")
+    parser.add_argument("--print-train-iters", action="store_true",
+                        help="print only the number of training iterations (for --train-tokens) and exit")
+    own, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    try:
+        plan = build_plan(rest, own.nnodes, own.train_tokens)
+    except ValueError as error:
+        raise SystemExit(f"dry run: error: {error}") from None
+    if own.print_train_iters:
+        if plan.train_iters is None:
+            raise SystemExit("dry run: error: --print-train-iters needs --train-tokens or --train-iters")
+        print(plan.train_iters)
+    else:
+        print(plan.render())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
