@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_patch.model.builder import build_model_chunks
     from megatron_patch.model.config import get_model_config
     from megatron_patch.model.parallel import ParallelConfig
-    from megatron_patch.quickstart import counting_batches
+    from megatron_patch.testing import counting_batches
     from megatron_patch.training.checkpointing import load_checkpoint, save_checkpoint
     from megatron_patch.training.step import build_optimizer, lm_forward_step, train_step, wrap_model
 

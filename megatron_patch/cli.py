@@ -26,7 +26,9 @@ def launch(module: str, nproc_per_node: int, module_args: list[str]) -> int:
 
 
 def _quickstart(args: argparse.Namespace, rest: list[str]) -> int:
-    return launch("megatron_patch.quickstart", args.nproc_per_node, rest)
+    from megatron_patch.quickstart import main as quickstart  # here: the other subcommands need none of it
+
+    return quickstart(rest)
 
 
 def _forward(module: str):
@@ -55,11 +57,10 @@ def main(argv: list[str] | None = None) -> int:
         tool = commands.add_parser(name, help=help_text, add_help=False)
         tool.set_defaults(run=_forward(module))
     quickstart = commands.add_parser(
-        "quickstart", help="train a tiny GPT with TP=2 on 2 CPU processes (no download)",
-        description="Train a tiny GPT with tensor parallelism on 2 local processes; extra flags "
-                    "(--steps N) go to megatron_patch.quickstart.",
+        "quickstart", add_help=False,
+        help="corpus, tokenizer, data, a tiny GPT pretrained with TP=2 on 2 CPU processes, its Hugging Face "
+             "export generating text (no download; --gpus N for GPUs)",
     )
-    quickstart.add_argument("--nproc-per-node", type=int, default=2)
     quickstart.set_defaults(run=_quickstart)
     args, rest = parser.parse_known_args(argv)
     return args.run(args, rest)

@@ -252,3 +252,49 @@ def run_on_ranks(
     if most_threads > MAX_WORKER_THREADS:
         _pools.pop(world_size).close()
     return [pickle.loads(values[r]) for r in range(world_size)]
+
+
+# The tiny model and data of the parallel-layout tests (tests/test_parallel_training.py) and the checkpoint
+# benchmark (bench/checkpoint_io.py).
+
+VOCAB = 128
+SEQ = 32
+
+
+def tiny_gpt(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1, vocab_size: int = VOCAB,
+             seq_length: int = SEQ, num_layers: int = 4):
+    """A 4-layer, 32-wide GPT-2-style megatron-core ``GPTModel`` (local layer spec) for this process's stage."""
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=num_layers, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size, pipeline_dtype=torch.float32,
+        # Initialise full weights then split them, so every layout starts from the same numbers.
+        use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+    )
+    return GPTModel(
+        config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=vocab_size,
+        max_sequence_length=seq_length, pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+    )
+
+
+def counting_batches(generator, micro_batch_size: int, num_microbatches: int):
+    """Microbatches of sequences ``start, start+stride, ...`` (mod VOCAB) for causal-LM training."""
+    import torch
+
+    for _ in range(num_microbatches):
+        start = torch.randint(0, VOCAB, (micro_batch_size, 1), generator=generator)
+        stride = torch.randint(1, 4, (micro_batch_size, 1), generator=generator)
+        sequence = (start + stride * torch.arange(SEQ + 1)) % VOCAB
+        yield {
+            "tokens": sequence[:, :-1].contiguous(),
+            "labels": sequence[:, 1:].contiguous(),
+            "loss_mask": torch.ones(micro_batch_size, SEQ),
+            "position_ids": torch.arange(SEQ).expand(micro_batch_size, SEQ).contiguous(),
+        }

@@ -216,7 +216,8 @@ _rapidformer_flags() {
   [[ -z $MERGE_FILE ]] || FLAGS+=(--merge-file "$MERGE_FILE")
   [[ -z $TOKENIZER_MODEL ]] || FLAGS+=(--tokenizer-model "$TOKENIZER_MODEL")
   [[ -z $load ]] || FLAGS+=(--load "$load")
-  FLAGS+=(--save "$checkpoints")
+  # A preempted job (SIGTERM) saves at the end of its iteration; rerunning the recipe resumes from that save.
+  FLAGS+=(--save "$checkpoints" --exit-signal-handler)
   [[ -z $SAVE_INTERVAL ]] || FLAGS+=(--save-interval "$SAVE_INTERVAL")
   FLAGS+=(--log-dir "$OUTPUT_DIR/logs")
   if "$PYTHON" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("tensorboard") is None)'; then

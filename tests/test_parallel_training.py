@@ -36,7 +36,7 @@ def train_tiny_gpt(rank, world_size, tp, pp, distributed_optimizer, ckpt_dir, sa
     from megatron.core.optimizer import OptimizerConfig
 
     from megatron_patch.distributed import initialize_distributed
-    from megatron_patch.quickstart import tiny_gpt
+    from megatron_patch.testing import tiny_gpt
     from megatron_patch.training.step import build_optimizer, lm_forward_step, train_step, wrap_model
 
     layout = initialize_distributed(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, seed=7)

@@ -1,14 +1,26 @@
-"""The README's set-up commands are the ones CI runs."""
+"""The README's commands are the ones that run: its set-up commands are CI's, and every other command block runs,
+in order, as written (tests/test_quickstart.py runs the quick start)."""
 
+import json
+import os
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def readme_blocks() -> list[str]:
+    return re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+
+
 def readme_commands() -> list[str]:
-    block = re.search(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
-    return [line for line in block.splitlines() if line.strip()]
+    return [line for line in readme_blocks()[0].splitlines() if line.strip()]
 
 
 def test_readme_opens_with_two_commands():
@@ -20,3 +32,65 @@ def test_readme_opens_with_two_commands():
 def test_ci_runs_the_readme_test_command():
     ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
     assert readme_commands()[1] in ci_lines
+
+
+def _user_inputs(work: Path, tmp_path_factory) -> None:
+    """What the README says is the user's: a Hugging Face model at hf/qwen2 (here a tiny random Qwen2 with a
+    tokenizer trained on the stdlib corpus), a GLUE-style task, prompt/response pairs, and for the cluster's dry
+    run a SentencePiece tokenizer with documents preprocessed by it."""
+    import transformers
+    from conftest_data import data_assets
+    from seed_scripts.assets import _write_glue
+    from test_examples import _write_sft
+
+    from megatron_patch.data.preprocess import PreprocessConfig, preprocess
+
+    tokenizer_dir = data_assets(tmp_path_factory).options["HuggingFaceTokenizer"]["tokenizer_model"]
+    hf = work / "hf" / "qwen2"
+    torch.manual_seed(0)
+    transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        vocab_size=1000, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, max_position_embeddings=64, tie_word_embeddings=False)).save_pretrained(hf)
+    for name in os.listdir(tokenizer_dir):
+        shutil.copy(os.path.join(tokenizer_dir, name), hf)
+    _write_glue(str(work / "data" / "glue"))
+    _write_sft(str(work / "data" / "sft"))
+    sentencepiece = data_assets(tmp_path_factory).options["Llama2Tokenizer"]["tokenizer_model"]
+    (work / "llama2").mkdir()
+    shutil.copy(sentencepiece, work / "llama2" / "tokenizer.model")
+    preprocess(PreprocessConfig(input=data_assets(tmp_path_factory).corpus, output_prefix=str(work / "data" / "llama"),
+                                tokenizer_type="Llama2Tokenizer", tokenizer_options={"tokenizer_model": sentencepiece},
+                                append_eod=True))
+
+
+def _losses(log_dir: Path) -> list[float]:
+    with open(log_dir / "iterations.jsonl") as f:
+        return [json.loads(line)["loss"] for line in f]
+
+
+def test_every_readme_command_runs_as_written(tmp_path, tmp_path_factory):
+    work = tmp_path / "work"
+    work.mkdir()
+    for name in ("examples", "run_scripts"):  # "run them from the repository root"
+        (work / name).symlink_to(ROOT / name)
+    _user_inputs(work, tmp_path_factory)
+    # "with the environment active": its bin/ first on PATH
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
+               PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):  # the harness's own; a user has none
+        env.pop(name, None)
+    outputs = []
+    for block in readme_blocks()[1:]:
+        done = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=work, env=env, capture_output=True,
+                              text=True, timeout=900)
+        output = done.stdout + done.stderr
+        assert done.returncode == 0, f"README block failed:\n{block}\n--- output ---\n{output[-6000:]}"
+        outputs.append(output)
+    everything = "\n".join(outputs)
+    for run in ("gpt", "qwen2", "bert"):
+        losses = _losses(work / "out" / run / "logs")
+        assert sum(losses[-3:]) / 3 < losses[0], (run, losses)
+    assert (work / "out" / "gpt" / "logs" / "loss_curves.png").is_file()
+    assert "per GPU" in everything.lower() or "gib" in everything.lower()  # the dry run's plan
+    assert re.search(r"accuracy: [0-9.]+", everything)  # the classifier's epoch metrics
+    assert "def main(" in outputs[-1]  # the export generated text from the prompt

@@ -21,7 +21,8 @@ def iter_stdlib_sources(root: str | None = None) -> Iterator[tuple[str, str]]:
         # Third-party code is not part of the corpus and differs from machine to machine.
         subdirs[:] = sorted(d for d in subdirs if d not in ("site-packages", "dist-packages", "__pycache__"))
         for name in sorted(files):
-            if not name.endswith(".py"):
+            # _sysconfigdata_*.py is this machine's build configuration (a large dict of compiler flags), not code.
+            if not name.endswith(".py") or name.startswith("_sysconfigdata"):
                 continue
             path = os.path.join(directory, name)
             try:

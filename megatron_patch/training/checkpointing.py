@@ -178,7 +178,6 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, mega
     path = checkpoint_dir(root, iteration)
     rank = torch.distributed.get_rank()
     staging = _make_staging_dir(path, rank)
-    _save_rng(staging, rank)
     publish = functools.partial(_publish_when_written, root, staging, path, iteration,
                                 info if megatron else None, keep_last_k)
     if megatron:
@@ -187,11 +186,15 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, mega
         state = _megatron_state(model, optimizer, scheduler, is_loading=False, with_optimizer=True)
         state["iteration"] = iteration
         request = dist_checkpointing.save(state, staging, async_sharded_save=async_queue is not None)
+        # After dist_checkpointing.save, which warns ("Overwriting old incomplete / corrupted checkpoint") when
+        # its directory is not empty (serialization.py:383).
+        _save_rng(staging, rank)
         if request is not None:
             request.add_finalize_fn(publish)
             async_queue.schedule_async_request(request)
             return path
     else:
+        _save_rng(staging, rank)
         _save_plain(staging, model, optimizer, scheduler, iteration, rank)
     publish()
     return path

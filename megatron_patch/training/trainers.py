@@ -388,6 +388,12 @@ class Pretrainer(_Trainer):
         gbs, evals = args.global_batch_size, (args.train_iters // args.eval_interval + 1) if args.eval_interval else 0
         train_ds, valid_ds, _ = self.train_valid_test_datasets_provider(
             [args.train_iters * gbs, evals * args.eval_iters * gbs, args.eval_iters * gbs])
+        if evals:
+            # Only the ranks that build datasets know whether the split left validation documents; all must agree,
+            # since every rank takes part in each evaluation.
+            has_valid = torch.tensor([float(valid_ds is not None)], device=self.engine.device)
+            torch.distributed.all_reduce(has_valid, op=torch.distributed.ReduceOp.MAX)
+            evals = evals if has_valid.item() else 0
         train_iterator = self._iterators(train_ds, self.iteration * gbs)
         valid_iterator = self._iterators(valid_ds, 0) if evals else None
         log = self._log(args.train_iters, self._flops_per_sample())
