@@ -71,13 +71,17 @@ def test_model_flag_contradicting_the_loaded_checkpoint_is_refused(llama):
     assert args.checkpoint_info.padded_vocab_size == read_info(converted).padded_vocab_size
 
 
-def test_verify_command_relaunches_itself_on_two_ranks(llama):
+@pytest.mark.parametrize("command", ["verify", "hf-to-megatron"])
+def test_verify_relaunches_itself_on_two_ranks(llama, tmp_path, command):
+    """``verify`` at TP=2, alone or ending a conversion (whose own process group holds MASTER_PORT meanwhile)."""
     hf, converted = llama
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
-    done = subprocess.run(
-        [sys.executable, "-m", "megatron_patch.cli", "convert", "verify", "--hf-dir", hf, "--megatron-dir",
-         converted, "--tensor-model-parallel-size", "2"],
-        capture_output=True, text=True, timeout=300, env={**env, "OMP_NUM_THREADS": "1"})
+    argv = (["verify", "--hf-dir", hf, "--megatron-dir", converted, "--tensor-model-parallel-size", "2"]
+            if command == "verify" else
+            ["hf-to-megatron", "--hf-dir", hf, "--save-dir", str(tmp_path / "tp2"), "--target-tensor-parallel-size",
+             "2", "--no-progress"])
+    done = subprocess.run([sys.executable, "-m", "megatron_patch.cli", "convert", *argv],
+                          capture_output=True, text=True, timeout=300, env={**env, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "torch.distributed.run --nproc-per-node=2" in done.stdout
     [line] = [line for line in done.stdout.splitlines() if line.startswith("logits:")]  # one rank reports

@@ -78,6 +78,11 @@ def verify(args) -> int:
     world = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
     if world > 1 and "WORLD_SIZE" not in os.environ:
         from megatron_patch.cli import launch
+        from megatron_patch.distributed import free_port
+
+        if torch.distributed.is_initialized():
+            # This process's own one-rank world (the conversion) still listens on MASTER_PORT.
+            os.environ["MASTER_PORT"] = str(free_port())
 
         forwarded = ["verify", "--hf-dir", args.hf_dir, "--megatron-dir", args.megatron_dir,
                      "--tensor-model-parallel-size", str(args.tensor_model_parallel_size),
