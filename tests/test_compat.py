@@ -51,8 +51,10 @@ def test_package_installs_into_a_new_venv(tmp_path):
     # the outer environment's packages (torch, megatron-core, ...) stand in for the dependencies
     outer = [p for p in sys.path if p.endswith("site-packages")]
     Path(site, "outer.pth").write_text("\n".join(outer) + "\n")
+    # --ignore-installed: pip would otherwise uninstall this environment's own (editable) install first, and with
+    # it the console scripts that later tests run.
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--quiet",
-                    "--prefix", str(venv), str(ROOT)], check=True, timeout=300,
+                    "--ignore-installed", "--prefix", str(venv), str(ROOT)], check=True, timeout=300,
                    env=dict(os.environ, PIP_NO_INPUT="1"))
     script = venv / "bin" / "megatron-patch"
     assert script.exists(), "the megatron-patch console script is installed"

@@ -93,4 +93,5 @@ def test_every_readme_command_runs_as_written(tmp_path, tmp_path_factory):
     assert (work / "out" / "gpt" / "logs" / "loss_curves.png").is_file()
     assert "per GPU" in everything.lower() or "gib" in everything.lower()  # the dry run's plan
     assert re.search(r"accuracy: [0-9.]+", everything)  # the classifier's epoch metrics
-    assert "def main(" in outputs[-1]  # the export generated text from the prompt
+    assert "def main(" in outputs[-2]  # the export generated text from the prompt
+    assert len(re.findall(r"accuracy: [0-9.]+", outputs[-1])) == 2  # the exported BERT fine-tuned, two epochs
