@@ -212,7 +212,7 @@ def test_help_lists_the_named_flags(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Every recipe trains a tiny model on 2 CPU processes; the printed command is the one that runs
+# Every recipe trains a tiny model on CPU processes (BERT ones at 1 and 2); the printed command is what runs
 # ------------------------------------------------------------------------------------------------------------
 
 def _losses(log: str) -> list[float]:
@@ -225,11 +225,11 @@ def _printed_commands(log: str) -> tuple[list[str], list[str]]:
     return _command_words(lines[0]), _command_words(next(line for line in lines if "torch.distributed.run" in line))
 
 
-def _trains(script, tmp_path, *flags, recipe_name):
+def _trains(script, tmp_path, *flags, recipe_name, nproc="2"):
     if not os.path.isfile(os.path.join(ROOT, USER_SCRIPT[script])):
         pytest.skip(f"{USER_SCRIPT[script]}, which {os.path.basename(script)} runs, does not exist")
     out = tmp_path / "out"
-    code, output = _recipe(script, "--cpu", "--nproc-per-node", "2", "--output-dir", str(out), *flags,
+    code, output = _recipe(script, "--cpu", "--nproc-per-node", nproc, "--output-dir", str(out), *flags,
                            cwd=tmp_path)
     assert code == 0, output[-5000:]
     log = (out / "logs" / f"{recipe_name}_node0.log").read_text()
@@ -268,18 +268,20 @@ def test_run_pretrain_gpt_trains_with_tp2_and_runs_the_command_it_prints(assets,
     assert (stored["model_config"]["num_layers"], stored["model_config"]["hidden_size"]) == (2, 64)
 
 
-def test_run_pretrain_bert_trains_with_the_distributed_optimizer(assets, tmp_path):
+@pytest.mark.parametrize("nproc", ["1", "2"])
+def test_run_pretrain_bert_trains_with_the_distributed_optimizer(assets, tmp_path, nproc):
     _trains(BERT, tmp_path, "--distributed-optimizer", "--seq-length", "32", "--data-path", assets.bert_prefix,
             "--vocab-file", assets.vocab_file, "--micro-batch-size", "8", "--global-batch-size", "16",
             "--train-iters", "16", "--lr", "3e-3", "--", "--log-interval", "2", "--split", "98,2,0",
-            recipe_name="pretrain_bert")
+            recipe_name="pretrain_bert", nproc=nproc)
 
 
-def test_run_finetune_bert_trains_a_classifier(assets, tmp_path):
+@pytest.mark.parametrize("nproc", ["1", "2"])
+def test_run_finetune_bert_trains_a_classifier(assets, tmp_path, nproc):
     output, log = _trains(FINETUNE, tmp_path, "--seq-length", "32", "--data-path", assets.glue_dir,
                           "--data-name", "mrpc", "--vocab-file", assets.vocab_file, "--micro-batch-size", "8",
                           "--global-batch-size", "16", "--epochs", "2", "--lr", "2e-3", "--",
-                          "--log-interval", "4", recipe_name="finetune_bert")
+                          "--log-interval", "4", recipe_name="finetune_bert", nproc=nproc)
     assert re.search(r"epoch \d+ \| accuracy: [0-9.]+ \| f1: [0-9.]+", log), log[-3000:]
 
 
