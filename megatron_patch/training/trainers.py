@@ -256,8 +256,8 @@ class _Trainer:
                 "with --load" if latest is not None else "no checkpoint was saved")
         raise TrainingStopped(
             f"rapidformer: error: iterations {first}-{self.iteration} had NaN/Inf gradients ({self._bad_steps} "
-            f"consecutive steps, --max-bad-steps {args.max_bad_steps}); none of them changed the weights and "
-            f"nothing was saved after them; {kept}; lower --lr or check the data around consumed sample "
+            f"consecutive steps, --max-bad-steps {args.max_bad_steps}); none of them changed the weights (a save "
+            f"after one holds the weights from before it); {kept}; lower --lr or check the data around consumed sample "
             f"{(first - 1) * args.global_batch_size}"
         )
 
