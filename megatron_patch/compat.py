@@ -121,10 +121,10 @@ class _CpuCuda(types.ModuleType):
     """``torch.cuda`` as megatron-core modules see it on a CPU-only build.
 
     megatron-core allocates on ``torch.cuda.current_device()`` at ~175 sites (e.g.
-    ``tensor_parallel/utils.py:70``, ``tensor_parallel/mappings.py:91``, ``transformer/utils.py:631``),
+    ``tensor_parallel/utils.py:70``, ``tensor_parallel/mappings.py:91``, ``utils.py:631``),
     synchronises after p2p (``pipeline_parallel/p2p_communication.py:242,398``) and checkpoint writes
     (``dist_checkpointing/strategies/filesystem_async.py:230``), and forks the CUDA generator for
-    tensor-parallel dropout (``tensor_parallel/random.py:235-238,422``). On CPU the current device is the CPU,
+    tensor-parallel dropout (``tensor_parallel/random.py:243-277,422``). On CPU the current device is the CPU,
     synchronisation is a no-op and the CPU generator plays the CUDA generator's role.
     """
 
@@ -173,10 +173,11 @@ class _CpuTorch(types.ModuleType):
     The literal ``device="cuda"`` appears in the code paths we use at ``pipeline_parallel/schedules.py:596,983,
     2138``, ``optimizer/optimizer.py:473,481,485,907``, ``optimizer/clip_grads.py:90,103,115,174,207``,
     ``optimizer/grad_scaler.py:15,88,91,94``, ``transformer/utils.py:35,40``,
-    ``distributed/param_and_grad_buffer.py:768``, ``tensor_parallel/data.py:37``, ``utils.py:656,1207``,
+    ``distributed/param_and_grad_buffer.py:768``, ``tensor_parallel/data.py:37``, ``utils.py:1207``,
     ``dist_checkpointing/strategies/state_dict_saver.py:204``, ``dist_checkpointing/exchange_utils.py:104,110,
-    326``, ``rerun_state_machine.py:261,265`` and ``pipeline_parallel/utils.py:334``. Only megatron-core's own
-    modules get this view of torch; our code and the user's keep the real one.
+    326`` and ``rerun_state_machine.py:261,265``. Only megatron-core's own modules get this view of torch; our
+    code and the user's keep the real one (``Tensor.cuda``, a method, is the one global patch: see
+    :func:`apply_cpu_shim`).
     """
 
     def __init__(self):

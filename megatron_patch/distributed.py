@@ -172,7 +172,7 @@ def initialize_distributed(
 def _destroy_model_parallel_groups() -> None:
     """Forget megatron-core's groups *and* free them.
 
-    ``parallel_state.destroy_model_parallel()`` only drops its references (``parallel_state.py:2080-2160``
+    ``parallel_state.destroy_model_parallel()`` only drops its references (``parallel_state.py:2085-2234``
     destroys just the gloo data-parallel groups); torch keeps every other group registered, each with its own
     communication threads, so re-initialising in a long-lived process would leak ~30 groups a time.
     """

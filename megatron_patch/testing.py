@@ -43,6 +43,8 @@ from typing import Any, Callable
 from megatron_patch.distributed import free_port
 
 DEFAULT_TIMEOUT_S = 120.0
+STARTUP_TIMEOUT_S = 300.0
+_READY = b"ready"
 
 
 class RankFailure(AssertionError):
@@ -75,8 +77,14 @@ def _worker_main(rank: int, world_size: int, port: int, tasks, results, sys_path
     )
     import torch
 
+    from megatron_patch import compat
+
     # Ranks share two cores: one intra-op thread each keeps them from oversubscribing the machine.
     torch.set_num_threads(1)
+    # Importing megatron-core takes seconds on a loaded machine: do it before reporting ready, so that a test's
+    # timeout measures its body, not the start-up.
+    compat.apply()
+    results.put((rank, True, _READY, 0))
     parent = os.getppid()
     while True:
         try:
@@ -161,7 +169,23 @@ def _start_pool(world_size: int) -> _Pool:
     ]
     for p in processes:
         p.start()
-    return _Pool(world_size, processes, tasks, results, log_paths)
+    pool = _Pool(world_size, processes, tasks, results, log_paths)
+    ready: set[int] = set()
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while len(ready) < world_size:
+        try:
+            rank, _, _, _ = results.get(timeout=1.0)
+            ready.add(rank)
+        except queue.Empty:
+            dead = [r for r, p in enumerate(processes) if not p.is_alive()]
+            if dead or time.monotonic() >= deadline:
+                pool.kill()
+                failed = dead or sorted(set(range(world_size)) - ready)
+                raise RankFailure(
+                    f"worker rank(s) {failed} of {world_size} did not start within {STARTUP_TIMEOUT_S:.0f}s:\n"
+                    + "\n".join(f"--- rank {r} log ---\n{pool.log_tail(r)}" for r in failed)
+                ) from None
+    return pool
 
 
 def _pool(world_size: int) -> _Pool:

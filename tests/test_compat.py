@@ -94,3 +94,27 @@ def test_shim_rewrites_fail_loudly_when_upstream_changes():
 
     with pytest.raises(RuntimeError, match=re.escape("is no longer in megatron.core.optimizer.clip_grads")):
         compat._rewrite_function(clip_grads, "clip_grad_by_total_norm_fp32", [("text that is not there", "")])
+
+
+_WITH_CUDA = """
+import sys
+import torch
+
+torch.cuda.is_available = lambda: True  # a GPU machine, as far as the shim can tell
+real_cuda_method = torch.Tensor.cuda
+from megatron_patch import compat
+
+assert compat.apply_cpu_shim() is False
+import megatron.core.tensor_parallel.utils as tp_utils
+
+assert torch.Tensor.cuda is real_cuda_method
+assert tp_utils.torch is torch, "megatron-core got the CPU view of torch"
+assert not any(type(finder).__name__ == "_MegatronTorchView" for finder in sys.meta_path)
+print("untouched")
+"""
+
+
+def test_shim_does_nothing_when_cuda_is_available():
+    result = subprocess.run([sys.executable, "-c", _WITH_CUDA], capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().endswith("untouched")

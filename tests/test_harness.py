@@ -51,6 +51,7 @@ def test_exception_reports_the_rank_and_its_traceback():
 
 def test_rank_that_never_joins_a_collective_fails_within_the_timeout():
     timeout = 8.0
+    run_on_ranks(all_reduce_rank, 2)  # workers up, process group joined: the timeout is the body's alone
     start = time.monotonic()
     with pytest.raises(RankFailure) as failure:
         run_on_ranks(rank_one_never_joins, 2, timeout=timeout)
