@@ -219,8 +219,9 @@ def stream_dist(model, ckpt_dir: str, materialise: Callable[[str], torch.Tensor]
                     lambda name: read_and_transform(name))     # full (TP=1) tensor by megatron-core name
 
     megatron-core's own ``dist_checkpointing.save`` writes metadata.json, common.pt and the DCP metadata; only
-    the tensor writing is replaced: synchronously, by PyTorch DCP's ``FileSystemWriter`` with one thread, whose
-    planner asks for each tensor as the file reaches it. So one tensor group is in memory at a time (megatron's
+    the tensor writing is replaced: synchronously, by PyTorch DCP's ``FileSystemWriter`` with one thread (its data
+    file written around the page cache, :mod:`megatron_patch.convert.direct_io`), whose planner asks for each
+    tensor as the file reaches it. So one tensor group is in memory at a time (megatron's
     default strategy holds all of them and copies them to writer processes), and the files are those of its
     torch_dist format, which ``dist_checkpointing.load`` reshards to any TP/PP.
     """
@@ -240,9 +241,10 @@ def _streaming_strategy(sources: dict, materialise: Callable[[str], torch.Tensor
         MCoreSavePlanner, TorchDistSaveShardedStrategy, _replace_state_dict_keys_with_sharded_keys,
         mcore_to_pyt_state_dict,
     )
-    from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint import save as dcp_save
     from torch.distributed.checkpoint.planner import WriteItemType
+
+    from megatron_patch.convert.direct_io import DirectFileSystemWriter
 
     class LazyPlanner(MCoreSavePlanner):
         def __init__(self):
@@ -267,7 +269,7 @@ def _streaming_strategy(sources: dict, materialise: Callable[[str], torch.Tensor
         def save(self, sharded_state_dict, checkpoint_dir):
             state, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, keep_only_main_replica=True)
             dcp_save(mcore_to_pyt_state_dict(state, is_loading=False), planner=LazyPlanner(),
-                     storage_writer=FileSystemWriter(checkpoint_dir, thread_count=1))
+                     storage_writer=DirectFileSystemWriter(checkpoint_dir))
 
     return StreamingStrategy("torch_dist", 1)
 

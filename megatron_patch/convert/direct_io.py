@@ -1,0 +1,120 @@
+"""Write large checkpoint files around the page cache (``O_DIRECT``), for PyTorch DCP's ``FileSystemWriter``.
+
+Example::
+
+    from megatron_patch.convert.direct_io import DirectFileSystemWriter
+    dcp_save(state, planner=planner, storage_writer=DirectFileSystemWriter("out/release"))
+
+A conversion writes gigabytes once and never reads them back in the same process. Through the page cache each
+byte is copied into the cache and written back by the kernel at the closing ``fsync``, which on the virtual
+disks we measured runs at a fifth of the speed of the same bytes written with ``O_DIRECT`` (1.7 GB in 4.4 s
+against 1.0 s). Here the data files go through an aligned buffer straight to the device and the closing ``fsync``
+only flushes the device, so they are just as durable. Only the stream is replaced: DCP's format, planner and
+metadata are untouched. Where the file system refuses ``O_DIRECT`` (tmpfs, some network mounts) the stream falls
+back to an ordinary buffered file.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import io
+import mmap
+import os
+from contextlib import contextmanager
+
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
+
+_BUFFER_BYTES = 16 << 20
+_ALIGN = 4096  # the largest logical block size of common devices; mmap buffers are page-aligned
+
+
+class _DirectWriter(io.RawIOBase):
+    """A write-only stream on an ``O_DIRECT`` descriptor: bytes gather in an aligned buffer written whole; the
+    tail is written padded to the alignment at ``close`` and the file truncated to its real length."""
+
+    def __init__(self, fd: int):
+        super().__init__()
+        self._fd = fd
+        self._buffer = mmap.mmap(-1, _BUFFER_BYTES)
+        self._view = memoryview(self._buffer)
+        self._filled = 0
+        self._written = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def tell(self) -> int:
+        return self._written + self._filled
+
+    def write(self, data) -> int:
+        data = memoryview(data).cast("B")
+        taken = 0
+        while taken < len(data):
+            n = min(len(data) - taken, _BUFFER_BYTES - self._filled)
+            self._view[self._filled:self._filled + n] = data[taken:taken + n]
+            self._filled += n
+            taken += n
+            if self._filled == _BUFFER_BYTES:
+                self._drain(_BUFFER_BYTES)
+        return taken
+
+    def _drain(self, nbytes: int) -> None:
+        done = 0
+        while done < nbytes:
+            try:
+                done += os.write(self._fd, self._view[done:nbytes])
+            except OSError as error:
+                flags = fcntl.fcntl(self._fd, fcntl.F_GETFL)
+                if error.errno != errno.EINVAL or not flags & os.O_DIRECT:
+                    raise
+                # The file system opened the file with O_DIRECT but refuses such writes: write through the cache.
+                fcntl.fcntl(self._fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
+        self._written += self._filled
+        self._filled = 0
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            length = self.tell()
+            if self._filled:
+                padded = -(-self._filled // _ALIGN) * _ALIGN
+                self._view[self._filled:padded] = bytes(padded - self._filled)
+                self._drain(padded)
+            os.ftruncate(self._fd, length)
+        finally:
+            self._view.release()
+            self._buffer.close()
+            os.close(self._fd)
+            super().close()
+
+
+class _DirectFileSystem(FileSystem):
+    """DCP's local file system, with data files (``*.distcp``) written through :class:`_DirectWriter`."""
+
+    @contextmanager
+    def create_stream(self, path, mode: str):
+        if mode != "wb" or not str(path).endswith(".distcp"):
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        try:
+            fd = os.open(path, flags | os.O_DIRECT, 0o644)
+        except OSError:  # EINVAL: this file system does not do O_DIRECT
+            fd = os.open(path, flags, 0o644)
+        with _DirectWriter(fd) as stream:
+            yield stream
+
+
+class DirectFileSystemWriter(FileSystemWriter):
+    """PyTorch DCP's ``FileSystemWriter`` (one thread, files synced) writing its data files with ``O_DIRECT``."""
+
+    def __init__(self, path):
+        super().__init__(path, thread_count=1)
+        self.fs = _DirectFileSystem()
