@@ -170,6 +170,21 @@ def bert_forward_step(data_iterator, model):
 _FORWARD = {"gpt": (gpt_forward_step, _gpt_batches), "bert": (bert_forward_step, _bert_batches)}
 
 
+def _check_memory_options_reached_the_model(chunks, parallel) -> None:
+    """Sequence parallelism and recompute leave the loss unchanged by design, so a layout whose flags were dropped
+    on the way to megatron-core would still match the oracle; check that the built chunks really use them."""
+    from megatron.core.transformer.attention import Attention
+
+    for chunk in chunks:
+        config = chunk.config
+        assert (config.sequence_parallel, config.recompute_granularity, config.recompute_method,
+                config.recompute_num_layers) == (parallel.sequence_parallel, parallel.recompute_granularity,
+                                                 parallel.recompute_method, parallel.recompute_num_layers)
+        attentions = [m for m in chunk.modules() if isinstance(m, Attention)]
+        assert attentions and all(
+            m.checkpoint_core_attention == (parallel.recompute_granularity == "selective") for m in attentions)
+
+
 def loss_and_grads(rank, world_size, name, overrides, layouts):
     """For each ``(label, ParallelConfig kwargs)``: mean loss over the global batch and global grads by key.
 
@@ -197,6 +212,7 @@ def loss_and_grads(rank, world_size, name, overrides, layouts):
         config = model_config(name, **overrides)
         chunks = build_model_chunks(config, parallel,
                                     padded_vocab_size(VOCAB, 1, parallel.tensor_model_parallel_size))
+        _check_memory_options_reached_the_model(chunks, parallel)
         init_weights(chunks)
         ddp_chunks = wrap_model(chunks, DistributedDataParallelConfig())
         for chunk in ddp_chunks:

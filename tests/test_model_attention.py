@@ -1,4 +1,5 @@
-"""SDPAttention (torch scaled_dot_product_attention) equals megatron-core's DotProductAttention."""
+"""SDPAttention (torch scaled_dot_product_attention) equals megatron-core's DotProductAttention, and the layer
+specs pick it on machines without Transformer Engine (TE's attention where TE imports)."""
 
 
 import pytest
@@ -50,3 +51,46 @@ def compare_core_attention(rank, world_size, num_query_groups):
 def test_sdpa_matches_megatron_dot_product_attention(num_query_groups):
     [errors] = run_on_ranks(compare_core_attention, 1, args=(num_query_groups,))
     assert all(error < 1e-5 for error in errors.values()), errors
+
+
+@pytest.mark.parametrize("name,overrides,mask_type", [
+    ("tiny-gpt2", {}, "causal"),
+    ("tiny-llama", {}, "causal"),
+    ("tiny-bert", {}, "padding"),
+    ("tiny-bert", dict(bert_layernorm_style="pre"), "padding"),
+])
+def test_local_spec_uses_sdpa_core_attention(monkeypatch, name, overrides, mask_type):
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_patch import compat
+    from megatron_patch.model import get_model_config
+    from megatron_patch.model.attention import SDPAttention
+    from megatron_patch.model.layers import TorchNorm
+    from megatron_patch.model.specs import LocalBackend, backend, layer_spec
+
+    # What a machine without Transformer Engine sees, whether or not this one has it.
+    monkeypatch.setattr(compat, "transformer_engine_available", lambda: False)
+    assert isinstance(backend(), LocalBackend)
+    spec = layer_spec(get_model_config(name, **overrides))
+    attention = spec.submodules.self_attention
+    # Not megatron-core's DotProductAttention with its unfused softmax.
+    assert attention.submodules.core_attention is SDPAttention
+    assert attention.params["attn_mask_type"] == AttnMaskType[mask_type]
+    norms = ((spec.submodules.post_attention_layernorm, spec.submodules.post_mlp_layernorm)
+             if spec.module.__name__ == "PostLNTransformerLayer"
+             else (spec.submodules.input_layernorm, spec.submodules.pre_mlp_layernorm))
+    assert all(norm is TorchNorm for norm in norms)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-bert"])
+def test_transformer_engine_spec_when_it_imports(name):
+    pytest.importorskip("transformer_engine.pytorch")
+    from megatron.core.extensions.transformer_engine import TEDotProductAttention
+    from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+
+    from megatron_patch.model import get_model_config
+    from megatron_patch.model.specs import backend, layer_spec
+
+    assert isinstance(backend(), TESpecProvider)
+    spec = layer_spec(get_model_config(name))
+    assert spec.submodules.self_attention.submodules.core_attention is TEDotProductAttention

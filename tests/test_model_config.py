@@ -2,6 +2,7 @@
 
 
 import argparse
+import re
 
 import pytest
 
@@ -48,30 +49,77 @@ def test_parameter_count_matches_hugging_face(name):
     assert num_parameters(config, config.vocab_size) == HF_PARAMETERS[name]
 
 
-def count_built_parameters(rank, world_size, names):
+def _hf_parameters(config) -> int:
+    """Parameters of the Hugging Face model of ``config``'s shape and unpadded vocabulary (the class HF_PARAMETERS
+    counts for that architecture), built on the meta device.
+
+    Example::
+
+        _hf_parameters(get_model_config("tiny-llama"))      # LlamaForCausalLM with 2 layers, hidden 64
+    """
+    import torch
+    import transformers
+
+    # Token ids inside the tiny vocabularies, or transformers warns about its 50256 defaults.
+    special = dict(bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    common = dict(vocab_size=config.vocab_size, max_position_embeddings=config.max_positions, **special)
+    if config.family == "bert":
+        model_class, hf_config = transformers.BertForPreTraining, transformers.BertConfig(
+            hidden_size=config.hidden_size, num_hidden_layers=config.num_layers,
+            num_attention_heads=config.num_attention_heads, intermediate_size=config.ffn_size,
+            type_vocab_size=config.num_tokentypes, **common)
+    elif config.position_embedding_type == "learned_absolute":
+        model_class, hf_config = transformers.GPT2Model, transformers.GPT2Config(
+            vocab_size=config.vocab_size, n_positions=config.max_positions, n_embd=config.hidden_size,
+            n_layer=config.num_layers, n_head=config.num_attention_heads, n_inner=config.ffn_size, **special)
+    else:
+        model_class, config_class = ((transformers.Qwen2ForCausalLM, transformers.Qwen2Config) if config.add_qkv_bias
+                                     else (transformers.LlamaForCausalLM, transformers.LlamaConfig))
+        hf_config = config_class(
+            hidden_size=config.hidden_size, intermediate_size=config.ffn_size, num_hidden_layers=config.num_layers,
+            num_attention_heads=config.num_attention_heads, num_key_value_heads=config.query_groups,
+            tie_word_embeddings=not config.untie_embeddings_and_output_weights, **common)
+    with torch.device("meta"):
+        return sum(p.numel() for p in model_class(hf_config).parameters())
+
+
+def count_built_parameters(rank, world_size, padded_vocabs):
     import torch
 
     from megatron_patch.distributed import initialize_distributed
-    from megatron_patch.model.builder import build_model_chunks, padded_vocab_size
-    from megatron_patch.model.flops import num_parameters
+    from megatron_patch.model.builder import build_model_chunks
 
     initialize_distributed()
     counts = {}
-    for name in names:
+    for name, vocab in padded_vocabs.items():
         config = get_model_config(name)
-        vocab = padded_vocab_size(config.vocab_size, config.make_vocab_size_divisible_by, 1)
         with torch.device("meta"):  # real sizes, no memory
             [model] = build_model_chunks(config, ParallelConfig(), vocab)
-        counts[name] = (sum(p.numel() for p in model.parameters()), num_parameters(config, vocab))
+        counts[name] = sum(p.numel() for p in model.parameters())
     return counts
 
 
-def test_built_models_have_the_counted_parameters():
-    names = ["gpt2-124m", "llama3.2-1b", "qwen2-0.5b", "qwen2-7b", "bert-base", "tiny-gpt2", "tiny-llama",
-             "tiny-qwen2", "tiny-bert"]
-    [counts] = run_on_ranks(count_built_parameters, 1, args=(names,), timeout=300)
-    assert {name: built for name, (built, _) in counts.items()} == {name: c for name, (_, c) in counts.items()}
-    assert counts["gpt2-124m"][0] == 124_475_904  # 124M: 50257 padded to 50304 rows
+def test_every_named_config_builds_with_the_hugging_face_count():
+    from megatron_patch.tokenizer.registry import padded_vocab_size
+
+    padded_vocabs, expected = {}, {}
+    for name in list_model_configs():
+        config = get_model_config(name)
+        # Megatron pads the vocabulary to a multiple of --make-vocab-size-divisible-by x TP (TP = 1 here).
+        multiple = config.make_vocab_size_divisible_by
+        padded_vocabs[name] = -(-config.vocab_size // multiple) * multiple
+        assert padded_vocab_size(config.vocab_size, multiple, 1) == padded_vocabs[name], name
+        extra_rows = padded_vocabs[name] - config.vocab_size
+        hf_count = HF_PARAMETERS[name] if name in HF_PARAMETERS else _hf_parameters(config)
+        # The padding rows add to the word embeddings, to the output matrix when it is separate, and to BERT's
+        # output bias; nothing else differs from Hugging Face's model.
+        vocab_matrices = 2 if config.untie_embeddings_and_output_weights else 1
+        output_bias = 1 if config.family == "bert" else 0
+        expected[name] = hf_count + extra_rows * (vocab_matrices * config.hidden_size + output_bias)
+    [built] = run_on_ranks(count_built_parameters, 1, args=(padded_vocabs,), timeout=300)
+    assert built == expected
+    # The formula MFU reporting uses counts what was built.
+    assert {name: num_parameters(get_model_config(name), padded_vocabs[name]) for name in built} == expected
 
 
 def test_flops_formula_matches_hand_count():
@@ -96,16 +144,20 @@ def test_flops_formula_matches_hand_count():
 
 
 def test_flags_override_named_config():
+    from megatron_patch.model.builder import to_transformer_config
+
     parser = add_parallel_arguments(add_model_arguments(argparse.ArgumentParser()))
     args = parser.parse_args([
-        "--model-name", "gpt2-124m", "--num-layers", "4", "--position-embedding-type", "rope", "--rotary-base",
+        "--model-name", "gpt2-124m", "--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8",
+        "--ffn-hidden-size", "1536", "--position-embedding-type", "rope", "--rotary-base",
         "500000", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--add-qkv-bias",
         "--untie-embeddings-and-output-weights", "--num-query-groups", "4", "--group-query-attention",
         "--checkpoint-activations", "--tensor-model-parallel-size", "2",
     ])
     config = model_config_from_args(args)
-    assert (config.num_layers, config.hidden_size, config.position_embedding_type, config.rotary_base) == (
-        4, 768, "rope", 500000)
+    # gpt2-124m is 12 layers x 768 wide with 12 heads and a 4 x 768 MLP: every shape field comes from the flags.
+    assert (config.num_layers, config.hidden_size, config.num_attention_heads, config.ffn_size) == (4, 512, 8, 1536)
+    assert (config.head_dim, config.position_embedding_type, config.rotary_base) == (64, "rope", 500000)
     assert (config.normalization, config.activation, config.add_bias_linear, config.add_qkv_bias) == (
         "RMSNorm", "swiglu", False, True)
     assert config.untie_embeddings_and_output_weights and config.num_query_groups == 4
@@ -113,6 +165,11 @@ def test_flags_override_named_config():
     assert (parallel.recompute_granularity, parallel.recompute_method, parallel.recompute_num_layers) == (
         "full", "uniform", 1)
     assert parallel.tensor_model_parallel_size == 2
+    # ...and reach megatron-core's config unchanged.
+    transformer = to_transformer_config(config, parallel)
+    assert (transformer.num_layers, transformer.hidden_size, transformer.num_attention_heads,
+            transformer.ffn_hidden_size, transformer.num_query_groups, transformer.kv_channels) == (
+        4, 512, 8, 1536, 4, 64)
 
 
 def test_flags_alone_describe_a_model():
@@ -139,6 +196,10 @@ def test_flags_alone_describe_a_model():
      "--sequence-parallel needs --tensor-model-parallel-size greater than 1"),
     ({}, dict(virtual_pipeline_model_parallel_size=2), None, "needs --pipeline-model-parallel-size of at least 2"),
     ({}, dict(tensor_model_parallel_size=2), 3, "world size 3 is not divisible by --tensor-model-parallel-size 2"),
+    (dict(ffn_hidden_size=3070), dict(tensor_model_parallel_size=4), None,
+     "--ffn-hidden-size 3070 is not divisible by --tensor-model-parallel-size 4"),
+    (dict(seq_length=1022), dict(tensor_model_parallel_size=4, sequence_parallel=True), None,
+     "--sequence-parallel needs --seq-length 1022 divisible by --tensor-model-parallel-size 4"),
     ({}, dict(recompute_granularity="selective", recompute_method="block"), None,
      "--recompute-method and --recompute-num-layers only apply with --recompute-granularity full"),
     ({}, dict(recompute_granularity="full", recompute_num_layers=13), None,
@@ -148,8 +209,28 @@ def test_flags_alone_describe_a_model():
 ])
 def test_invalid_layouts_are_refused(model_overrides, layout, world_size, message):
     config = get_model_config("gpt2-124m", **model_overrides)
-    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         ParallelConfig(**layout).validate(config, world_size=world_size)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--checkpoint-activations", "--recompute-granularity", "selective"],
+     "--checkpoint-activations means --recompute-granularity full; do not combine it with "
+     "--recompute-granularity selective"),
+    (["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2",
+      "--num-layers-per-virtual-pipeline-stage", "3"],
+     "give --num-layers-per-virtual-pipeline-stage or --virtual-pipeline-model-parallel-size, not both"),
+    # gpt2-124m's 12 layers over 2 stages leave 6 per stage, which 4 does not divide.
+    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "4"],
+     "--num-layers-per-virtual-pipeline-stage 4 must divide the 6 layers of a pipeline stage "
+     "(--num-layers 12 / --pipeline-model-parallel-size 2)"),
+])
+def test_conflicting_flags_are_refused(argv, message):
+    parser = add_parallel_arguments(add_model_arguments(argparse.ArgumentParser()))
+    args = parser.parse_args(["--model-name", "gpt2-124m", *argv])
+    config = model_config_from_args(args)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parallel_config_from_args(args, config.num_layers)
 
 
 def test_invalid_model_fields_are_refused():

@@ -1,4 +1,5 @@
-"""Our GPT-2, LLaMA, Qwen2 and post-LN BERT compute what Hugging Face transformers computes with the same weights.
+"""Our GPT-2, LLaMA, Qwen2, post-LN BERT and BERT sequence classifier compute what Hugging Face transformers
+computes with the same weights.
 
 Weights are copied by hand here (the converter is a separate piece of work); a wrong layer-norm placement,
 activation, q/k/v layout or RoPE convention shows up as a mismatch in logits or hidden states.
@@ -10,6 +11,7 @@ import pytest
 from megatron_patch.testing import run_on_ranks
 
 SEQ, VOCAB = 16, 128
+NUM_LABELS = 3
 
 
 def _interleave_qkv(q, k, v, num_query_groups):
@@ -86,24 +88,17 @@ def _llama_weights(hf, config):
     return weights
 
 
-def _bert_weights(hf, config):
-    sd, heads = hf.state_dict(), config.num_attention_heads
-    emb = "bert.embeddings."
+def _bert_encoder_weights(sd, config):
+    """Embeddings, layers and pooler: what BertForPreTraining and BertForSequenceClassification share."""
+    heads, emb = config.num_attention_heads, "bert.embeddings."
     weights = {
         "embedding.word_embeddings.weight": sd[emb + "word_embeddings.weight"],
         "embedding.position_embeddings.weight": sd[emb + "position_embeddings.weight"],
         "embedding.tokentype_embeddings.weight": sd[emb + "token_type_embeddings.weight"],
         "embedding.layer_norm.weight": sd[emb + "LayerNorm.weight"],
         "embedding.layer_norm.bias": sd[emb + "LayerNorm.bias"],
-        "lm_head.dense.weight": sd["cls.predictions.transform.dense.weight"],
-        "lm_head.dense.bias": sd["cls.predictions.transform.dense.bias"],
-        "lm_head.layer_norm.weight": sd["cls.predictions.transform.LayerNorm.weight"],
-        "lm_head.layer_norm.bias": sd["cls.predictions.transform.LayerNorm.bias"],
-        "output_layer.bias": sd["cls.predictions.bias"],
         "pooler.dense.weight": sd["bert.pooler.dense.weight"],
         "pooler.dense.bias": sd["bert.pooler.dense.bias"],
-        "binary_head.weight": sd["cls.seq_relationship.weight"],
-        "binary_head.bias": sd["cls.seq_relationship.bias"],
     }
     for i in range(config.num_layers):
         hf_layer, ours = f"bert.encoder.layer.{i}.", f"encoder.layers.{i}."
@@ -119,6 +114,26 @@ def _bert_weights(hf, config):
                 ours + f"post_mlp_layernorm.{kind}": sd[hf_layer + f"output.LayerNorm.{kind}"],
             })
     return weights
+
+
+def _bert_weights(hf, config):
+    sd = hf.state_dict()
+    return {
+        **_bert_encoder_weights(sd, config),
+        "lm_head.dense.weight": sd["cls.predictions.transform.dense.weight"],
+        "lm_head.dense.bias": sd["cls.predictions.transform.dense.bias"],
+        "lm_head.layer_norm.weight": sd["cls.predictions.transform.LayerNorm.weight"],
+        "lm_head.layer_norm.bias": sd["cls.predictions.transform.LayerNorm.bias"],
+        "output_layer.bias": sd["cls.predictions.bias"],
+        "binary_head.weight": sd["cls.seq_relationship.weight"],
+        "binary_head.bias": sd["cls.seq_relationship.bias"],
+    }
+
+
+def _bert_classifier_weights(hf, config):
+    sd = hf.state_dict()
+    return {**_bert_encoder_weights(sd, config),
+            "classifier.weight": sd["classifier.weight"], "classifier.bias": sd["classifier.bias"]}
 
 
 def _hf_gpt2(config):
@@ -144,15 +159,27 @@ def _hf_llama_like(config):
     ))
 
 
-def _hf_bert(config):
-    from transformers import BertConfig, BertForPreTraining
+def _hf_bert_config(config, **fields):
+    from transformers import BertConfig
 
-    return BertForPreTraining(BertConfig(
+    return BertConfig(
         vocab_size=VOCAB, hidden_size=config.hidden_size, num_hidden_layers=config.num_layers,
         num_attention_heads=config.num_attention_heads, intermediate_size=config.ffn_size,
         max_position_embeddings=config.max_positions, type_vocab_size=config.num_tokentypes,
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, layer_norm_eps=config.layernorm_epsilon,
-    ))
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, layer_norm_eps=config.layernorm_epsilon, **fields,
+    )
+
+
+def _hf_bert(config):
+    from transformers import BertForPreTraining
+
+    return BertForPreTraining(_hf_bert_config(config))
+
+
+def _hf_bert_classifier(config):
+    from transformers import BertForSequenceClassification
+
+    return BertForSequenceClassification(_hf_bert_config(config, num_labels=NUM_LABELS))
 
 
 def _relative(ours, theirs):
@@ -166,11 +193,16 @@ def _compare_gpt(model, hf, tokens):
     return {"logits": _relative(logits, hf(input_ids=tokens).logits)}
 
 
-def _compare_bert(model, hf, tokens):
+def _bert_inputs(tokens):
+    """A padded second sequence and two segments, so key padding and token types both matter."""
     import torch
 
     padding_mask = (torch.arange(SEQ)[None, :] < torch.tensor([[SEQ], [SEQ - 5]])).long()
-    types = (torch.arange(SEQ) >= SEQ // 2).long().expand_as(tokens)
+    return padding_mask, (torch.arange(SEQ) >= SEQ // 2).long().expand_as(tokens)
+
+
+def _compare_bert(model, hf, tokens):
+    padding_mask, types = _bert_inputs(tokens)
     captured = {}
     model.encoder.register_forward_hook(lambda module, args, output: captured.update(hidden=output))
     logits, binary_logits = model(tokens, padding_mask, tokentype_ids=types)
@@ -183,11 +215,41 @@ def _compare_bert(model, hf, tokens):
     }
 
 
+def _compare_classifier(model, hf, tokens):
+    import torch
+
+    padding_mask, types = _bert_inputs(tokens)
+    labels = torch.tensor([2, 0])
+    per_sample_loss = model(tokens, padding_mask, tokentype_ids=types, labels=labels)
+    theirs = hf(input_ids=tokens, attention_mask=padding_mask, token_type_ids=types, labels=labels)
+    return {
+        "logits": _relative(model(tokens, padding_mask, tokentype_ids=types), theirs.logits),
+        "loss": _relative(per_sample_loss.mean(), theirs.loss),
+    }
+
+
+def _build_lm(config):
+    from megatron_patch.model import ParallelConfig
+    from megatron_patch.model.builder import build_model_chunks
+
+    return build_model_chunks(config, ParallelConfig(), VOCAB)
+
+
+def _build_classifier(config):
+    from megatron_patch.model import ParallelConfig
+    from megatron_patch.model.builder import build_sequence_classifier
+
+    return build_sequence_classifier(config, ParallelConfig(), VOCAB, num_labels=NUM_LABELS)
+
+
+# case -> (registry name, Hugging Face model, weight mapping, comparison, our model)
 CASES = {
-    "gpt2": ("tiny-gpt2", _hf_gpt2, _gpt2_weights, _compare_gpt),
-    "llama": ("tiny-llama", _hf_llama_like, _llama_weights, _compare_gpt),
-    "qwen2": ("tiny-qwen2", _hf_llama_like, _llama_weights, _compare_gpt),
-    "bert": ("tiny-bert", _hf_bert, _bert_weights, _compare_bert),
+    "gpt2": ("tiny-gpt2", _hf_gpt2, _gpt2_weights, _compare_gpt, _build_lm),
+    "llama": ("tiny-llama", _hf_llama_like, _llama_weights, _compare_gpt, _build_lm),
+    "qwen2": ("tiny-qwen2", _hf_llama_like, _llama_weights, _compare_gpt, _build_lm),
+    "bert": ("tiny-bert", _hf_bert, _bert_weights, _compare_bert, _build_lm),
+    "bert-sequence-classification": ("tiny-bert", _hf_bert_classifier, _bert_classifier_weights,
+                                     _compare_classifier, _build_classifier),
 }
 
 
@@ -195,15 +257,14 @@ def compare_with_hf(rank, world_size, case):
     import torch
 
     from megatron_patch.distributed import initialize_distributed
-    from megatron_patch.model import ParallelConfig, get_model_config
-    from megatron_patch.model.builder import build_model_chunks
+    from megatron_patch.model import get_model_config
 
-    name, build_hf, weights, compare = CASES[case]
+    name, build_hf, weights, compare, build_ours = CASES[case]
     initialize_distributed()
     torch.manual_seed(0)
     config = get_model_config(name, seq_length=SEQ, hidden_dropout=0.0, attention_dropout=0.0)
     hf = build_hf(config).eval()
-    [model] = build_model_chunks(config, ParallelConfig(), VOCAB)
+    [model] = build_ours(config)
     _load(model, weights(hf, config))
     model.eval()
     tokens = torch.randint(0, VOCAB, (2, SEQ))

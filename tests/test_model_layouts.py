@@ -22,6 +22,7 @@ LAYOUTS = [
                                       recompute_method="block", recompute_num_layers=1)),
     ("tp2-sp-recompute-selective", dict(tensor_model_parallel_size=2, sequence_parallel=True,
                                         recompute_granularity="selective")),
+    ("tp2-recompute-selective", dict(tensor_model_parallel_size=2, recompute_granularity="selective")),
 ]
 
 FAMILIES = {
