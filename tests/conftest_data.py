@@ -5,6 +5,7 @@
     tok = build_tokenizer("GPT2BPETokenizer", **assets.options["GPT2BPETokenizer"])
 """
 
+import csv
 import json
 import os
 from dataclasses import dataclass
@@ -66,6 +67,23 @@ def data_assets(tmp_path_factory) -> DataAssets:
     }
     _CACHE["assets"] = DataAssets(corpus=corpus, texts=texts, options=options)
     return _CACHE["assets"]
+
+
+def write_pairs_jsonl(tsv_dir: str, out_dir: str) -> str:
+    """The rows of MRPC's ``train.tsv``/``dev.tsv`` in ``tsv_dir`` as JSONL (``out_dir/{train,dev}.jsonl``, one
+    ``{"sentence1", "sentence2", "label"}`` per line), the other layout ``--task sequence_classification`` reads.
+
+        write_pairs_jsonl(os.path.join(assets.glue_dir, "mrpc"), os.path.join(root, "mrpc_jsonl"))
+    """
+    os.makedirs(out_dir, exist_ok=True)
+    for split in ("train", "dev"):
+        with open(os.path.join(tsv_dir, f"{split}.tsv"), encoding="utf-8", newline="") as f:
+            rows = list(csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
+        with open(os.path.join(out_dir, f"{split}.jsonl"), "w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps({"sentence1": row["#1 String"], "sentence2": row["#2 String"],
+                                    "label": int(row["Quality"])}) + "\n")
+    return out_dir
 
 
 def write_null_corpus(path: str, texts: list[str]) -> list[str]:

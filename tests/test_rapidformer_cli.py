@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest_data import write_pairs_jsonl
 from seed_scripts.assets import rapidformer_assets
 
 SCRIPTS = os.path.join(os.path.dirname(__file__), "seed_scripts")
@@ -83,6 +84,22 @@ def test_sequence_classification_reports_accuracy_and_f1_per_epoch(assets, memor
     assert "compiled with torch.compile(backend='aot_eager')" in output
 
 
+def test_sequence_classification_reads_jsonl_pairs(assets, tmp_path):
+    """Black-box fine-tuning on JSONL (``sentence1, sentence2, label``): the MRPC test's rows, in one process."""
+    write_pairs_jsonl(os.path.join(assets.glue_dir, "mrpc"), str(tmp_path / "mrpc_jsonl"))
+    code, output = _rapidformer(
+        "--task", "sequence_classification", "--nproc-per-node", "1", "--pretrained-model-name-or-path",
+        assets.bert_dir, "--data-path", str(tmp_path), "--data-name", "mrpc_jsonl", "--epochs", "3",
+        "--micro-batch-size", "16", "--lr", "2e-3", "--lr-warmup-iters", "2", "--log-interval", "1", "--seed", "42")
+    assert code == 0, output[-4000:]
+    metrics = _epoch_metrics(output)
+    assert len(metrics) == 3, output[-3000:]
+    # F1 as well as accuracy: labels read wrongly (all one class) could still score a high accuracy.
+    assert metrics[-1][0] >= 0.9 and metrics[-1][1] >= 0.9, metrics
+    losses = _losses(output)
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
 def test_no_trainer_script_with_compose_build_data_loader_and_gather(assets):
     """Pattern 5: the user's own loop; the scheduler comes from transformers through lr_scheduler_fn."""
     code, output = _rapidformer(
@@ -150,10 +167,38 @@ def test_refusals_name_the_flag_and_the_hook(tmp_path):
     assert code != 0 and "run_compute_metrics" in output, output[-2000:]
 
 
+# The seed document's acceleration flags, each of which --help must explain.
+SEED_ACCELERATION_FLAGS = [
+    "--mixed-precision", "--zero-1-memory-optimization", "--zero-2-memory-optimization",
+    "--zero-3-memory-optimization", "--fsdp-memory-optimization", "--checkpoint-activations",
+    "--onnx-runtime-training", "--data-impl", "--global-batch-size",
+]
+
+
+def _help_entries(text: str) -> dict[str, str]:
+    """flag -> its help text, from argparse's option list (an entry starts with two spaces and a dash; its help
+    follows after two or more spaces or on lines indented further)."""
+    entries, current = {}, []
+    for line in text.splitlines():
+        if re.match(r"  -", line):
+            option, *help_text = re.split(r"\s{2,}", line.strip(), maxsplit=1)
+            current = re.findall(r"--?[\w-]+", option)
+            for flag in current:
+                entries[flag] = " ".join(help_text)
+        elif current and line.startswith(" " * 3):
+            for flag in current:
+                entries[flag] = (entries[flag] + " " + line.strip()).strip()
+        else:
+            current = []
+    return entries
+
+
 def test_megatron_patch_train_is_the_launcher(capsys):
     from megatron_patch.cli import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["train", "--help"])
     assert exit_info.value.code == 0
-    assert "--onnx-runtime-training" in capsys.readouterr().out
+    entries = _help_entries(capsys.readouterr().out)
+    for flag in SEED_ACCELERATION_FLAGS:
+        assert entries.get(flag), f"rapidformer --help does not explain {flag}"

@@ -12,7 +12,8 @@ A megatron model whose description is known (``info``) also gets ``SAVE/megatron
 megatron-core models go through ``dist_checkpointing`` (torch_dist), which reshards on load; the distributed
 optimizer's state is saved ``fully_reshardable`` so it loads at another TP/PP/DP (the default format refuses
 that). Plain/Hugging Face models are saved with ``save_pretrained`` (full weights gathered from FSDP shards) plus
-the optimizer and scheduler state of rank 0's view when not sharded.
+the whole optimizer state keyed by parameter name (gathered from FSDP2 or ZeRO shards, so it loads under another
+memory mode or data-parallel size) and the scheduler state.
 
 Crash safety: a save goes to ``SAVE/iter_0000100.tmp-<id>/``, is fsynced, renamed to ``iter_0000100`` and only
 then named by the tracker (replaced atomically), so a process killed mid-save leaves the previous checkpoint
@@ -293,8 +294,60 @@ def _plain_module(model: torch.nn.Module) -> torch.nn.Module:
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
+def _parameter_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The names of ``optimizer``'s parameters in its order (the indices of its ``state_dict``), as torch's
+    ``get_optimizer_state_dict`` names them (without DDP's ``module.`` prefix)."""
+    names = {param: name for name, param in _plain_module(model).named_parameters()}
+    return [names[param] for group in optimizer.param_groups for param in group["params"]]
+
+
+def _rekey(state: dict, keys) -> dict:
+    """An optimizer ``state_dict`` with its parameter keys mapped through ``keys`` (index -> name or back)."""
+    return {"state": {keys[key]: value for key, value in state["state"].items()},
+            "param_groups": [{**group, "params": [keys[key] for key in group["params"]]}
+                             for group in state["param_groups"]]}
+
+
+def _plain_optimizer_state(model: torch.nn.Module, optimizer) -> dict | None:
+    """The whole optimizer state keyed by parameter name on rank 0 (None on the others); every rank takes part.
+
+    Example::
+
+        _plain_optimizer_state(model, optimizer)["state"]["bert.pooler.dense.weight"]["exp_avg"]   # on rank 0
+
+    FSDP2's shards are gathered by torch's ``get_optimizer_state_dict``, ZeroRedundancyOptimizer's are
+    consolidated on rank 0; keyed by name, as the former returns it, the state loads under any memory mode and
+    data-parallel size (``_load_plain_optimizer_state``).
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    inner = getattr(optimizer, "optimizer", optimizer)
+    rank = torch.distributed.get_rank()
+    if isinstance(inner, ZeroRedundancyOptimizer):
+        inner.consolidate_state_dict(to=0)
+        return _rekey(inner.state_dict(), _parameter_names(model, inner)) if rank == 0 else None
+    state = get_optimizer_state_dict(model, inner, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return state if rank == 0 else None
+
+
+def _load_plain_optimizer_state(model: torch.nn.Module, optimizer, state: dict) -> None:
+    """Load ``_plain_optimizer_state``'s whole state; each rank keeps its own shard of it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    inner = getattr(optimizer, "optimizer", optimizer)
+    if isinstance(inner, ZeroRedundancyOptimizer):
+        names = _parameter_names(model, inner)
+        inner.load_state_dict(_rekey(state, {name: index for index, name in enumerate(names)}))
+    else:
+        set_optimizer_state_dict(model, inner, state, options=StateDictOptions(full_state_dict=True))
+
+
 def _save_plain(path: str, model, optimizer, scheduler, iteration: int, rank: int) -> None:
-    state = _full_model_state(model)  # a collective under FSDP2: every rank takes part
+    # Collectives under FSDP2 and ZeRO: every rank takes part before rank 0 writes.
+    state = _full_model_state(model)
+    optimizer_state = _plain_optimizer_state(model, optimizer)
     if rank != 0:
         return
     module = _plain_module(model)
@@ -303,9 +356,8 @@ def _save_plain(path: str, model, optimizer, scheduler, iteration: int, rank: in
         module.save_pretrained(path, state_dict=state)
     else:
         torch.save(state, os.path.join(path, "model.pt"))
-    sharded = not isinstance(getattr(optimizer, "optimizer", optimizer), torch.optim.AdamW)
     torch.save({"iteration": iteration, "scheduler": None if scheduler is None else scheduler.state_dict(),
-                "optimizer": None if sharded else optimizer.state_dict()}, os.path.join(path, "trainer_state.pt"))
+                "optimizer": optimizer_state}, os.path.join(path, "trainer_state.pt"))
 
 
 def _rng_state() -> dict:
@@ -518,7 +570,7 @@ def _load_plain(path: str, model, optimizer, scheduler, with_optimizer: bool) ->
         state = torch.load(os.path.join(path, "model.pt"), weights_only=True)
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
     trainer = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
-    if with_optimizer and trainer["optimizer"] is not None:
-        optimizer.load_state_dict(trainer["optimizer"])
-    if with_optimizer and scheduler is not None and trainer["scheduler"] is not None:
-        scheduler.load_state_dict(trainer["scheduler"])
+    if with_optimizer:
+        _load_plain_optimizer_state(model, optimizer, trainer["optimizer"])
+        if scheduler is not None and trainer["scheduler"] is not None:
+            scheduler.load_state_dict(trainer["scheduler"])
