@@ -161,8 +161,10 @@ def train_gpt2(rank, world_size, argv, log_dir):
             iteration = self.iteration + 1
             if iteration not in self.seen:
                 state = _local_optimizer(self.optimizer).state
+                scaler = self.optimizer.scaler
                 self.seen[iteration] = {"adam_steps": sorted({float(s["step"]) for s in state.values()}),
-                                        "rng": torch.get_rng_state()}
+                                        "rng": torch.get_rng_state(),
+                                        "scaler": None if scaler is None else scaler.state_dict()}
             # A draw, as dropout makes, so the RNG state moves with the iterations (the loss does not use it).
             torch.rand(1)
             tokens = next(data_iterator)
@@ -208,6 +210,11 @@ def gpt2_runs(tmp_path_factory):
         name = f"{saved} resumed as {mode}"
         load = _resume_root(runs[saved + " save"], 2, str(root / name))
         runs[name] = train(name, 2, *_BATCH, f"--{mode}-memory-optimization", "--load", load)
+    runs["fp16 save"] = str(root / "fp16")
+    runs["fp16"] = train("fp16", 1, "--micro-batch-size", "8", "--mixed-precision", "--save", runs["fp16 save"],
+                         "--save-interval", "2")
+    load = _resume_root(runs["fp16 save"], 2, str(root / "fp16 resumed"))
+    runs["fp16 resumed"] = train("fp16 resumed", 1, "--micro-batch-size", "8", "--mixed-precision", "--load", load)
     load = _resume_root(runs["zero-3 save"], 2, str(root / "no-optim"))
     runs["no optim, no rng"] = train("no optim, no rng", 2, *_BATCH, "--zero-3-memory-optimization", "--load", load,
                                      "--no-load-optim", "--no-load-rng")
@@ -268,3 +275,12 @@ def test_no_load_optim_and_no_load_rng(gpt2_runs):
     # (its first update is about lr per weight) takes another step than one with two steps of moments.
     assert losses[0] == pytest.approx(unbroken[0]["losses"][2], rel=1e-6)
     assert losses[1] != pytest.approx(unbroken[0]["losses"][3], rel=1e-3)
+
+
+def test_fp16_resume_restores_the_loss_scaler(gpt2_runs):
+    unbroken, resumed = gpt2_runs["fp16"][0], gpt2_runs["fp16 resumed"][0]
+    assert resumed["iterations"] == [3, 4]
+    # The scale and the count of good steps towards its next growth continue; a fresh scaler would restart both.
+    assert unbroken["seen"][3]["scaler"]["_growth_tracker"] == 2
+    assert resumed["seen"][3]["scaler"] == unbroken["seen"][3]["scaler"]
+    assert resumed["losses"] == pytest.approx(unbroken["losses"][2:], rel=1e-5)

@@ -356,8 +356,10 @@ def _save_plain(path: str, model, optimizer, scheduler, iteration: int, rank: in
         module.save_pretrained(path, state_dict=state)
     else:
         torch.save(state, os.path.join(path, "model.pt"))
+    scaler = getattr(optimizer, "scaler", None)  # fp16's dynamic loss scale, which must resume where it was
     torch.save({"iteration": iteration, "scheduler": None if scheduler is None else scheduler.state_dict(),
-                "optimizer": optimizer_state}, os.path.join(path, "trainer_state.pt"))
+                "optimizer": optimizer_state, "grad_scaler": None if scaler is None else scaler.state_dict()},
+               os.path.join(path, "trainer_state.pt"))
 
 
 def _rng_state() -> dict:
@@ -572,5 +574,7 @@ def _load_plain(path: str, model, optimizer, scheduler, with_optimizer: bool) ->
     trainer = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
     if with_optimizer:
         _load_plain_optimizer_state(model, optimizer, trainer["optimizer"])
+        if getattr(optimizer, "scaler", None) is not None and trainer.get("grad_scaler"):
+            optimizer.scaler.load_state_dict(trainer["grad_scaler"])
         if scheduler is not None and trainer["scheduler"] is not None:
             scheduler.load_state_dict(trainer["scheduler"])
