@@ -23,7 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 # script -> (full-size arguments, quick arguments)
 BENCHMARKS = {
-    "preprocess.py": (["--mb", "30"], ["--mb", "2"]),
+    "preprocess.py": (["--mb", "30"], ["--quick"]),
     "train_overhead.py": ([], ["--quick"]),
     "data_loading.py": (["--iters", "60"], ["--iters", "6"]),
     "convert.py": ([], ["--quick"]),

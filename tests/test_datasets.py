@@ -1,7 +1,9 @@
 """megatron-core GPT and BERT datasets built over our preprocessed files yield correct samples."""
 
 import json
+import sys
 
+import megatron.core.datasets.utils
 import numpy
 import pytest
 import torch
@@ -15,6 +17,22 @@ from megatron_patch.tokenizer import build_tokenizer
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     return data_assets(tmp_path_factory)
+
+
+@pytest.fixture(autouse=True)
+def forbid_compile_helpers(monkeypatch):
+    """Fail the test if megatron-core's `compile_helpers()` runs: on the wheel install it runs
+    `make` without a Makefile and then `sys.exit(1)`s the process. The datasets here are built
+    in this process, so replacing it here (and wherever a module imported it by name) is where
+    a call would land."""
+    original = megatron.core.datasets.utils.compile_helpers
+
+    def fail():
+        raise AssertionError("megatron-core's compile_helpers() was called; use the prebuilt helpers_cpp")
+
+    holders = [m for m in list(sys.modules.values()) if getattr(m, "compile_helpers", None) is original]
+    for module in holders:
+        monkeypatch.setattr(module, "compile_helpers", fail)
 
 
 def _as_text(ids) -> str:

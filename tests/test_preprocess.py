@@ -2,20 +2,31 @@
 
 import glob
 import gzip
+import io
 import json
 import os
+import re
 import struct
+import subprocess
+import sys
+import types
 
 import numpy
 import pytest
 from conftest_data import data_assets, write_null_corpus
 from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
 
+from megatron_patch.data import preprocess as preprocess_module
+from megatron_patch.data import progress as progress_module
 from megatron_patch.data.jsonl import InputError
 from megatron_patch.data.preprocess import PreprocessConfig, main, preprocess
+from megatron_patch.data.progress import Progress
 from megatron_patch.data.sentences import SentenceSplitter
 from megatron_patch.tokenizer import TokenizerFileError, build_tokenizer, register_tokenizer
 from megatron_patch.tokenizer.null import NullTokenizer
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -91,10 +102,14 @@ def test_round_trip_and_megatron_lm_bytes(assets, tmp_path, tokenizer_type, work
         tokenizer, [[t] for t in texts], str(tmp_path / "reference"), True, partitions,
         DType.optimal_dtype(tokenizer.vocab_size),
     )
-    for suffix in (".bin", ".idx"):
-        with open(out + suffix, "rb") as a, open(reference + suffix, "rb") as b:
-            assert a.read() == b.read(), suffix
+    _assert_same_bytes(out, reference)
     assert sorted(os.listdir(tmp_path / "out")) == ["corpus_text_document.bin", "corpus_text_document.idx"]
+
+
+def _assert_same_bytes(prefix, reference):
+    for suffix in (".bin", ".idx"):
+        with open(prefix + suffix, "rb") as a, open(reference + suffix, "rb") as b:
+            assert a.read() == b.read(), suffix
 
 
 def _reference_index(sequence_lengths, document_indices, dtype_code, itemsize):
@@ -142,6 +157,13 @@ def test_split_sentences_one_partition_writes_sentence_files(assets, tmp_path):
     expected = [[ids for ids in (tokenizer.tokenize(s) for s in splitter.split(t)) if ids] for t in assets.texts]
     assert _read_documents(out) == expected
     assert report.sequences > 2 * report.documents
+    # Multi-sentence documents are byte-identical to Megatron-LM's, which tokenizes each sentence
+    # of its `{"text": [sentences]}` lines and adds them as one document.
+    reference = _megatron_lm_reference(
+        tokenizer, [splitter.split(t) for t in assets.texts], str(tmp_path / "reference"), False, 1,
+        DType.optimal_dtype(tokenizer.vocab_size),
+    )
+    _assert_same_bytes(out, reference)
 
 
 def test_sentence_splitter():
@@ -287,3 +309,182 @@ def test_cli_logs_progress_lines_when_not_a_tty(tmp_path, capsys):
     assert "Done: 30 documents, 30 sequences, 120 tokens" in err
     assert _read_documents(str(tmp_path / "out_text_document"))[0] == [[1, 2, 3, 100]]
     assert not glob.glob(str(tmp_path / "*tmp*"))
+
+
+_GPT2_FILES = ["--vocab-file", "{vocab_file}", "--merge-file", "{merge_file}"]
+# name -> (tokenizer type, flags, how Megatron-LM cuts a text into sequences, --append-eod, --partitions, level).
+# With --split-sentences Megatron-LM first writes each partition as `{"text": [sentences]}` lines
+# (whitespace kept with --keep-newlines), then tokenizes each sentence.
+CLI_CASES = {
+    "sentencepiece-sentences": (
+        "SentencePieceTokenizer",
+        ["--tokenizer-model", "{tokenizer_model}", "--split-sentences", "--keep-newlines", "--partitions", "2"],
+        SentenceSplitter(keep_newlines=True).split, False, 2, "sentence",
+    ),
+    "gpt2-documents": ("GPT2BPETokenizer", [*_GPT2_FILES, "--append-eod", "--partitions", "3"],
+                       lambda text: [text], True, 3, "document"),
+    # GPT-2 BPE keeps whitespace (SentencePiece's normalizer drops it), so these bytes show that
+    # --keep-newlines reaches the splitter.
+    "gpt2-sentences-keep-newlines": (
+        "GPT2BPETokenizer", [*_GPT2_FILES, "--append-eod", "--split-sentences", "--keep-newlines", "--partitions", "2"],
+        SentenceSplitter(keep_newlines=True).split, True, 2, "sentence",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CLI_CASES))
+def test_command_line_tool_writes_megatron_lm_bytes(assets, tmp_path, case):
+    tokenizer_type, flags, split, append_eod, partitions, level = CLI_CASES[case]
+    options = assets.options[tokenizer_type]
+    prefix = str(tmp_path / "out" / "corpus")
+    command = [sys.executable, os.path.join(ROOT, "toolkits", "preprocess_data.py"), "--input", assets.corpus,
+               "--output-prefix", prefix, "--tokenizer-type", tokenizer_type, "--json-keys", "text",
+               "--workers", "2", *(flag.format(**options) for flag in flags)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = f"{prefix}_text_{level}"
+    assert f"Done: {len(assets.texts)} documents" in result.stderr
+    assert sorted(os.listdir(tmp_path / "out")) == [f"corpus_text_{level}.bin", f"corpus_text_{level}.idx"]
+
+    tokenizer = build_tokenizer(tokenizer_type, **options)
+    reference = _megatron_lm_reference(
+        tokenizer, [split(t) for t in assets.texts], str(tmp_path / "reference"), append_eod, partitions,
+        DType.optimal_dtype(tokenizer.vocab_size),
+    )
+    _assert_same_bytes(out, reference)
+
+
+def test_keep_newlines_keeps_the_whitespace_between_sentences(assets, tmp_path):
+    # GPT-2 BPE is byte-level, so the whitespace of a sentence survives tokenization (a
+    # SentencePiece model's normalizer would drop it and hide the flag's effect).
+    options = assets.options["GPT2BPETokenizer"]
+    tokenizer = build_tokenizer("GPT2BPETokenizer", **options)
+    sentences = {}
+    for keep_newlines in (False, True):
+        prefix = str(tmp_path / f"keep{keep_newlines}")
+        report = preprocess(PreprocessConfig(
+            input=assets.corpus, output_prefix=prefix, tokenizer_type="GPT2BPETokenizer", tokenizer_options=options,
+            split_sentences=True, keep_newlines=keep_newlines, workers=2,
+        ))
+        documents = _read_documents(report.outputs[0])
+        sentences[keep_newlines] = [[tokenizer.detokenize(s) for s in doc] for doc in documents]
+    kept, stripped = sentences[True], sentences[False]
+    # Kept: the sentences of a document are consecutive slices of it, whitespace and all.
+    assert ["".join(doc) for doc in kept] == assets.texts
+    assert sum(s.endswith("\n") for doc in kept for s in doc) > len(assets.texts)
+    # Not kept: the same sentences without the whitespace around them.
+    assert stripped == [[s.strip() for s in doc] for doc in kept]
+    assert not any(s != s.strip() for doc in stripped for s in doc)
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+_FIELDS = re.compile(r"(\d+) docs \| ([\d.]+) MB/s \| ([\d.]+)M tok/s \| (\d+)% \| ETA (\d+):(\d\d):(\d\d)")
+
+
+def _fields(line):
+    """(documents, MB/s, M tokens/s, percent, ETA seconds) parsed from a progress line."""
+    docs, mb_s, tok_s, percent, h, m, s = _FIELDS.fullmatch(line).groups()
+    return int(docs), float(mb_s), float(tok_s), int(percent), 3600 * int(h) + 60 * int(m) + int(s)
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    """A settable clock for progress.py: `clock[0] = 12.0`."""
+    now = [100.0]
+    monkeypatch.setattr(progress_module, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    return now
+
+
+def test_progress_on_a_terminal_redraws_one_line(clock):
+    stream = _Terminal()
+    progress = Progress(total_bytes=40_000_000, log_interval=1, stream=stream, refresh_s=0.25)
+    # (time, documents, input bytes, tokens, position); the 2nd comes too soon after the 1st to be drawn.
+    updates = [(102.0, 500, 10_000_000, 4_000_000, 10_000_000), (102.1, 600, 11_000_000, 4_400_000, 11_000_000),
+               (104.0, 1000, 20_000_000, 8_000_000, 30_000_000)]
+    for now, *values in updates:
+        clock[0] = now
+        progress.update(*values)
+    progress.close("Done: 1000 documents")
+    output = stream.getvalue()
+    # Every frame starts by returning to the line start and clearing it; no line ends before the summary.
+    assert output.endswith("\r\x1b[KDone: 1000 documents\n") and output.count("\n") == 1
+    frames = output[: -len("Done: 1000 documents\n")].split("\r\x1b[K")
+    assert frames[0] == "" and frames[-1] == ""
+    drawn = [_fields(frame) for frame in frames[1:-1]]
+    expected = []
+    for now, documents, input_bytes, tokens, position in (updates[0], updates[2]):
+        elapsed, fraction = now - 100.0, position / 40_000_000
+        expected.append((documents, input_bytes / elapsed / 1e6, tokens / elapsed / 1e6, 100 * fraction,
+                         elapsed / fraction - elapsed))
+    assert len(drawn) == len(expected)
+    for got, want in zip(drawn, expected):
+        assert got[0] == want[0] and got[3] == round(want[3])
+        assert got[1] == pytest.approx(want[1], abs=0.05) and got[2] == pytest.approx(want[2], abs=0.005)
+        assert abs(got[4] - want[4]) <= 1
+
+
+def test_preprocess_on_a_terminal_draws_progress_in_place(tmp_path, monkeypatch):
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(GOOD * 30)
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    preprocess(_null_config(path, tmp_path / "out", log_interval=10))
+    output = terminal.getvalue()
+    # At least the first update is drawn; the summary is the only line that ends.
+    frames, summary = output.rsplit("\r\x1b[K", 1)
+    assert frames.startswith("\r\x1b[K") and _fields(frames.split("\r\x1b[K")[1])[0] > 0
+    assert summary.startswith("Done: 30 documents") and output.count("\n") == 1 and output.endswith("\n")
+
+
+def test_progress_in_a_log_prints_a_line_per_interval(clock):
+    stream = io.StringIO()
+    progress = Progress(total_bytes=1000, log_interval=10, stream=stream)
+    for documents in (5, 12, 18, 25, 31, 40):
+        clock[0] += 1
+        progress.update(documents, 10 * documents, 20 * documents, 10 * documents)
+    progress.close("Done: 40 documents")
+    lines = stream.getvalue().split("\n")
+    assert lines[-1] == "" and lines[-2] == "Done: 40 documents"
+    # A line each time the count passes a multiple of 10, as Megatron-LM's --log-interval; no terminal codes.
+    assert [_fields(line)[0] for line in lines[:-2]] == [12, 25, 31, 40]
+    assert "\r" not in stream.getvalue() and "\x1b" not in stream.getvalue()
+
+
+def test_interrupted_run_leaves_no_outputs_and_keeps_previous_ones(tmp_path, monkeypatch):
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(GOOD * 10)
+    preprocess(_null_config(path, tmp_path / "out", partitions=2))
+    before = {n: (tmp_path / n).read_bytes() for n in os.listdir(tmp_path) if n.startswith("out")}
+    assert sorted(before) == ["out_text_document.bin", "out_text_document.idx"]
+    path.write_bytes(GOOD * 100)
+
+    # Ctrl-C arrives while reading the 9th batch, after earlier batches were written to temporary files.
+    writes, at_interrupt = [], []
+    real_write, real_read = preprocess_module._write, preprocess_module._read_batches
+
+    def counting_write(*args):
+        writes.append(1)
+        real_write(*args)
+
+    def interrupted_read(paths, config):
+        for count, batch in enumerate(real_read(paths, config)):
+            if count == 8:
+                at_interrupt.extend([len(writes), sorted(glob.glob(str(tmp_path / "*.tmp-*")))])
+                raise KeyboardInterrupt
+            yield batch
+
+    monkeypatch.setattr(preprocess_module, "_write", counting_write)
+    monkeypatch.setattr(preprocess_module, "_read_batches", interrupted_read)
+    for prefix in ("out", "fresh"):
+        writes.clear()
+        at_interrupt.clear()
+        with pytest.raises(KeyboardInterrupt):
+            preprocess(_null_config(path, tmp_path / prefix, partitions=2))
+        assert at_interrupt[0] > 0 and at_interrupt[1], "the run was not interrupted mid-way"
+    after = {n: (tmp_path / n).read_bytes() for n in os.listdir(tmp_path) if n != "in.jsonl"}
+    assert after == before
