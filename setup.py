@@ -21,7 +21,8 @@ setup(
         "einops",
         "matplotlib",
     ],
-    extras_require={"test": ["pytest>=8", "pytest-timeout"]},
+    # tensorboard: --tensorboard-dir writes through torch.utils.tensorboard, which needs it (tests read the events).
+    extras_require={"test": ["pytest>=8", "pytest-timeout", "tensorboard"]},
     entry_points={
         "console_scripts": [
             "megatron-patch=megatron_patch.cli:main",

@@ -1,5 +1,6 @@
 """The Pretrainer on megatron-core GPT: gradient accumulation equals one big batch, the distributed optimizer
-shards its state, and a checkpoint saved at one TP/PP resumes at another with the losses of an unbroken run."""
+shards its state, a checkpoint saved at one TP/PP resumes at another with the losses of an unbroken run, and a
+NaN gradient on one rank skips the step on every rank without touching the weights."""
 
 import os
 
@@ -79,3 +80,56 @@ def test_resume_at_another_layout_and_data_parallel_size_matches_unbroken_run(as
     assert data_parallel[0]["losses"] == pytest.approx(full[3:], rel=1e-4)
     assert os.path.isfile(os.path.join(save, "latest_checkpointed_iteration.txt"))
     assert os.path.isfile(os.path.join(save, "loss_curves.png"))
+
+
+def _skip_one_nan_gradient(rank, world_size, distributed_optimizer, bf16):
+    """A step in which one gradient element is NaN on rank 1 only, then a clean step: per rank, (skipped, grad
+    norm, weights unchanged, Adam state entries) of the first and (skipped, grad norm, weights changed) of the
+    second."""
+    import torch
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+
+    from megatron_patch.distributed import initialize_distributed
+    from megatron_patch.testing import SEQ, counting_batches, tiny_gpt
+    from megatron_patch.training.step import build_optimizer, lm_forward_step, train_step, wrap_model
+
+    initialize_distributed(seed=7)
+    model = tiny_gpt(num_layers=2)
+    model.config.bf16 = bf16
+    chunks = wrap_model([model], DistributedDataParallelConfig(use_distributed_optimizer=distributed_optimizer,
+                                                               grad_reduce_in_fp32=bf16))
+    optimizer = build_optimizer(chunks, OptimizerConfig(
+        optimizer="adam", lr=1e-2, bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_distributed_optimizer=distributed_optimizer))
+    generator = torch.Generator().manual_seed(rank)
+    weights = lambda: [p.detach().clone() for p in chunks[0].parameters()]  # noqa: E731
+    adam_entries = lambda: sum(len(part.optimizer.state) for part in optimizer.chained_optimizers)  # noqa: E731
+
+    def poison(grad):
+        # One element of one rank: with the distributed optimizer only the rank owning it sees it after the
+        # reduce-scatter, yet every rank must skip.
+        grad = grad.clone()
+        grad.view(-1)[0] = float("nan")
+        return grad
+
+    hook = model.decoder.final_layernorm.weight.register_hook(poison) if rank == 1 else None
+    before = weights()
+    bad = train_step(lm_forward_step, counting_batches(generator, 2, 1), chunks, optimizer, 1, SEQ, 2)
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, weights()))
+    entries = adam_entries()
+    if hook is not None:
+        hook.remove()
+    good = train_step(lm_forward_step, counting_batches(generator, 2, 1), chunks, optimizer, 1, SEQ, 2)
+    changed = not all(torch.equal(a, b) for a, b in zip(before, weights()))
+    return (bad.skipped, bad.grad_norm, unchanged, entries), (good.skipped, good.grad_norm, changed)
+
+
+@pytest.mark.parametrize("distributed_optimizer,bf16", [(False, False), (True, False), (True, True)],
+                         ids=["fp32", "fp32-distopt", "bf16-distopt"])
+def test_a_nan_gradient_on_one_rank_skips_the_step_on_every_rank(distributed_optimizer, bf16):
+    results = run_on_ranks(_skip_one_nan_gradient, 2, args=(distributed_optimizer, bf16), timeout=180)
+    for bad, good in results:
+        assert bad == (True, None, True, 0)  # skipped, the weights and Adam's moments untouched
+        assert good[0] is False and good[2] and 0 < good[1] < float("inf")
+    assert results[0][1][1] == results[1][1][1]  # one global norm

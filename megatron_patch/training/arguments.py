@@ -34,11 +34,15 @@ MEMORY_FLAGS = {
     "fsdp_memory_optimization": "fsdp",
 }
 MEMORY_HELP = {
-    "zero-1": "shard optimizer state over data-parallel ranks (megatron-core's distributed optimizer for "
-              "megatron models; torch.distributed.optim.ZeroRedundancyOptimizer for plain/HF models)",
-    "zero-2": "shard optimizer state and gradients (megatron-core's distributed optimizer, which reduce-scatters "
-              "gradients, for megatron models; torch FSDP2 fully_shard with reshard_after_forward=False for "
-              "plain/HF models)",
+    "zero-1": "shard optimizer state over data-parallel ranks (megatron models: megatron-core's distributed "
+              "optimizer, which shards Adam's state and, in mixed precision, the fp32 master weights; plain/HF "
+              "models: torch.distributed.optim.ZeroRedundancyOptimizer)",
+    # megatron-core's DDP allocates the whole gradient buffer on every rank and reduce-scatters into a view of
+    # it (distributed/param_and_grad_buffer.py), so no megatron-core option shards gradient memory.
+    "zero-2": "plain/HF models: shard optimizer state and gradients (torch FSDP2 fully_shard with "
+              "reshard_after_forward=False); megatron models: the same as --zero-1-memory-optimization "
+              "(megatron-core's distributed optimizer): gradients are reduce-scattered instead of all-reduced, "
+              "but every rank keeps a full-size gradient buffer, so only optimizer state is sharded",
     "zero-3": "shard parameters, gradients and optimizer state (torch FSDP2 fully_shard per layer; plain/HF "
               "models only)",
     "fsdp": "same as --zero-3-memory-optimization (torch FSDP2; plain/HF models only)",

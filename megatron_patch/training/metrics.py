@@ -2,11 +2,12 @@
 
 Example::
 
-    log = TrainingLog(logger, log_interval=10, flops_per_sample=6.3e9, tensorboard_dir=None)
+    log = TrainingLog(logger, log_interval=10, flops_per_sample=6.3e9, tensorboard_dir=None, world_size=8)
     log.step(iteration=10, consumed_samples=80, lr=1e-4, loss=3.2, grad_norm=1.1, loss_scale=65536.0,
-             skipped=False, step_time=0.12, tokens=4096)
+             skipped=False, step_time=0.12, tokens=4096, samples=8)
     log.validation(iteration=10, loss=3.3)
     log.plot("logs/loss_curves.png")
+    log.close()
 
 With ``record_path`` every iteration is also appended to a JSON-lines file at full precision (``iteration``,
 ``consumed_samples``, ``lr``, ``loss``, ``grad_norm``, ``loss_scale``, ``skipped``), flushed as it is written, so a
@@ -14,7 +15,9 @@ run killed at any point leaves the record of what it did (a resumed run appends 
 
 A line reads like Megatron-LM's: `` iteration 10/100 | consumed samples: 80 | elapsed time per iteration (ms):
 120.0 | learning rate: 1.000E-04 | lm loss: 3.200E+00 | loss scale: 65536.0 | grad norm: 1.100 | number of
-skipped iterations: 0 | tokens/s: 34133 | peak memory (MB): 512``; TFLOP/s and MFU are added on GPUs.
+skipped iterations: 0 | tokens/s: 34133 | peak memory (MB): 512``; TFLOP/s and MFU are added on GPUs:
+TFLOP/s per GPU = ``flops_per_sample`` x samples / step time / ``world_size`` / 1e12, MFU = that / the GPU's peak.
+The trainers give ``tensorboard_dir`` to the last rank only (it holds the loss under pipeline parallelism).
 """
 
 from __future__ import annotations
@@ -50,15 +53,16 @@ class TrainingLog:
 
     def __init__(self, logger: logging.Logger, log_interval: int, train_iters: int | None = None,
                  flops_per_sample: float | None = None, tensorboard_dir: str | None = None,
-                 record_path: str | None = None):
+                 record_path: str | None = None, world_size: int = 1):
         self.logger = logger
         self.log_interval = max(1, log_interval)
         self.train_iters = train_iters
         self.flops_per_sample = flops_per_sample
+        self.world_size = world_size
         self.peak_tflops = _peak_tflops()
         self.train_losses: list[tuple[int, float]] = []
         self.valid_losses: list[tuple[int, float]] = []
-        self.step_times: list[float] = []  # seconds per iteration (bench/train_overhead.py reads them)
+        self.step_times: list[float] = []  # seconds per iteration, as logged
         self.skipped = 0
         self._window: list[dict] = []
         self.record = None
@@ -71,7 +75,7 @@ class TrainingLog:
                     if f.read(1) != b"\n":
                         self.record.write("\n")
         self.writer = None
-        if tensorboard_dir and torch.distributed.get_rank() == 0:
+        if tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(tensorboard_dir)
@@ -116,7 +120,7 @@ class TrainingLog:
         parts += [f"number of skipped iterations: {self.skipped}", f"tokens/s: {tokens_per_s:.0f}"]
         if self.flops_per_sample and self.peak_tflops:
             samples_per_s = sum(w["samples"] for w in window) / max(sum(w["step_time"] for w in window), 1e-9)
-            tflops = samples_per_s * self.flops_per_sample / torch.distributed.get_world_size() / 1e12
+            tflops = samples_per_s * self.flops_per_sample / self.world_size / 1e12
             parts += [f"TFLOP/s/GPU: {tflops:.1f}", f"MFU: {100 * tflops / self.peak_tflops:.1f}%"]
             self._scalar("tflops-per-gpu", tflops, iteration)
         parts.append(f"peak memory (MB): {peak_memory_mb():.0f}")
@@ -135,6 +139,13 @@ class TrainingLog:
         for name, value in values.items():
             self._scalar(f"eval {name}", value, epoch)
         self.logger.info(f" epoch {epoch} | " + " | ".join(f"{k}: {v:.4f}" for k, v in values.items()))
+
+    def close(self) -> None:
+        """Write out and close the TensorBoard events and the record."""
+        if self.writer is not None:
+            self.writer.close()
+        if self.record is not None:
+            self.record.close()
 
     def plot(self, path: str) -> str | None:
         """Write the training (and validation) loss curves; returns the path, or None with nothing to plot."""

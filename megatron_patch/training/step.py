@@ -11,19 +11,22 @@ Example::
 This follows Megatron-LM's ``training.train_step``: zero the grad buffers, run
 ``get_forward_backward_func()`` (no pipelining, 1F1B or interleaved 1F1B as the parallel state says), let
 ``finalize_model_grads`` reduce gradients over data-parallel and embedding groups, then step the optimizer.
-A step whose gradients hold NaN/Inf is skipped (``StepStats.skipped``): in fp16 megatron-core's loss scaler finds
-the overflow (and lowers the scale); in bf16/fp32 there is no scaler, so ``train_step`` looks itself.
+A step whose gradients hold NaN/Inf is skipped (``StepStats.skipped``) and leaves the weights and the optimizer
+state as they were: in fp16 megatron-core's loss scaler finds the overflow (and lowers the scale); in bf16/fp32
+there is no scaler, so ``optimizer_step`` reads the global gradient norm the optimizer computes anyway.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable, Iterator
 
 import torch
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
@@ -77,33 +80,63 @@ def _finalize_model_grads(*args, **kwargs):
 
 @dataclasses.dataclass
 class StepStats:
-    """What one optimiser step reports; ``loss`` is None off the last pipeline stage."""
+    """What one optimiser step reports; ``loss`` (and ``input_tokens``) is None off the last pipeline stage;
+    ``loss_scale`` is the scale after this step's update (1.0 without a loss scaler)."""
 
     loss: float | None
     grad_norm: float | None
     skipped: bool
     num_tokens: int
+    loss_scale: float = 1.0
+    input_tokens: int | None = None
 
 
-def _reduce_loss_reports(reports: list[dict]) -> tuple[float | None, int]:
-    """Sum the ``{"lm loss": tensor([loss_sum, num_tokens])}`` reports of all microbatches and DP ranks."""
+def _reduce_loss_reports(reports: list[dict], input_tokens: int | None) -> tuple[float | None, int, int | None]:
+    """Sum the ``{"lm loss": tensor([loss_sum, num_tokens])}`` reports of all microbatches and DP ranks, and
+    this rank's ``input_tokens`` with them (one all-reduce, none at DP=1); returns (loss, num_tokens,
+    input_tokens)."""
     if not reports:
-        return None, 0
+        return None, 0, input_tokens
     total = torch.stack([report["lm loss"].detach().float() for report in reports]).sum(dim=0)
-    torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
-    loss_sum, num_tokens = total.tolist()
-    return loss_sum / max(num_tokens, 1.0), int(num_tokens)
+    if input_tokens is not None:
+        total = torch.cat([total, total.new_tensor([input_tokens])])
+    group = parallel_state.get_data_parallel_group()
+    if group.size() > 1:
+        torch.distributed.all_reduce(total, group=group)
+    loss_sum, num_tokens, *tokens = total.tolist()
+    return loss_sum / max(num_tokens, 1.0), int(num_tokens), int(tokens[0]) if tokens else None
 
 
-def gradients_are_finite(chunks: list[DistributedDataParallel]) -> bool:
-    """True when no rank holds a NaN/Inf gradient (every rank gets the same answer: one all-reduce over the
-    world, since tensor- and pipeline-parallel ranks hold different parameters)."""
-    bad = torch.zeros(1, device=chunks[0].buffers[0].grad_data.device)
-    for chunk in chunks:
-        for buffer in chunk.buffers + chunk.expert_parallel_buffers:
-            bad += (~torch.isfinite(buffer.grad_data)).any()
-    torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
-    return not bad.item()
+def optimizer_step(optimizer) -> tuple[bool, float | None, float]:
+    """megatron-core's ``optimizer.step()``, except that a step whose gradients hold NaN/Inf is skipped in
+    bf16/fp32 too; returns (updated, grad norm, loss scale), the norm None when skipped.
+
+    Example::
+
+        updated, grad_norm, loss_scale = optimizer_step(optimizer)   # (False, None, 1.0): NaN/Inf gradients
+
+    The order is ``ChainedOptimizer.step``'s (megatron/core/optimizer/optimizer.py, 0.16.1): prepare the
+    gradients (fp16: unscale them, find overflows, update the loss scale), take the global gradient norm, clip,
+    step. A NaN/Inf in any gradient makes that norm NaN/Inf, and every rank gets the same norm: the gradients are
+    already reduced over data-parallel ranks and the norm over the optimizer's gradient-statistics group (model-
+    parallel ranks; all ranks with the distributed optimizer). So the check costs nothing beyond the norm that
+    clipping needs anyway. A finite gradient whose norm overflows fp32 is skipped too (clipping by an infinite
+    norm would zero it). The loss scale is read before the step as well: with every host sync ahead of the
+    optimizer's kernels, GPUs run them while the host starts the next step.
+    """
+    found_inf = optimizer.prepare_grads()  # fp16: the loss scaler's verdict (the scale is updated already)
+    loss_scale = float(optimizer.get_loss_scale())
+    if found_inf:
+        return False, None, loss_scale
+    grad_norm = optimizer.get_grad_norm()
+    if not math.isfinite(grad_norm):  # bf16/fp32: stepping would poison every weight and Adam's moments
+        return False, None, loss_scale
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        parameters = [] if getattr(part, "is_stub_optimizer", False) else part.get_parameters()
+        if parameters and part.config.clip_grad > 0.0:
+            clip_grad_by_total_norm_fp32(parameters, part.config.clip_grad, grad_norm,
+                                         part.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+    return optimizer.step_with_ready_grads(), grad_norm, loss_scale
 
 
 def train_step(
@@ -115,11 +148,14 @@ def train_step(
     seq_length: int,
     micro_batch_size: int,
     scheduler=None,
+    count_input_tokens: Callable[[], int] | None = None,
 ) -> StepStats:
     """Forward and backward over ``num_microbatches`` microbatches, then one optimiser (and scheduler) step.
 
     ``forward_step_func(data_iterator, model)`` returns ``(output, loss_func)`` as in Megatron-LM, where
     ``loss_func(output)`` returns ``(loss_sum, num_tokens, {"lm loss": tensor([loss_sum, num_tokens])})``.
+    ``count_input_tokens()``, called after the backward passes, gives this rank's input tokens of the step;
+    ``StepStats.input_tokens`` is their sum over data-parallel ranks.
     """
     for chunk in chunks:
         chunk.zero_grad_buffer()
@@ -134,23 +170,25 @@ def train_step(
         micro_batch_size=micro_batch_size,
         forward_only=False,
     )
-    if get_model_config(chunks[0]).fp16 or gradients_are_finite(chunks):
-        update_successful, grad_norm, _ = optimizer.step()
-    else:  # an update with NaN/Inf gradients would poison every weight (and Adam's moments)
-        update_successful, grad_norm = False, None
+    # Read the loss before the optimizer step: on GPUs the host then waits for the backward it must wait for
+    # anyway (the norm's .item() follows), and the optimizer's kernels overlap the next step's launch.
+    input_tokens = None if count_input_tokens is None else count_input_tokens()
+    loss, num_tokens, input_tokens = (
+        _reduce_loss_reports(reports, input_tokens)
+        if parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+        else (None, 0, None)
+    )
+    update_successful, grad_norm, loss_scale = optimizer_step(optimizer)
     if update_successful and scheduler is not None:
         data_parallel_size = parallel_state.get_data_parallel_world_size()
         scheduler.step(increment=num_microbatches * micro_batch_size * data_parallel_size)
-    loss, num_tokens = (
-        _reduce_loss_reports(reports)
-        if parallel_state.is_pipeline_last_stage(ignore_virtual=True)
-        else (None, 0)
-    )
     return StepStats(
         loss=loss,
         grad_norm=None if grad_norm is None else float(grad_norm),
         skipped=not update_successful,
         num_tokens=num_tokens,
+        loss_scale=loss_scale,
+        input_tokens=input_tokens,
     )
 
 

@@ -22,9 +22,11 @@ and Hugging Face models train data-parallel under the memory mode of the flags.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 import time
+from collections.abc import Mapping
 
 import torch
 from torch.utils.data import default_collate
@@ -89,11 +91,57 @@ def _ddp_no_sync(model, last: bool):
 
 
 def _all_reduce_mean(values: list[float], device) -> float:
+    """The mean of ``values`` over all data-parallel ranks' values."""
+    total, count = _sum_over_data_parallel([sum(values), len(values)], device)
+    return total / count
+
+
+def _sum_over_data_parallel(values: list, device) -> list[float]:
+    """``values`` (numbers or 0-d tensors) summed over the data-parallel ranks, with one host sync and no
+    collective at DP=1."""
     from megatron.core import parallel_state
 
-    total = torch.tensor([sum(values), len(values)], dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
-    return (total[0] / total[1]).item()
+    total = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])
+    group = parallel_state.get_data_parallel_group()
+    if group.size() > 1:
+        torch.distributed.all_reduce(total, group=group)
+    return total.tolist()
+
+
+def count_input_tokens(batch) -> int:
+    """Token positions in a batch, padding included: what the model computes on, counted as Megatron-LM
+    (``seq_length`` x batch) and Hugging Face's Trainer (``num_input_tokens_seen``: ``input_ids.numel()``) do.
+
+    Example::
+
+        >>> count_input_tokens({"input_ids": torch.zeros(4, 128, dtype=torch.long), "labels": torch.zeros(4)})
+        512
+
+    A dict-like batch's ``input_ids`` (Hugging Face) or ``tokens`` (Megatron); otherwise the first integer
+    tensor of two or more dimensions (batch x sequence) in the batch; 0 when there is none.
+    """
+    if isinstance(batch, Mapping):
+        for key in ("input_ids", "tokens"):
+            if key in batch:
+                return batch[key].numel()
+        values = list(batch.values())
+    else:
+        values = list(batch) if isinstance(batch, (list, tuple)) else [batch]
+    for value in values:
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and not value.is_floating_point():
+            return value.numel()
+    return 0
+
+
+class _TokenCounter:
+    """The input tokens of the batches a Finetuner's forward steps took since the last ``take()``."""
+
+    def __init__(self):
+        self.tokens = 0
+
+    def take(self) -> int:
+        tokens, self.tokens = self.tokens, 0
+        return tokens
 
 
 def _hook(method):
@@ -191,43 +239,51 @@ class _Trainer:
 
         return forward_step
 
-    def _step(self, forward, data_iterator) -> tuple[float | None, float | None, bool, float]:
-        """One optimiser step over ``num_microbatches``; returns (loss, grad norm, skipped, loss scale)."""
+    def _step(self, forward, data_iterator, counter: _TokenCounter | None
+              ) -> tuple[float | None, float | None, bool, float, int | None]:
+        """One optimiser step over ``num_microbatches``; returns (loss, grad norm, skipped, loss scale, input
+        tokens of the global batch); the tokens are counted by ``counter`` (None: not counted)."""
         args = self.args
         if self.megatron:
             from megatron_patch.training.step import train_step
 
             stats = train_step(self._adapt(forward), data_iterator, self.model, self.optimizer,
                                args.num_microbatches, args.seq_length or 1, args.micro_batch_size,
-                               scheduler=self.lr_scheduler)
-            return stats.loss, stats.grad_norm, stats.skipped, float(self.optimizer.get_loss_scale())
+                               scheduler=self.lr_scheduler,
+                               count_input_tokens=None if counter is None else counter.take)
+            return stats.loss, stats.grad_norm, stats.skipped, stats.loss_scale, stats.input_tokens
         losses = []
         for index in range(args.num_microbatches):
             with _ddp_no_sync(self.model, last=index == args.num_microbatches - 1):
                 loss = forward(data_iterator, self.model)
                 self.engine.backward(loss / args.num_microbatches)
-            losses.append(loss.detach().float().item())
+            losses.append(loss.detach().float())  # kept on the device: one host sync per step, not per microbatch
         loss_scale = self.optimizer.get_loss_scale()
         success, grad_norm, _ = self.optimizer.step()
         if success:
             self.lr_scheduler.step()
         self.optimizer.zero_grad()
-        return _all_reduce_mean(losses, self.engine.device), grad_norm, not success, float(loss_scale)
+        loss_sum, count, tokens = _sum_over_data_parallel(
+            [torch.stack(losses).sum(), len(losses), 0 if counter is None else counter.take()], self.engine.device)
+        return loss_sum / count, grad_norm, not success, float(loss_scale), None if counter is None else int(tokens)
 
-    def _run(self, forward, data_iterator, train_iters: int, log: TrainingLog, after_step=None) -> bool:
-        """Train up to ``train_iters``; returns True when an exit signal stopped it (after saving)."""
+    def _run(self, forward, data_iterator, train_iters: int, log: TrainingLog, after_step=None,
+             counter: _TokenCounter | None = None) -> bool:
+        """Train up to ``train_iters``; returns True when an exit signal stopped it (after saving). Without a
+        token ``counter`` every sample counts ``--seq-length`` tokens (Megatron-LM's pretraining count)."""
         args = self.args
         for chunk in self._chunks():
             chunk.train()
         while self.iteration < train_iters:
             start = time.perf_counter()
-            loss, grad_norm, skipped, loss_scale = self._step(forward, data_iterator)
+            loss, grad_norm, skipped, loss_scale, tokens = self._step(forward, data_iterator, counter)
             self.iteration += 1
             elapsed = time.perf_counter() - start
             record_progress(self.iteration)
+            if counter is None:
+                tokens = args.global_batch_size * (args.seq_length or 0)
             log.step(self.iteration, self.iteration * args.global_batch_size, self._lr(), loss, grad_norm,
-                     loss_scale, skipped, elapsed, args.global_batch_size * (args.seq_length or 0),
-                     args.global_batch_size)
+                     loss_scale, skipped, elapsed, tokens or 0, args.global_batch_size)
             self._count_bad_step(skipped)
             if after_step is not None:
                 after_step(self.iteration)
@@ -289,14 +345,17 @@ class _Trainer:
         directory = args.log_dir or args.tensorboard_dir or args.save
         if directory and torch.distributed.get_rank() == torch.distributed.get_world_size() - 1:
             log.plot(os.path.join(directory, "loss_curves.png"))
+        log.close()
 
     def _log(self, train_iters: int, flops_per_sample: float | None = None) -> TrainingLog:
         args = self.args
-        # The last rank holds the last pipeline stage, so the loss: it keeps the per-iteration record.
-        last = torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
+        # The last rank holds the last pipeline stage, so the loss: it keeps the per-iteration record and writes
+        # the TensorBoard scalars (Megatron-LM's get_tensorboard_writer: rank world_size - 1).
+        world_size = torch.distributed.get_world_size()
+        last = torch.distributed.get_rank() == world_size - 1
         record = os.path.join(args.log_dir, "iterations.jsonl") if args.log_dir and last else None
         return TrainingLog(self.engine.logger, args.log_interval, train_iters, flops_per_sample,
-                           args.tensorboard_dir, record_path=record)
+                           args.tensorboard_dir if last else None, record_path=record, world_size=world_size)
 
 
 def _pretraining_batches(dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
@@ -339,16 +398,19 @@ class Pretrainer(_Trainer):
         if not (self.megatron and args.num_layers and args.hidden_size and args.seq_length):
             return None
         from megatron_patch.model import model_config_from_args, num_floating_point_operations
+        from megatron_patch.model.builder import padded_vocab_size
 
+        # The formula counts the logit layer over the padded vocabulary (Megatron-LM: args.padded_vocab_size).
         if self.checkpoint_info is not None:
-            config = self.checkpoint_info.model_config
-            return num_floating_point_operations(config, 1, args.seq_length, config.vocab_size)
+            info = self.checkpoint_info
+            return num_floating_point_operations(info.model_config, 1, args.seq_length, info.padded_vocab_size)
         try:
             config = model_config_from_args(args)
         except (ValueError, TypeError):
             return None
         vocab = getattr(self.engine.tokenizer, "vocab_size", None) if args.tokenizer_type else config.vocab_size
-        return num_floating_point_operations(config, 1, args.seq_length, vocab or 0)
+        vocab = padded_vocab_size(vocab or 0, config.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
+        return num_floating_point_operations(config, 1, args.seq_length, vocab)
 
     def evaluate(self, data_iterator) -> float | None:
         """Mean validation loss over ``--eval-iters`` global batches (None off the last pipeline stage)."""
@@ -412,7 +474,8 @@ class Pretrainer(_Trainer):
 
 
 class Finetuner(_Trainer):
-    """Fine-tuning over epochs with an evaluation after each.
+    """Fine-tuning over epochs with an evaluation after each; a run resumed with ``--load`` goes on in the epoch,
+    and at the batch, where the checkpoint was taken.
 
     Hooks: ``train_valid_test_datasets_provider()`` returning ``(train, valid, test, collate_fn)``,
     ``model_optimizer_lr_scheduler_provider()``, ``run_forward_step(batch, model)`` and
@@ -438,11 +501,22 @@ class Finetuner(_Trainer):
         self._compose(train_iters)
         log = self._log(train_iters)
         self.metrics: list[dict] = []
-        forward = lambda it, model: self.run_forward_step(next(it), model)  # noqa: E731
-        for epoch in range(epochs):
+        counter = _TokenCounter()
+
+        def forward(batches, model):
+            batch = next(batches)
+            counter.tokens += count_input_tokens(batch)
+            return self.run_forward_step(batch, model)
+
+        # A resumed run goes on in the epoch it stopped in, after the batches it took there (Megatron-LM's
+        # tasks/finetune_utils.py: start_epoch, start_iteration); each epoch's shuffle depends on its number only.
+        for epoch in range(self.iteration // steps_per_epoch, epochs):
+            if self.iteration >= train_iters:  # a run resumed from its last iteration has nothing left to do
+                break
             train_loader.set_epoch(epoch)
-            batches = iter(train_loader)
-            if self._run(forward, batches, min(train_iters, self.iteration + steps_per_epoch), log):
+            done = self.iteration - epoch * steps_per_epoch
+            batches = itertools.islice(train_loader, done * args.num_microbatches, None)
+            if self._run(forward, batches, min(train_iters, (epoch + 1) * steps_per_epoch), log, counter=counter):
                 break
             if eval_loader is not None:
                 for chunk in self._chunks():
@@ -450,8 +524,6 @@ class Finetuner(_Trainer):
                 values = self.run_compute_metrics(self._chunks(), eval_loader)
                 self.metrics.append(values)
                 log.metrics(epoch, values)
-            if self.iteration >= train_iters:
-                break
         self._finish(log)
         return log
 
