@@ -96,6 +96,9 @@ def test_the_export_is_the_trained_model(quickstart):
     recorded = json.loads((out / "checkpoints" / "megatron_patch_args.json").read_text())["model_config"]
     assert (model.config.n_layer, model.config.n_embd) == (recorded["num_layers"], recorded["hidden_size"])
     assert len(tokenizer) == model.config.vocab_size == recorded["vocab_size"]
+    # Trained from scratch, so the end-of-text id is the trained vocabulary's, not GPT-2's 50256.
+    end_of_text = json.loads((out / "hf" / "vocab.json").read_text())["<|endoftext|>"]
+    assert model.config.bos_token_id == model.config.eos_token_id == end_of_text
 
     # The last 1% of the documents lie in the validation split (its last 2%), as the trainer's data does:
     # documents joined by the end-of-text token, cut into training-length windows.

@@ -258,9 +258,21 @@ def megatron_to_hf(
                     writer.add(name, tensor)
                 bar.update(state[r.mcore].nbytes)
         bar.close()
+        copied = copy_tokenizer_files(tokenizer_dir or os.path.join(load_dir, TOKENIZER_DIR), tmp)
+        if copied and not info.hf_config:
+            hf_config.update(_special_token_ids(tmp, family))
         _write_hf_config(tmp, family, architecture, m, hf_config, info.dtype)
-        copy_tokenizer_files(tokenizer_dir or os.path.join(load_dir, TOKENIZER_DIR), tmp)
     return save_dir
+
+
+def _special_token_ids(tokenizer_dir: str, family: Family) -> dict[str, int]:
+    """``bos/eos/pad_token_id`` of the tokenizer an export carries, for a model trained from scratch: without
+    them transformers' defaults apply (GPT-2's 50256), which point past a vocabulary of a few thousand."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, config=AutoConfig.for_model(family.model_type))
+    return {f"{kind}_token_id": getattr(tokenizer, f"{kind}_token_id") for kind in ("bos", "eos", "pad")
+            if getattr(tokenizer, f"{kind}_token_id") is not None}
 
 
 def _write_hf_config(out_dir: str, family: Family, architecture: str, m: ModelConfig, recorded: dict,
