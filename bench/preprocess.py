@@ -3,8 +3,7 @@
     PYTHONPATH=. python bench/preprocess.py --mb 30 --workers 2
     PYTHONPATH=. python bench/preprocess.py --quick     # 2 MB in 1 MB slices, one round: checks that it runs
 
-(At `--quick` sizes a slice is about one of the tool's 1 MB batches, so one worker does all the
-work and the ratios say nothing about throughput.)
+(At `--quick` sizes start-up outweighs the work, so the ratios say nothing about throughput.)
 
 Builds a stdlib corpus of `--mb` MB and GPT-2 BPE / HuggingFace tokenizers trained on it, then
 times these methods, each in a fresh forked process:

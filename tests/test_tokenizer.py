@@ -1,11 +1,15 @@
 """Tokenizers against independent references, the registry, padding and bad tokenizer files."""
 
 import json
+import random
 
 import pytest
+import regex
 from conftest_data import ReferenceGPT2BPE, data_assets
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import models, pre_tokenizers
 
-from megatron_patch.tokenizer import TOKENIZERS, TokenizerFileError, build_tokenizer, padded_vocab_size
+from megatron_patch.tokenizer import TOKENIZERS, TokenizerFileError, build_tokenizer, gpt2, padded_vocab_size
 
 
 @pytest.fixture(scope="module")
@@ -22,6 +26,72 @@ def test_gpt2_bpe_equals_reference_implementation(assets):
     assert tok.tokenize_batch(assets.texts) == expected
     assert tok.eod == reference.vocab["<|endoftext|>"] and tok.vocab_size == len(reference.vocab)
     assert tok.detokenize(expected[-1]) == assets.texts[-1]
+
+
+# Text where GPT-2's pre-tokenizer has corner cases: contractions (lower case only, a quote alone),
+# whitespace runs (the last space goes to the next word, other whitespace stays in its run),
+# every kind of newline and Unicode space, digits of several scripts, letters made of several code
+# points, emoji sequences, control characters, and text with no pre-token at all.
+ADVERSARIAL_TEXTS = [
+    "it's 'S 't 're 've 'm 'll 'd don't ''s ' s I'M y'all 'sup rock'n'roll '",
+    "x" + " " * 1000 + "y" + "\t" * 300 + "\n" * 200 + " \t \n " * 100 + "z   ",
+    "  \n\n \t \r\n\r\n\r  end  \n",
+    "a\rb\r\nc\nd\x0be\x0cf\x85g\u2028h\u2029i\u3000j\xa0k\u1680l\u180em\u200bn\u202fo\u205fp",
+    "\x00\x01\x1c\x1d\x1e\x1f\x7f\ufeff\ufffd mixed \x1c \x1fx",
+    "1234567890123 3.14159 1e-9 0x1F -42 ٣٤٥ ²³ ½ Ⅻ 一二 𝟘𝟙 9a a9",
+    "😀👍🏽 👨\u200d👩\u200d👧 🇫🇷 ❤\ufe0f e\u0301 é",
+    "Ελληνικά русский עִבְרִית العربية हिन्दी 한국어 ไทย 𑼄",
+    "!!! ...  ,,, ;; -- __init__ self._x=1;  \"q\" `b` <|endoftext|> [CLS] \\n",
+    "",
+    " ",
+    "\n",
+    "'",
+]
+
+
+def _plain_tokenizers_gpt2(options):
+    """The GPT-2 BPE as `tokenizers` runs it on its own: its ByteLevel pre-tokenizer splits the text."""
+    plain = HFTokenizer(models.BPE.from_file(options["vocab_file"], options["merge_file"]))
+    plain.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    return plain
+
+
+def test_gpt2_bpe_equals_plain_tokenizers_and_reference_on_adversarial_text(assets, monkeypatch):
+    options = assets.options["GPT2BPETokenizer"]
+    texts = assets.texts + ADVERSARIAL_TEXTS
+    reference = ReferenceGPT2BPE(options["vocab_file"], options["merge_file"])
+    expected = [reference.encode(text) for text in texts]
+    plain = _plain_tokenizers_gpt2(options)
+    assert [e.ids for e in plain.encode_batch(texts, add_special_tokens=False)] == expected
+    # Cold and warm cache, one batch and one text at a time, and a cache so small it is cleared.
+    tok = build_tokenizer("GPT2BPETokenizer", **options)
+    assert tok.tokenize_batch(texts) == expected
+    assert [tok.tokenize(text) for text in reversed(texts)] == expected[::-1]
+    monkeypatch.setattr(gpt2, "CACHE_SIZE", 50)
+    for i in range(0, len(texts), 7):
+        assert tok.tokenize_batch(texts[i : i + 7]) == expected[i : i + 7]
+        batch_pieces = {piece for text in texts[i : i + 7] for piece in reference.PATTERN.findall(text)}
+        assert len(tok._cache) <= max(50, len(batch_pieces))
+    # A letter newer than the Unicode tables of `tokenizers`' regex engine, which splits it off as
+    # a symbol; the `regex` package, which Megatron-LM uses, knows it.
+    newer = "a\u0c5cb \u0c5c1"
+    assert regex.fullmatch(r"\p{L}", "\u0c5c") and tok.tokenize(newer) == reference.encode(newer)
+    with pytest.raises(ValueError, match=r"lone surrogate '\\ud800'"):
+        tok.tokenize_batch(["fine", "bad \ud800 text"])
+
+
+def test_gpt2_ascii_pattern_splits_as_gpt2_pattern():
+    # The stdlib-`re` pattern for ASCII text spells GPT-2's classes out: check it on every ASCII
+    # character, alone and in random runs with the pieces of the pattern.
+    gpt2_pattern = ReferenceGPT2BPE.PATTERN
+    for code in range(128):
+        text = f"{chr(code)} a{chr(code)}1 {chr(code)}{chr(code)}'s{chr(code)}"
+        assert gpt2.ASCII_PATTERN.findall(text) == gpt2_pattern.findall(text), repr(chr(code))
+    fragments = [chr(code) for code in range(128)] + ["'s", "'t", "'re", "'ll", "  ", "\n\n", " \t", "ab", "12"]
+    rng = random.Random(0)
+    for _ in range(50):
+        text = "".join(rng.choices(fragments, k=400))
+        assert gpt2.ASCII_PATTERN.findall(text) == gpt2_pattern.findall(text)
 
 
 @pytest.mark.parametrize("tokenizer_type,lower_case", [("BertWordPieceLowerCase", True), ("BertWordPieceCase", False)])
