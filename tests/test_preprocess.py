@@ -266,6 +266,17 @@ def test_missing_input_and_bad_vocab_are_clear_errors(assets, tmp_path, capsys):
                                     tokenizer_options={"vocab_file": gpt2["vocab_file"]}))
 
 
+def test_lone_surrogate_is_a_tokenizer_error_naming_the_line(assets, tmp_path):
+    path = tmp_path / "in.jsonl"
+    # An unpaired JSON escape decodes to a lone surrogate: valid JSON, but no UTF-8 bytes for the BPE to encode.
+    path.write_bytes(GOOD * 7 + b'{"text": "x \\ud800 y"}\n' + GOOD * 5)
+    config = PreprocessConfig(input=str(path), output_prefix=str(tmp_path / "out"), workers=2, batch_lines=3,
+                              tokenizer_type="GPT2BPETokenizer", tokenizer_options=assets.options["GPT2BPETokenizer"])
+    with pytest.raises(InputError, match=r"in.jsonl:8: tokenizer error: text holds the lone surrogate"):
+        preprocess(config)
+    assert _no_outputs(tmp_path)
+
+
 def test_failed_run_keeps_previous_outputs_untouched(tmp_path):
     path = tmp_path / "in.jsonl"
     path.write_bytes(GOOD * 10)
