@@ -196,6 +196,23 @@ def destroy_distributed() -> None:
         torch.distributed.destroy_process_group()
 
 
+def sum_over_data_parallel(values: list, device=None) -> list[float]:
+    """``values`` (numbers or 0-d tensors) summed over the data-parallel ranks, in float64, with one host sync
+    and no collective at DP=1.
+
+    Example::
+
+        loss_sum, tokens = sum_over_data_parallel([loss.detach(), 512])
+    """
+    from megatron.core import parallel_state
+
+    total = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])
+    group = parallel_state.get_data_parallel_group()
+    if group.size() > 1:
+        torch.distributed.all_reduce(total, group=group)
+    return total.tolist()
+
+
 def exit_rank(status: int) -> None:
     """End a torchrun rank for good: barrier (on success), flush, stop helper processes, ``os._exit(status)``.
 

@@ -31,7 +31,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 
-from megatron_patch.distributed import record_progress
+from megatron_patch.distributed import record_progress, sum_over_data_parallel
 
 
 def wrap_model(
@@ -97,14 +97,10 @@ def _reduce_loss_reports(reports: list[dict], input_tokens: int | None) -> tuple
     input_tokens)."""
     if not reports:
         return None, 0, input_tokens
-    total = torch.stack([report["lm loss"].detach().float() for report in reports]).sum(dim=0)
-    if input_tokens is not None:
-        total = torch.cat([total, total.new_tensor([input_tokens])])
-    group = parallel_state.get_data_parallel_group()
-    if group.size() > 1:
-        torch.distributed.all_reduce(total, group=group)
-    loss_sum, num_tokens, *tokens = total.tolist()
-    return loss_sum / max(num_tokens, 1.0), int(num_tokens), int(tokens[0]) if tokens else None
+    loss_sum, num_tokens = torch.stack([report["lm loss"].detach().float() for report in reports]).sum(dim=0)
+    loss_sum, num_tokens, tokens = sum_over_data_parallel([loss_sum, num_tokens, input_tokens or 0],
+                                                          loss_sum.device)
+    return loss_sum / max(num_tokens, 1.0), int(num_tokens), None if input_tokens is None else int(tokens)
 
 
 def optimizer_step(optimizer) -> tuple[bool, float | None, float]:

@@ -31,7 +31,7 @@ from collections.abc import Mapping
 import torch
 from torch.utils.data import default_collate
 
-from megatron_patch.distributed import record_progress
+from megatron_patch.distributed import record_progress, sum_over_data_parallel
 from megatron_patch.training import checkpointing
 from megatron_patch.training.engine import Engine, is_megatron_model
 from megatron_patch.training.metrics import TrainingLog
@@ -92,20 +92,8 @@ def _ddp_no_sync(model, last: bool):
 
 def _all_reduce_mean(values: list[float], device) -> float:
     """The mean of ``values`` over all data-parallel ranks' values."""
-    total, count = _sum_over_data_parallel([sum(values), len(values)], device)
+    total, count = sum_over_data_parallel([sum(values), len(values)], device)
     return total / count
-
-
-def _sum_over_data_parallel(values: list, device) -> list[float]:
-    """``values`` (numbers or 0-d tensors) summed over the data-parallel ranks, with one host sync and no
-    collective at DP=1."""
-    from megatron.core import parallel_state
-
-    total = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])
-    group = parallel_state.get_data_parallel_group()
-    if group.size() > 1:
-        torch.distributed.all_reduce(total, group=group)
-    return total.tolist()
 
 
 def count_input_tokens(batch) -> int:
@@ -263,7 +251,7 @@ class _Trainer:
         if success:
             self.lr_scheduler.step()
         self.optimizer.zero_grad()
-        loss_sum, count, tokens = _sum_over_data_parallel(
+        loss_sum, count, tokens = sum_over_data_parallel(
             [torch.stack(losses).sum(), len(losses), 0 if counter is None else counter.take()], self.engine.device)
         return loss_sum / count, grad_norm, not success, float(loss_scale), None if counter is None else int(tokens)
 
