@@ -13,6 +13,8 @@ import os
 import subprocess
 import sys
 
+from megatron_patch.errors import DEBUG_ENV
+
 
 def launch(module: str, nproc_per_node: int, module_args: list[str]) -> int:
     """Run ``python -m module`` on ``nproc_per_node`` local processes with torch's elastic launcher."""
@@ -52,6 +54,8 @@ TOOLS = {
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megatron-patch", description="Train GPT and BERT on megatron-core.")
+    parser.add_argument("--debug", action="store_true",
+                        help="print the traceback behind an error (sets MEGATRON_PATCH_DEBUG=1 for every process)")
     commands = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_text) in TOOLS.items():
         tool = commands.add_parser(name, help=help_text, add_help=False)
@@ -63,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     quickstart.set_defaults(run=_quickstart)
     args, rest = parser.parse_known_args(argv)
+    if args.debug:
+        os.environ[DEBUG_ENV] = "1"
     return args.run(args, rest)
 
 

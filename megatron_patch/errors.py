@@ -1,0 +1,62 @@
+"""Errors a user can fix, reported by the command-line tools as one line; the traceback only when debugging.
+
+Example::
+
+    from megatron_patch.errors import UserError, one_line_errors
+
+    @one_line_errors("megatron-patch convert")
+    def main(argv=None) -> int:
+        raise UserError("ckpt/args.json: not valid JSON (line 3); re-run the conversion that wrote it")
+
+prints ``megatron-patch convert: error: ckpt/args.json: not valid JSON ...`` and returns 1. With
+``MEGATRON_PATCH_DEBUG=1`` in the environment (``megatron-patch --debug ...`` sets it, and torchrun's ranks inherit
+it) the traceback is printed first.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import os
+import sys
+import traceback
+from typing import Callable
+
+DEBUG_ENV = "MEGATRON_PATCH_DEBUG"
+
+
+class UserError(Exception):
+    """Bad input or a bad environment: the message names the file, line or flag, and the fix."""
+
+
+def debugging() -> bool:
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def describe(error: BaseException) -> str:
+    """The one line for ``error``: an ``OSError`` names its file and, for a full disk, what to do."""
+    if isinstance(error, OSError) and not isinstance(error, UserError):
+        where = f"{error.filename}: " if error.filename else ""
+        if error.errno == errno.ENOSPC:
+            return f"{where}no space left on the device; free some space or write to another disk, then re-run"
+        return f"{where}{error.strerror or error}"
+    return str(error)
+
+
+def one_line_errors(prog: str, expected: tuple[type[BaseException], ...] = (UserError, OSError)) -> Callable:
+    """Decorate a ``main(argv) -> int``: ``expected`` errors become ``PROG: error: ...`` on stderr and status 1."""
+
+    def wrap(main: Callable[..., int]) -> Callable[..., int]:
+        @functools.wraps(main)
+        def run(*args, **kwargs) -> int:
+            try:
+                return main(*args, **kwargs)
+            except expected as error:
+                if debugging():
+                    traceback.print_exc()
+                print(f"{prog}: error: {describe(error)}", file=sys.stderr, flush=True)
+                return 1
+
+        return run
+
+    return wrap
