@@ -20,6 +20,12 @@ alive and take one test body after another; the process group stays up and megat
 ``initialize_distributed``. A body that raises fails the test with that rank's traceback. A body that does not
 finish within ``timeout`` fails the test with the ranks still running and where each one is stuck (Python stacks
 dumped by faulthandler); the workers are then killed and the next test gets fresh ones.
+
+No worker outlives the process that started it: each worker leads a process group of its own (so Ctrl-C in a
+terminal reaches pytest alone, and a kill takes the worker's own children with it), ``shutdown`` ends them all
+(``tests/conftest.py`` calls it when the session finishes, and an ``atexit`` hook for other users), and a watchdog
+thread in every worker kills its group within a second of the parent's death (SIGKILL, SIGTERM, a test timeout's
+``os._exit``), even while a test body is stuck in a collective.
 """
 
 from __future__ import annotations
@@ -29,13 +35,14 @@ import dataclasses
 import faulthandler
 import gc
 import multiprocessing
-import multiprocessing.util  # before our atexit hook: see _close_all
+import multiprocessing.util  # before our atexit hook: see shutdown
 import os
 import pickle
 import queue
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from typing import Any, Callable
@@ -63,7 +70,21 @@ def _thread_count() -> int:
         return 0
 
 
-def _worker_main(rank: int, world_size: int, port: int, tasks, results, sys_path: list[str], log_path: str):
+def _exit_with_parent(parent: int) -> None:
+    """Kill this worker's process group (itself and whatever it started) once ``parent`` is gone.
+
+    A thread, not a check between tasks: a test body stuck in a collective never returns to the task loop, and
+    PR_SET_PDEATHSIG would kill the worker alone, leaving its children behind.
+    """
+    while os.getppid() == parent:
+        time.sleep(0.25)
+    os.killpg(0, signal.SIGKILL)
+
+
+def _worker_main(rank: int, world_size: int, port: int, tasks, results, sys_path: list[str], log_path: str,
+                 parent: int):
+    os.setpgrp()
+    threading.Thread(target=_exit_with_parent, args=(parent,), name="exit-with-parent", daemon=True).start()
     # A worker's output goes to its own log: pytest's capture of the parent is not the place for it, and the
     # harness shows the tail of the log when the rank fails.
     log = open(log_path, "a", buffering=1)
@@ -85,14 +106,8 @@ def _worker_main(rank: int, world_size: int, port: int, tasks, results, sys_path
     # timeout measures its body, not the start-up.
     compat.apply()
     results.put((rank, True, _READY, 0))
-    parent = os.getppid()
     while True:
-        try:
-            task = tasks.get(timeout=2.0)
-        except queue.Empty:
-            if os.getppid() != parent:  # pytest died without closing us: do not linger
-                break
-            continue
+        task = tasks.get()
         if task is None:
             break
         fn, args, kwargs = task
@@ -132,9 +147,13 @@ class _Pool:
             return ""
 
     def kill(self) -> None:
+        """SIGKILL every worker's process group: the worker and the processes it started (checkpoint writers)."""
         for p in self.processes:
-            if p.is_alive():
-                p.kill()
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:  # the group is empty, or the worker died before leading one
+                if p.is_alive():
+                    p.kill()
         for p in self.processes:
             p.join(timeout=10)
 
@@ -161,7 +180,7 @@ def _start_pool(world_size: int) -> _Pool:
     processes = [
         ctx.Process(
             target=_worker_main,
-            args=(r, world_size, port, tasks[r], results, list(sys.path), log_paths[r]),
+            args=(r, world_size, port, tasks[r], results, list(sys.path), log_paths[r], os.getpid()),
             # Not daemonic: dist_checkpointing's writer starts processes of its own, which daemons may not.
             daemon=False,
         )
@@ -207,9 +226,45 @@ def _discard(world_size: int) -> None:
 # joins every non-daemonic child, so ours must come later to run first and stop the idle workers; otherwise
 # the interpreter would wait on them forever at exit.
 @atexit.register
-def _close_all() -> None:
+def shutdown() -> None:
+    """End every worker this process started (idle ones finish cleanly, the rest are killed with their groups)."""
     for world_size in list(_pools):
         _pools.pop(world_size).close()
+
+
+def _collect(pool: _Pool, fn: Callable[..., Any], args: tuple, kwargs: dict, timeout: float):
+    """Hand ``fn`` to every rank of ``pool``; return ``(values, errors, most_threads)`` as the ranks report.
+
+    Stops waiting at ``timeout``, or 5 s after the first error; raises when a rank dies without reporting.
+    """
+    world_size = pool.world_size
+    for q in pool.tasks:
+        q.put((fn, args, kwargs))
+    values: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    most_threads = 0
+    deadline = time.monotonic() + timeout
+    while len(values) + len(errors) < world_size:
+        if errors:
+            # Once one rank failed, the others are usually blocked in a collective waiting for it: give them a
+            # moment to report, then stop waiting.
+            deadline = min(deadline, time.monotonic() + 5)
+        try:
+            rank, ok, value, threads = pool.results.get(timeout=max(0.05, min(1.0, deadline - time.monotonic())))
+        except queue.Empty:
+            dead = [r for r, p in enumerate(pool.processes) if not p.is_alive() and r not in values]
+            if dead:
+                codes = {r: pool.processes[r].exitcode for r in dead}
+                raise RankFailure(
+                    f"rank(s) {dead} of {world_size} exited without reporting (exit codes {codes}):\n"
+                    + "\n".join(f"--- rank {r} log ---\n{pool.log_tail(r)}" for r in dead)
+                ) from None
+            if time.monotonic() >= deadline:
+                break
+            continue
+        (values if ok else errors)[rank] = value
+        most_threads = max(most_threads, threads)
+    return values, errors, most_threads
 
 
 def run_on_ranks(
@@ -226,34 +281,13 @@ def run_on_ranks(
     ``timeout`` seconds (then with each stuck rank's stack).
     """
     pool = _pool(world_size)
-    for q in pool.tasks:
-        q.put((fn, args, kwargs or {}))
-    values: dict[int, Any] = {}
-    errors: dict[int, str] = {}
-    most_threads = 0
-    deadline = time.monotonic() + timeout
-    while len(values) + len(errors) < world_size:
-        if errors:
-            # Once one rank failed, the others are usually blocked in a collective waiting for it: give them a
-            # moment to report, then stop waiting.
-            deadline = min(deadline, time.monotonic() + 5)
-        try:
-            rank, ok, value, threads = pool.results.get(timeout=max(0.05, min(1.0, deadline - time.monotonic())))
-        except queue.Empty:
-            dead = [r for r, p in enumerate(pool.processes) if not p.is_alive() and r not in values]
-            if dead:
-                codes = {r: pool.processes[r].exitcode for r in dead}
-                _discard(world_size)
-                raise RankFailure(
-                    f"rank(s) {dead} of {world_size} exited without reporting (exit codes {codes}):\n"
-                    + "\n".join(f"--- rank {r} log ---\n{pool.log_tail(r)}" for r in dead)
-                ) from None
-            if time.monotonic() >= deadline:
-                break
-            continue
-        (values if ok else errors)[rank] = value
-        most_threads = max(most_threads, threads)
-
+    try:
+        values, errors, most_threads = _collect(pool, fn, args, kwargs or {}, timeout)
+    except BaseException:
+        # A dead rank, or an interruption (Ctrl-C, pytest-timeout's exception): the other ranks may still be
+        # running this body, and their results would answer the next test's call. Start afresh.
+        _discard(world_size)
+        raise
     if errors:
         _discard(world_size)
         first = min(errors)
