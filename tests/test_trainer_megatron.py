@@ -133,3 +133,35 @@ def test_a_nan_gradient_on_one_rank_skips_the_step_on_every_rank(distributed_opt
         assert bad == (True, None, True, 0)  # skipped, the weights and Adam's moments untouched
         assert good[0] is False and good[2] and 0 < good[1] < float("inf")
     assert results[0][1][1] == results[1][1][1]  # one global norm
+
+
+def forward_step_broadcasts(rank, world_size, tensor_model_parallel_size):
+    import torch
+    from megatron.core import parallel_state
+
+    from megatron_patch.distributed import initialize_distributed
+    from megatron_patch.testing import counting_batches, tiny_gpt
+    from megatron_patch.training.gpt import gpt_forward_step
+
+    initialize_distributed(tensor_model_parallel_size=tensor_model_parallel_size)
+    model = tiny_gpt(tensor_model_parallel_size=tensor_model_parallel_size)
+    batch = next(counting_batches(torch.Generator().manual_seed(rank), micro_batch_size=2, num_microbatches=1))
+    reads_data = parallel_state.get_tensor_model_parallel_rank() == 0
+    broadcasts = []
+    broadcast = torch.distributed.broadcast
+    torch.distributed.broadcast = lambda *args, **kwargs: broadcasts.append(1) or broadcast(*args, **kwargs)
+    try:
+        per_token_loss, _ = gpt_forward_step(iter([batch]) if reads_data else None, model)
+    finally:
+        torch.distributed.broadcast = broadcast
+    return len(broadcasts), per_token_loss
+
+
+def test_the_gpt_forward_step_broadcasts_only_at_tensor_parallel_sizes_above_one():
+    """At TP=1 every rank reads its own batch (no collective, as each DP rank); at TP=2 rank 1 gets rank 0's."""
+    (calls0, loss0), (calls1, loss1) = run_on_ranks(forward_step_broadcasts, 2, args=(1,))
+    assert calls0 == calls1 == 0
+    assert not loss0.equal(loss1), "each data-parallel rank computes on its own batch"
+    (calls0, loss0), (calls1, loss1) = run_on_ranks(forward_step_broadcasts, 2, args=(2,))
+    assert calls0 > 0 and calls1 > 0
+    assert loss0.equal(loss1), "both tensor-parallel ranks compute on rank 0's batch"

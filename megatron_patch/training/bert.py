@@ -23,6 +23,7 @@ from megatron_patch.data.datasets import build_bert_datasets
 from megatron_patch.model import ModelConfig
 from megatron_patch.training.data import SequenceClassificationMetric
 from megatron_patch.training.models import forward_only
+from megatron_patch.training.step import broadcast_batch
 
 # megatron-core's BERTMaskedWordPieceDataset sample keys a forward step reads (all int64).
 _PRETRAINING_KEYS = ["text", "types", "labels", "is_random", "loss_mask", "padding_mask"]
@@ -59,10 +60,8 @@ def bert_loss_func(loss_mask: torch.Tensor, is_random: torch.Tensor, output):
 def bert_forward_step(data_iterator, model, model_config: ModelConfig):
     """TP rank 0's batch broadcast to its TP group, then ``BertModel(tokens, padding mask, types, labels)``;
     segment types go in only when the model has token-type embeddings (Megatron-LM: with the binary head)."""
-    from megatron.core import tensor_parallel
-
     raw = next(data_iterator) if data_iterator is not None else None
-    batch = tensor_parallel.broadcast_data(_PRETRAINING_KEYS, raw, torch.int64)
+    batch = broadcast_batch(_PRETRAINING_KEYS, raw, torch.int64)
     types = batch["types"] if model_config.num_tokentypes else None
     output = model(batch["text"], batch["padding_mask"], tokentype_ids=types, lm_labels=batch["labels"])
     return output, functools.partial(bert_loss_func, batch["loss_mask"], batch["is_random"])

@@ -21,7 +21,7 @@ import torch
 
 from megatron_patch.data.datasets import build_gpt_datasets
 from megatron_patch.training.models import forward_only
-from megatron_patch.training.step import lm_loss_func
+from megatron_patch.training.step import broadcast_batch, lm_loss_func
 
 
 def _tp_rank_zero() -> bool:
@@ -40,13 +40,11 @@ def gpt_datasets(args, tokenizer, train_val_test_num_samples) -> tuple:
 
 
 def gpt_forward_step(data_iterator, model):
-    """Megatron-LM's GPT forward step: TP rank 0's batch broadcast to its TP group, per-token losses averaged
+    """Megatron-LM's GPT forward step: TP rank 0's batch broadcast to its TP group (at TP>1), per-token losses averaged
     over the loss mask (``(output, loss_func)``; the attention is causal, no mask tensor is built)."""
-    from megatron.core import tensor_parallel
-
     raw = next(data_iterator) if data_iterator is not None else None
-    batch = tensor_parallel.broadcast_data(["tokens", "labels", "position_ids"], raw, torch.int64)
-    loss_mask = tensor_parallel.broadcast_data(["loss_mask"], raw, torch.float32)["loss_mask"]
+    batch = broadcast_batch(["tokens", "labels", "position_ids"], raw, torch.int64)
+    loss_mask = broadcast_batch(["loss_mask"], raw, torch.float32)["loss_mask"]
     per_token_loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     return per_token_loss, lambda output: lm_loss_func(loss_mask, output)
 

@@ -23,7 +23,7 @@ import math
 from typing import Callable, Iterator
 
 import torch
-from megatron.core import parallel_state
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
@@ -32,6 +32,24 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 
 from megatron_patch.distributed import record_progress, sum_over_data_parallel
+
+
+def broadcast_batch(keys: list[str], batch: dict | None, datatype: torch.dtype) -> dict[str, torch.Tensor]:
+    """``batch[key]`` for ``keys`` of tensor-parallel rank 0, on every rank of its TP group, on this rank's device.
+
+    Example::
+
+        raw = next(data_iterator) if data_iterator is not None else None   # None on TP ranks > 0
+        tokens = broadcast_batch(["tokens", "labels"], raw, torch.int64)["tokens"]
+
+    megatron-core's ``broadcast_data`` at TP=1 still makes two collectives per call and a device-to-host copy of
+    the sizes (``tensor_parallel/data.py:37-42``), a sync per microbatch on GPUs. At TP=1 there is nobody to send
+    to: the tensors only move to the device.
+    """
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        return tensor_parallel.broadcast_data(keys, batch, datatype)
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    return {key: batch[key].to(device=device, dtype=datatype, non_blocking=True) for key in keys}
 
 
 def wrap_model(
