@@ -25,15 +25,15 @@ HF_MODELS = {
 }
 
 
-def make_hf_model(name: str, out_dir: str, seed: int = 0) -> str:
-    """A random model of kind ``name`` saved with save_pretrained (biases and norms randomised too, so that a
-    wrong mapping of any tensor shows in the outputs)."""
+def make_hf_model(name: str, out_dir: str, seed: int = 0, **overrides) -> str:
+    """A random model of kind ``name`` (its config fields changed by ``overrides``) saved with save_pretrained
+    (biases and norms randomised too, so that a wrong mapping of any tensor shows in the outputs)."""
     import torch
     import transformers
 
     config_class, kwargs, model_class = HF_MODELS[name]
     torch.manual_seed(seed)
-    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**kwargs))
+    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**{**kwargs, **overrides}))
     with torch.no_grad():
         for pname, param in model.named_parameters():
             if pname.endswith("bias") or "norm" in pname.lower() or "ln_" in pname:

@@ -1,8 +1,13 @@
 """Bad input gives an error naming the tensor and both shapes, and leaves nothing under the final name;
-verify fails on corrupted weights and on the post-LN -> pre-LN BERT trap."""
+verify fails on corrupted weights and on the post-LN -> pre-LN BERT trap, refuses a directory of another model
+at once, and works on a trainer's checkpoint; the command line reports each error as one line."""
 
 import json
 import os
+import shutil
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -146,3 +151,131 @@ def test_verify_fails_on_a_wrong_checkpoint(tmp_path, name, pre_ln):
     run_on_ranks(corrupt_checkpoint, 1, args=(good, bad, pre_ln))
     [status] = run_on_ranks(cli, 1, args=(["verify", "--hf-dir", hf, "--megatron-dir", bad],))
     assert status == 1
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Through the command line: one line naming the file and the fix, nothing left under a final name
+# ----------------------------------------------------------------------------------------------------------
+
+
+def megatron_patch(*argv, timeout=300):
+    """``megatron-patch ARGV`` in a subprocess: (exit status, stdout, stderr, seconds)."""
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "megatron_patch.cli", *argv], capture_output=True, text=True,
+                          timeout=timeout)
+    return done.returncode, done.stdout, done.stderr, time.monotonic() - start
+
+
+def assert_one_line_error(stderr, *fragments):
+    """stderr ends in the command's one-line error naming every fragment, with no traceback before it."""
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("megatron-patch convert: error: "), stderr
+    assert all(f in last for f in fragments), last
+    assert "Traceback" not in stderr, stderr
+
+
+def tree_bytes(root):
+    """Every file under ``root``: relative path -> contents."""
+    files = {}
+    for folder, _, names in os.walk(root):
+        for name in names:
+            with open(os.path.join(folder, name), "rb") as f:
+                files[os.path.relpath(os.path.join(folder, name), root)] = f.read()
+    return files
+
+
+@pytest.fixture(scope="module")
+def llama_checkpoint(tmp_path_factory):
+    """A tiny LLaMA and its torch_dist conversion (the CLI's, unverified: test_convert.py verifies it)."""
+    root = tmp_path_factory.mktemp("cli")
+    hf, ckpt = make_hf_model("llama-gqa", str(root / "llama-hf")), str(root / "llama-mcore")
+    status, _, err, _ = megatron_patch("convert", "hf-to-megatron", "--hf-dir", hf, "--save-dir", ckpt, "--no-verify",
+                                       "--no-progress")
+    assert status == 0, err
+    return root, hf, ckpt
+
+
+@pytest.mark.parametrize("name,overrides,fields", [
+    ("gpt2", {}, ["model_type gpt2 vs llama", "architecture GPT2LMHeadModel vs LlamaForCausalLM"]),
+    ("llama-gqa", {"hidden_size": 64}, ["hidden_size 64 vs 32"]),
+], ids=["gpt2-dir-llama-checkpoint", "llama-dir-of-another-width"])
+def test_verify_refuses_another_models_directory_at_once(llama_checkpoint, name, overrides, fields):
+    root, _, ckpt = llama_checkpoint
+    hf = make_hf_model(name, str(root / f"{name}-{len(overrides)}-hf"), **overrides)
+    status, _, err, seconds = megatron_patch("convert", "verify", "--hf-dir", hf, "--megatron-dir", ckpt)
+    assert status == 1
+    assert_one_line_error(err, f"--hf-dir {hf}", f"--megatron-dir {ckpt}", *fields)
+    # From the two config files alone, before any model is built (it took 107 s and 16.8 GB to fail before).
+    assert seconds < 60, seconds
+
+
+def test_a_damaged_checkpoint_description_is_one_line(llama_checkpoint, tmp_path):
+    _, hf, ckpt = llama_checkpoint
+    damaged, out = str(tmp_path / "damaged"), str(tmp_path / "out")
+    shutil.copytree(ckpt, damaged)
+    args_file = os.path.join(damaged, "megatron_patch_args.json")
+    cases = [('{"format": "torch_dist", "model_config": {"num_la', ["not valid JSON", "line 1"]),
+             ('{"format": "torch_dist"}', ["not a description of a checkpoint", "model_config"])]
+    for text, fragments in cases:
+        with open(args_file, "w") as f:
+            f.write(text)
+        for argv in (["megatron-to-hf", "--load-dir", damaged, "--save-dir", out],
+                     ["verify", "--hf-dir", hf, "--megatron-dir", damaged]):
+            status, _, err, _ = megatron_patch("convert", *argv)
+            assert status == 1
+            assert_one_line_error(err, args_file, *fragments, "restore megatron_patch_args.json")
+    assert not os.path.exists(out)
+
+
+def test_verify_compares_a_trainer_checkpoint_with_its_export(tmp_path):
+    """The quick start's steps: train from scratch, export, and then verify the export against the checkpoint."""
+    save, exported = str(tmp_path / "ckpt"), str(tmp_path / "hf")
+    status, out, err, _ = megatron_patch(
+        "train", "--task", "pretraining", "--nproc-per-node", "1", "--mock-data", "--tokenizer-type",
+        "NullTokenizer", "--vocab-size", "99", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads",
+        "4", "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
+        "--global-batch-size", "2", "--train-iters", "2", "--lr", "1e-3", "--save", save)
+    assert status == 0, out + err
+    status, _, err, _ = megatron_patch("convert", "megatron-to-hf", "--load-dir", save, "--save-dir", exported,
+                                       "--model-type", "gpt2", "--no-progress")
+    assert status == 0, err
+    status, out, err, _ = megatron_patch("convert", "verify", "--hf-dir", exported, "--megatron-dir", save)
+    assert status == 0, err
+    assert out.strip().startswith("logits: ") and out.strip().endswith("PASS"), out
+
+
+def test_conversion_errors_are_one_line_with_the_traceback_only_under_debug(tmp_path):
+    missing = make_hf_model("llama-gqa", str(tmp_path / "missing-hf"))
+    _edit_tensors(missing, lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"))
+    foreign = make_hf_model("llama-gqa", str(tmp_path / "foreign-hf"))
+    with open(os.path.join(foreign, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(foreign, "config.json"), "w") as f:
+        json.dump({**config, "model_type": "t5"}, f)
+    out = str(tmp_path / "out")
+    for hf, fragments in ((missing, ["missing tensor model.layers.1.self_attn.k_proj.weight"]),
+                          (foreign, ["model_type 't5'", "supported model types"])):
+        argv = ["convert", "hf-to-megatron", "--hf-dir", hf, "--save-dir", out, "--no-progress"]
+        status, _, err, _ = megatron_patch(*argv)
+        assert status == 1
+        assert_one_line_error(err, hf, *fragments)
+    status, _, err, _ = megatron_patch("--debug", *argv)
+    assert status == 1 and "Traceback" in err, err
+    assert err.strip().splitlines()[-1].startswith("megatron-patch convert: error: "), err
+    assert not os.path.exists(out)
+
+
+def test_a_conversion_that_fails_verification_leaves_nothing_and_keeps_the_previous(llama_checkpoint, tmp_path):
+    _, _, ckpt = llama_checkpoint
+    hf = make_hf_model("llama-gqa", str(tmp_path / "nan-hf"))
+    _edit_tensors(hf, lambda t: t["model.layers.1.mlp.down_proj.weight"].__setitem__((0, 0), float("nan")))
+    fresh, previous = str(tmp_path / "fresh"), str(tmp_path / "previous")
+    shutil.copytree(ckpt, previous)
+    before = tree_bytes(previous)
+    for save_dir, extra in ((fresh, []), (previous, ["--overwrite"])):
+        status, out, err, _ = megatron_patch("convert", "hf-to-megatron", "--hf-dir", hf, "--save-dir", save_dir,
+                                             "--no-progress", *extra)
+        assert status == 1 and "FAIL" in out, out + err
+        assert_one_line_error(err, hf, f"nothing was written to {save_dir}")
+    assert sorted(os.listdir(tmp_path)) == ["nan-hf", "previous"]  # no fresh/, no temporary sibling
+    assert tree_bytes(previous) == before

@@ -9,7 +9,9 @@ Example::
     megatron-patch convert verify --hf-dir qwen2-hf --megatron-dir qwen2-mcore --tensor-model-parallel-size 2
 
 ``verify`` with more than one rank relaunches itself under torchrun (one process per rank); exit status 1 when
-the outputs differ beyond the threshold. ``hf-to-megatron`` verifies at the target layout unless --no-verify.
+the outputs differ beyond the threshold. ``hf-to-megatron`` verifies at the target layout unless --no-verify, before
+the checkpoint gets its name: a conversion that fails verification leaves nothing under --save-dir. Bad input is
+one line naming the file and the fix (``megatron-patch --debug convert ...`` adds the traceback).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import os
 import sys
 
 import torch
+
+from megatron_patch.errors import UserError, one_line_errors
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -61,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def _verify_here(args) -> int:
     """Run the comparison on this process's rank (all ranks of a torchrun world call it)."""
+    from megatron_patch import compat
+
+    compat.apply()
     from megatron_patch.convert.verify import verify_on_rank
 
     results = verify_on_rank(args.hf_dir, args.megatron_dir, args.tensor_model_parallel_size,
@@ -75,6 +82,9 @@ def _verify_here(args) -> int:
 
 
 def verify(args) -> int:
+    from megatron_patch.convert.core import check_pair
+
+    check_pair(args.hf_dir, args.megatron_dir)  # from the config files, before megatron-core's seconds of import
     world = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
     if world > 1 and "WORLD_SIZE" not in os.environ:
         from megatron_patch.cli import launch
@@ -93,28 +103,38 @@ def verify(args) -> int:
 
 
 def hf_to_megatron(args) -> int:
+    from megatron_patch import compat
     from megatron_patch.convert.core import hf_to_megatron as convert
 
+    def verify_staged(staged_dir: str) -> None:
+        """Verify the written checkpoint under its temporary name, at the layout the files were written for
+        (torch) or the one asked for (torch_dist)."""
+        verify_args = argparse.Namespace(
+            hf_dir=args.hf_dir, megatron_dir=staged_dir, text=None, dtype="float32",
+            tensor_model_parallel_size=args.target_tensor_parallel_size,
+            pipeline_model_parallel_size=args.target_pipeline_parallel_size,
+        )
+        if verify(verify_args):
+            kept = "; the checkpoint already there is kept" if os.path.exists(args.save_dir) else ""
+            raise UserError(f"{args.hf_dir}: verification of the conversion failed (above), so "
+                            f"nothing was written to {args.save_dir}{kept}; check the Hugging Face weights "
+                            "(NaN or inf?), or pass --no-verify to keep an unverified conversion")
+
+    compat.apply()
     convert(args.hf_dir, args.save_dir, ckpt_format=args.ckpt_format,
             target_tensor_parallel_size=args.target_tensor_parallel_size,
             target_pipeline_parallel_size=args.target_pipeline_parallel_size,
             make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, overwrite=args.overwrite,
-            progress=not args.no_progress)
+            progress=not args.no_progress, check=None if args.no_verify else verify_staged)
     print(f"wrote {args.ckpt_format} checkpoint to {args.save_dir}", flush=True)
-    if args.no_verify:
-        return 0
-    # Verify at the layout the files were written for (torch) or the one asked for (torch_dist).
-    verify_args = argparse.Namespace(
-        hf_dir=args.hf_dir, megatron_dir=args.save_dir, text=None, dtype="float32",
-        tensor_model_parallel_size=args.target_tensor_parallel_size,
-        pipeline_model_parallel_size=args.target_pipeline_parallel_size,
-    )
-    return verify(verify_args)
+    return 0
 
 
 def megatron_to_hf(args) -> int:
+    from megatron_patch import compat
     from megatron_patch.convert.core import megatron_to_hf as export
 
+    compat.apply()
     export(args.load_dir, args.save_dir, model_type=args.model_type, tokenizer_dir=args.tokenizer_dir,
            max_shard_bytes=int(args.max_shard_size_gb * (1 << 30)), overwrite=args.overwrite,
            progress=not args.no_progress)
@@ -125,10 +145,8 @@ def megatron_to_hf(args) -> int:
 _COMMANDS = {"hf-to-megatron": hf_to_megatron, "megatron-to-hf": megatron_to_hf, "verify": verify}
 
 
+@one_line_errors("megatron-patch convert")
 def main(argv: list[str] | None = None) -> int:
-    from megatron_patch import compat
-
-    compat.apply()
     args = _parser().parse_args(argv)
     return _COMMANDS[args.command](args)
 

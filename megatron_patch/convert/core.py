@@ -21,23 +21,26 @@ import os
 import re
 import shutil
 import sys
+from typing import Callable
 
 import torch
 
-from megatron_patch.convert.families import Family, Rule, Table, UnsupportedCheckpoint, architecture_of, family_for
+from megatron_patch.convert.families import (
+    Family, Rule, Table, UnsupportedCheckpoint, architecture_of, family_for, first_problems,
+)
 from megatron_patch.convert.hf_io import HFReader, ShardedSafetensorsWriter, copy_tokenizer_files, read_hf_config
 from megatron_patch.convert.mcore_io import (
-    TOKENIZER_DIR, CheckpointInfo, build_reference_model, full_state_dict, load_into_reference_model, read_info,
-    save_legacy, stream_dist, write_info,
+    ARGS_FILE, TOKENIZER_DIR, CheckpointInfo, CheckpointMismatch, build_reference_model, full_state_dict,
+    load_into_reference_model, read_info, save_legacy, stream_dist, write_info,
 )
 from megatron_patch.convert.transforms import Shapes, apply_to_hf, apply_to_mcore
-from megatron_patch.model.builder import padded_vocab_size
+from megatron_patch.errors import UserError
 from megatron_patch.model.config import ModelConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class ConversionError(ValueError):
+class ConversionError(UserError, ValueError):
     """The input cannot be converted exactly; the message names the tensors and shapes involved."""
 
 
@@ -96,10 +99,11 @@ def _check_hf_names(reader: HFReader, rules: list[Rule], ignored: tuple[str, ...
     problems = [f"missing tensor {n} (expected shape from config.json)" for n in missing]
     problems += [f"unexpected tensor {n} {tuple(reader.shape(n))} (not part of this architecture)" for n in extra]
     if problems:
-        raise ConversionError(f"{hf_dir} does not match its config.json:\n  " + "\n  ".join(problems))
+        raise ConversionError(f"{hf_dir}: the weights do not match config.json: {first_problems(problems)}; "
+                              "give the weights and config.json of one model (a download may be incomplete)")
 
 
-def _check_hf_shapes(reader: HFReader, rules: list[Rule], target: dict, shapes: Shapes) -> None:
+def _check_hf_shapes(reader: HFReader, rules: list[Rule], target: dict, shapes: Shapes, hf_dir: str) -> None:
     problems = []
     for r in rules:
         expected = apply_to_hf(r.transforms, torch.empty(target[r.mcore].shape, device="meta"), shapes)
@@ -108,7 +112,8 @@ def _check_hf_shapes(reader: HFReader, rules: list[Rule], target: dict, shapes: 
                 problems.append(f"tensor {name}: checkpoint has shape {tuple(reader.shape(name))}, config.json "
                                 f"implies {tuple(tensor.shape)}")
     if problems:
-        raise ConversionError("shape mismatch:\n  " + "\n  ".join(problems))
+        raise ConversionError(f"{hf_dir}: the weights do not match config.json: {first_problems(problems)}; "
+                              "give the weights and config.json of one model")
 
 
 def _check_coverage(rules: list[Rule], table: Table, target: dict) -> list[str]:
@@ -133,13 +138,62 @@ class _Source:
     table: Table
 
 
-def _source(hf_config: dict, make_vocab_size_divisible_by: int) -> _Source:
-    family = family_for(hf_config)
-    architecture = architecture_of(hf_config, family)
-    model_config = dataclasses.replace(
-        family.config_from_hf(hf_config), make_vocab_size_divisible_by=make_vocab_size_divisible_by
-    )
+def _source(hf_dir: str, make_vocab_size_divisible_by: int = 128) -> _Source:
+    """The model ``hf_dir``'s config.json describes; what it cannot describe is an error naming the directory."""
+    hf_config = read_hf_config(hf_dir)
+    try:
+        family = family_for(hf_config)
+        architecture = architecture_of(hf_config, family)
+        model_config = dataclasses.replace(
+            family.config_from_hf(hf_config), make_vocab_size_divisible_by=make_vocab_size_divisible_by
+        )
+    except UnsupportedCheckpoint as error:  # its message names config.json's field, not which config.json
+        raise UnsupportedCheckpoint(f"{hf_dir}: {error}") from None
+    except KeyError as error:
+        raise UnsupportedCheckpoint(f"{os.path.join(hf_dir, 'config.json')} has no {error.args[0]!r}, which a "
+                                    f"{hf_config['model_type']} config needs; restore the model's config.json "
+                                    "(save_pretrained writes it)") from None
+    except ValueError as error:  # ModelConfig.validate: sizes that describe no model
+        raise UnsupportedCheckpoint(f"{os.path.join(hf_dir, 'config.json')}: {error}") from None
     return _Source(hf_config, family, architecture, model_config, family.table(model_config, architecture))
+
+
+# The model's family and every tensor shape. A pair that differs in one of them is two models, and verify must say
+# so before building either: it used to build the checkpoint's model type from the other directory's config.json,
+# where transformers' defaults filled the gaps (a GPT-2 directory next to a LLaMA checkpoint: LLaMA-7B, 16.8 GB).
+_PAIRED_FIELDS = ("family", "num_layers", "hidden_size", "num_attention_heads", "query_groups", "head_dim",
+                  "ffn_size", "vocab_size", "normalization", "position_embedding_type", "activation",
+                  "add_qkv_bias", "untie_embeddings_and_output_weights")
+
+
+def check_pair(hf_dir: str, megatron_dir: str) -> tuple[CheckpointInfo, str]:
+    """Check that ``hf_dir`` holds the model of the Megatron checkpoint ``megatron_dir``, from their config files
+    only; return the checkpoint's description and the Hugging Face class to compare it with.
+
+    Example::
+
+        info, architecture = check_pair("llama-hf", "llama-mcore")     # (CheckpointInfo(...), "LlamaForCausalLM")
+        check_pair("gpt2-hf", "llama-mcore")    # CheckpointMismatch: ... model_type gpt2 vs llama; ...
+
+    A checkpoint our trainer started from scratch records no Hugging Face config: its model (family and shapes)
+    is compared, and the class is ``hf_dir``'s (its export, say).
+    """
+    info = read_info(megatron_dir)
+    src = _source(hf_dir)
+    pairs = []
+    if info.hf_config and "model_type" in info.hf_config:
+        pairs.append(("model_type", src.hf_config.get("model_type"), info.hf_config["model_type"]))
+    if info.hf_architecture:
+        pairs.append(("architecture", src.architecture, info.hf_architecture))
+    pairs += [(name, getattr(src.model_config, name), getattr(info.model_config, name)) for name in _PAIRED_FIELDS]
+    differing = [f"{name} {hf} vs {megatron}" for name, hf, megatron in pairs if hf != megatron]
+    if differing:
+        raise CheckpointMismatch(
+            f"--hf-dir {hf_dir} (config.json) and --megatron-dir {megatron_dir} ({ARGS_FILE}) hold different "
+            f"models: {first_problems(differing)}; pass the Hugging Face directory this checkpoint was converted "
+            "from or exported to"
+        )
+    return info, info.hf_architecture or src.architecture
 
 
 def _checkpoint_dtype(reader: HFReader, rules: list[Rule]) -> str:
@@ -160,15 +214,22 @@ def hf_to_megatron(
     make_vocab_size_divisible_by: int = 128,
     overwrite: bool = False,
     progress: bool = True,
+    check: Callable[[str], None] | None = None,
 ) -> CheckpointInfo:
     """Convert a Hugging Face directory into a Megatron checkpoint directory; return what was recorded.
+
+    ``check(staged_dir)`` (verification) runs on the finished checkpoint under its temporary name: when it raises,
+    nothing is left under ``save_dir`` and a checkpoint already there (``overwrite``) is kept.
 
     ``torch_dist`` loads at any TP/PP (the vocabulary is padded for ``target_tensor_parallel_size``; any TP that
     divides ``make_vocab_size_divisible_by x target TP`` works); ``torch`` writes Megatron-LM's per-rank files
     for exactly the target TP x PP. ``torch_dist`` is streamed: each tensor is read, transformed and written
     before the next, so memory holds one tensor group (plus the libraries), not the model.
     """
-    src = _source(read_hf_config(hf_dir), make_vocab_size_divisible_by)
+    # Here, not at the top: the tokenizer package imports megatron-core (seconds), which check_pair must not wait for.
+    from megatron_patch.tokenizer.registry import padded_vocab_size
+
+    src = _source(hf_dir, make_vocab_size_divisible_by)
     m = src.model_config
     padded = padded_vocab_size(m.vocab_size, make_vocab_size_divisible_by, target_tensor_parallel_size)
     rules = src.table.expanded(m.num_layers)
@@ -194,7 +255,7 @@ def hf_to_megatron(
                   f"megatron's {info.initialized_tensors} are randomly initialised (recorded in the checkpoint "
                   "and left out of exports)", file=sys.stderr)
         shapes = shapes_of(m, padded)
-        _check_hf_shapes(reader, rules, target, shapes)
+        _check_hf_shapes(reader, rules, target, shapes, hf_dir)
         bar = _Progress("hf-to-megatron", sum(reader.nbytes(n) for r in rules for n in r.hf), len(rules), progress)
         by_name = {r.mcore: r for r in rules}
 
@@ -218,6 +279,8 @@ def hf_to_megatron(
         bar.close()
         info.tokenizer_files = copy_tokenizer_files(hf_dir, os.path.join(tmp, TOKENIZER_DIR))
         write_info(tmp, info)
+        if check is not None:
+            check(tmp)
     return info
 
 

@@ -25,6 +25,8 @@ import struct
 import torch
 from safetensors.torch import save_file
 
+from megatron_patch.errors import UserError
+
 # Files a tokenizer may consist of; copied along with a conversion so the exported directory is complete.
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
@@ -39,12 +41,30 @@ _SAFETENSORS_DTYPES = {
 }
 
 
+def read_json(path: str, fix: str):
+    """The JSON in ``path``; a damaged file is a UserError naming it, where the parser stopped, and ``fix``.
+
+    Example::
+
+        read_json("llama-hf/config.json", "restore the model's config.json")
+    """
+    with open(path) as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as error:
+            raise UserError(f"{path}: not valid JSON ({error.msg}: line {error.lineno} column {error.colno}); "
+                            f"{fix}") from None
+
+
 def read_hf_config(hf_dir: str) -> dict:
     path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{hf_dir} has no config.json; --hf-dir must be a Hugging Face model directory")
-    with open(path) as f:
-        return json.load(f)
+    config = read_json(path, "restore the model's config.json (save_pretrained writes it)")
+    if not isinstance(config, dict):
+        raise UserError(f"{path} holds a JSON {type(config).__name__}, not a model's config; restore the model's "
+                        "config.json (save_pretrained writes it)")
+    return config
 
 
 class HFReader:

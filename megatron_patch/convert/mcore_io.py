@@ -31,7 +31,10 @@ from typing import Callable
 
 import torch
 
+from megatron_patch.convert.families import first_problems
+from megatron_patch.convert.hf_io import read_json
 from megatron_patch.distributed import free_port
+from megatron_patch.errors import UserError
 from megatron_patch.model.config import ModelConfig
 
 ARGS_FILE = "megatron_patch_args.json"
@@ -41,8 +44,9 @@ TOKENIZER_DIR = "hf_tokenizer"
 _LAYER = re.compile(r"^((?:decoder|encoder)\.layers\.)(\d+)\.")
 
 
-class CheckpointMismatch(ValueError):
-    """A Megatron checkpoint does not hold what its model needs (architecture, tensor names or shapes)."""
+class CheckpointMismatch(UserError, ValueError):
+    """A Megatron checkpoint does not hold what its model needs (architecture, tensor names or shapes), or its
+    description is damaged."""
 
 
 @dataclasses.dataclass
@@ -99,8 +103,14 @@ def read_info(megatron_dir: str) -> CheckpointInfo:
             f"{megatron_dir} has no {ARGS_FILE}; pass a directory written by `megatron-patch convert hf-to-megatron` "
             "or by our trainer"
         )
-    with open(path) as f:
-        return CheckpointInfo.from_json(json.load(f))
+    # Only a conversion or a trainer's save writes it (write_args_file): restoring it is the fix.
+    fix = f"restore {ARGS_FILE} from a copy, or re-run the conversion or training that wrote the checkpoint"
+    data = read_json(path, fix)
+    try:
+        return CheckpointInfo.from_json(data)
+    except (TypeError, KeyError, ValueError) as error:  # a JSON of another shape, fields unknown or missing
+        raise CheckpointMismatch(f"{path}: not a description of a checkpoint ({type(error).__name__}: {error}); "
+                                 f"{fix}") from None
 
 
 def weights_dir(megatron_dir: str) -> str:
@@ -198,8 +208,8 @@ def check_dist_checkpoint(model, ckpt_dir: str) -> None:
             problems.append(f"{sharded.key}: checkpoint has shape {tuple(stored[sharded.key].global_shape)}, "
                             f"model expects {tuple(sharded.global_shape)}")
     if problems:
-        raise CheckpointMismatch(f"{ckpt_dir} does not fit the model in {ARGS_FILE}:\n  " + "\n  ".join(
-            sorted(set(problems))))
+        raise CheckpointMismatch(f"{ckpt_dir} does not fit the model in {ARGS_FILE}: "
+                                 f"{first_problems(sorted(set(problems)))}")
 
 
 def save_dist(model, ckpt_dir: str) -> None:
@@ -419,7 +429,7 @@ def copy_full_tensors(model, full: dict[str, torch.Tensor], source: str) -> None
                  for n, t in target.items() if n in full and full[n].shape != t.shape]
     problems += [f"{n}: in the checkpoint but not a tensor of the model" for n in full if n not in target]
     if problems:
-        raise CheckpointMismatch(f"{source} does not fit the model in {ARGS_FILE}:\n  " + "\n  ".join(problems))
+        raise CheckpointMismatch(f"{source} does not fit the model in {ARGS_FILE}: {first_problems(problems)}")
     with torch.no_grad():
         for name, tensor in target.items():
             tensor.copy_(full[name])

@@ -7,6 +7,7 @@ Example::
 
     logits: max abs diff 3.1e-07, max rel diff 2.4e-07, cosine 1.0000000, top-1 100.0%, top-5 100.0%  PASS
 
+Before anything is built, the two directories' config files must describe the same model (``core.check_pair``).
 The oracle is transformers' own forward pass. Compared are the LM logits (the padded vocabulary rows trimmed),
 BERT's sentence-relation logits where the checkpoint has that head, and for encoder-only BERT the last hidden
 states, padded positions included (attention masks exercised). The run fails, and the command exits non-zero,
@@ -19,8 +20,9 @@ import dataclasses
 
 import torch
 
+from megatron_patch.convert.core import check_pair
 from megatron_patch.convert.mcore_io import (
-    CheckpointInfo, load_dist, load_full_into_chunks, merge_legacy, partition_dims, read_info, weights_dir,
+    CheckpointInfo, load_dist, load_full_into_chunks, merge_legacy, partition_dims, weights_dir,
 )
 
 # (max relative difference, min cosine similarity, min top-1 agreement) per dtype the models run in.
@@ -207,8 +209,7 @@ def verify_on_rank(hf_dir: str, megatron_dir: str, tp: int = 1, pp: int = 1, tex
     holds the outputs (last pipeline stage, TP rank 0), None on the others."""
     from megatron.core import parallel_state
 
-    info = read_info(megatron_dir)
-    architecture = info.hf_architecture
+    info, architecture = check_pair(hf_dir, megatron_dir)
     wanted = set(_HF_OUTPUTS[architecture])
     inputs = make_inputs(info, hf_dir, text)
     chunks = build_and_load(megatron_dir, info, tp, pp, dtype)

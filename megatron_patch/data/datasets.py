@@ -14,6 +14,7 @@ import contextlib
 import os
 from typing import Callable, Iterator, Sequence
 
+import numpy
 import torch
 from megatron.core.datasets.bert_dataset import (
     BERTMaskedWordPieceDataset,
@@ -22,6 +23,17 @@ from megatron.core.datasets.bert_dataset import (
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.utils import get_blend_from_list
+
+from megatron_patch.errors import UserError
+
+# megatron-core's BERT sample index (helpers.cpp, LONG_SENTENCE_LEN) skips a document of several sentences when one
+# of them has more tokens than this.
+_LONG_SENTENCE_LEN = 512
+
+
+class EmptyDataError(UserError, ValueError):
+    """--data-path names data that gives no training samples. A ValueError as well: the launcher's argument check
+    (training/arguments.py) reports those as one line before torchrun starts."""
 
 
 def parse_data_path(data_path: Sequence[str]) -> tuple[list[str], list[float] | None]:
@@ -45,6 +57,13 @@ def parse_data_path(data_path: Sequence[str]) -> tuple[list[str], list[float] | 
             raise ValueError(
                 f"--data-path {prefix}: {' and '.join(missing)} not found; give the prefix without "
                 "the suffix, e.g. data/corpus_text_document"
+            )
+        # megatron-core memory-maps the .bin (indexed_dataset.py:402), which numpy refuses for an empty file:
+        # "cannot mmap an empty file", deep in the dataset build.
+        if os.path.getsize(prefix + ".bin") == 0:
+            raise EmptyDataError(
+                f"--data-path {prefix}: {prefix}.bin holds no tokens (its input had no documents, or only empty "
+                "ones); preprocess a JSONL with text into it (megatron-patch preprocess-data), or leave it out"
             )
     return prefixes, weights
 
@@ -75,21 +94,57 @@ def _process_group() -> Iterator[None]:
         torch.distributed.destroy_process_group()
 
 
+def _yields_samples(cls, config, low_level, first: int, last: int, chunk: int = 1 << 20) -> bool:
+    """Whether elements ``[first, last)`` of a prefix (GPT: sequences, BERT: documents) make at least one sample;
+    read ``chunk`` elements at a time, so real data answers from its first chunk."""
+    for start in range(first, last, chunk):
+        end = min(start + chunk, last)
+        if cls is GPTDataset:
+            if low_level.sequence_lengths[start:end].any():
+                return True
+            continue
+        # build_mapping (helpers.cpp) samples a document with at least the minimum number of sentences (2 with the
+        # binary head: bert_dataset.py:60) and, when it has several, none longer than LONG_SENTENCE_LEN.
+        bounds = low_level.document_indices[start:end + 1]
+        sentences = numpy.diff(bounds)
+        long = low_level.sequence_lengths[bounds[0]:bounds[-1]] > _LONG_SENTENCE_LEN
+        long_before = numpy.concatenate([[0], numpy.cumsum(long)])
+        has_long = long_before[bounds[1:] - bounds[0]] > long_before[bounds[:-1] - bounds[0]]
+        if ((sentences >= (2 if config.classification_head else 1)) & ((sentences == 1) | ~has_long)).any():
+            return True
+    return False
+
+
+def _what_samples_need(cls, config) -> str:
+    if cls is GPTDataset:
+        return "tokens"
+    if config.classification_head:
+        return ("documents of two or more sentences (preprocess with --split-sentences, or train with "
+                "--bert-no-binary-head)")
+    return "documents with text"
+
+
 def _check_splits(cls, config, num_samples: Sequence[int | None]) -> None:
-    """Refuse a split that would get no data but is asked for samples: megatron-core 0.16.1
-    loops forever on it (`gpt_dataset.py` `_get_num_epochs` adds 0-token epochs)."""
+    """Refuse a split that would get no data, or no sample from its data, but is asked for samples: megatron-core
+    0.16.1 loops forever on it (`gpt_dataset.py` `_get_num_epochs` adds 0-token epochs; BERT's `build_mapping`
+    runs 2**31 epochs of its documents, minutes for a few documents)."""
     for prefix in config.blend[0]:
+        low_level = cls.build_low_level_dataset(prefix, config)
         # The builder's own count and rounding (`_build_megatron_dataset_splits`).
-        count = cls.numel_low_level_dataset(cls.build_low_level_dataset(prefix, config))
+        count = cls.numel_low_level_dataset(low_level)
         for name, bounds, samples in zip(("train", "valid", "test"), config.split_matrix, num_samples):
             if bounds is None or not samples:
                 continue
-            if int(round(bounds[1] * count)) <= int(round(bounds[0] * count)):
+            first, last = int(round(bounds[0] * count)), int(round(bounds[1] * count))
+            if last <= first:
                 raise ValueError(
                     f"--split {config.split} leaves the {name} split of {prefix} empty ({count} "
                     f"{'sequences' if cls is GPTDataset else 'documents'} in all) but {samples} {name} "
                     "samples are asked for; give that split a larger share, or ask for 0 samples"
                 )
+            if not _yields_samples(cls, config, low_level, first, last):
+                raise EmptyDataError(f"--data-path {prefix}: the {name} split yields no samples but {samples} are "
+                                     f"asked for; it needs {_what_samples_need(cls, config)}")
 
 
 def _build(cls, config, num_samples: Sequence[int | None], is_built_on_rank: Callable[[], bool]):
