@@ -28,9 +28,11 @@ checked for presence and length only.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import json
 import logging
+import mmap
 import os
 import random
 import re
@@ -57,7 +59,6 @@ CHECKSUMS = "checksums.json"
 _CHECKSUMS_FORMAT = {"format": "megatron_patch checkpoint checksums", "version": 1, "algorithm": "crc32"}
 # Each rank's checksums of the files it wrote, merged into CHECKSUMS by rank 0 before the checkpoint is published.
 _RANK_CHECKSUMS = "checksums.rank_{:05d}.json"
-_READ_BYTES = 16 << 20
 
 
 class CorruptCheckpointError(RuntimeError):
@@ -228,8 +229,9 @@ def _write_and_checksum(write, staging: str, rank: int, checksums: dict, *args, 
     (filesystem_async.py:380), so they are read back, from the page cache they were just written through, in the
     same (with --async-save background) process."""
     write(*args, **kwargs)
-    for file, _, _ in args[1]:
-        checksums[os.path.relpath(file, staging)] = _checksum_file(file)
+    files = [file for file, _, _ in args[1]]
+    for file, checksum in zip(files, _checksum_files(files)):
+        checksums[os.path.relpath(file, staging)] = checksum
     _write_rank_checksums(staging, rank, checksums)
 
 
@@ -290,15 +292,23 @@ def _checksum_entry(size: int, crc: int) -> dict:
 
 
 def _checksum_file(path: str) -> dict:
-    """The length and CRC-32 of the file at ``path``, read through one reused buffer."""
-    buffer = bytearray(_READ_BYTES)
-    view = memoryview(buffer)
-    crc = size = 0
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buffer):
-            crc = zlib.crc32(view[:n], crc)
-            size += n
-    return _checksum_entry(size, crc)
+    """The length and CRC-32 of the file at ``path``. Mapped, not read: the CRC runs over the page cache itself
+    (a read's copy into a buffer made it about 1.5x slower here)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:  # mmap refuses an empty file
+            return _checksum_entry(0, 0)
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            mapped.madvise(mmap.MADV_SEQUENTIAL)
+            return _checksum_entry(size, zlib.crc32(mapped))
+
+
+def _checksum_files(paths: list[str]) -> list[dict]:
+    """``_checksum_file`` of each path, the files in parallel (zlib.crc32 releases the GIL)."""
+    if len(paths) < 2:
+        return [_checksum_file(path) for path in paths]
+    with concurrent.futures.ThreadPoolExecutor(min(len(paths), os.cpu_count() or 1)) as pool:
+        return list(pool.map(_checksum_file, paths))
 
 
 def _write_rank_checksums(staging: str, rank: int, checksums: dict) -> None:
@@ -315,11 +325,10 @@ def _write_checksums(staging: str, world_size: int) -> None:
         with open(part) as f:
             files.update(json.load(f))
         os.remove(part)
-    for directory, _, names in os.walk(staging):
-        for name in names:
-            file = os.path.join(directory, name)
-            if os.path.relpath(file, staging) not in files:
-                files[os.path.relpath(file, staging)] = _checksum_file(file)
+    rest = [os.path.relpath(os.path.join(directory, name), staging)
+            for directory, _, names in os.walk(staging) for name in names]
+    rest = [name for name in rest if name not in files]
+    files.update(zip(rest, _checksum_files([os.path.join(staging, name) for name in rest])))
     with open(os.path.join(staging, CHECKSUMS), "w") as f:
         json.dump({**_CHECKSUMS_FORMAT, "files": dict(sorted(files.items()))}, f, indent=1)
 
@@ -680,7 +689,8 @@ def _verify_checksums(path: str, checksums: bool) -> None:
                         if torch.distributed.is_initialized() else (0, 1))
     # Largest first, dealt out in turn: the ranks read about as many bytes each.
     mine = sorted(files, key=lambda name: (-files[name]["bytes"], name))[rank::world_size]
-    here = next((name for name in mine if _checksum_file(os.path.join(path, name)) != files[name]), None)
+    found = _checksum_files([os.path.join(path, name) for name in mine])
+    here = next((name for name, checksum in zip(mine, found) if checksum != files[name]), None)
     damaged = [here]
     if world_size > 1:
         damaged = [None] * world_size
