@@ -2,7 +2,8 @@
 (``checksums.json``) and checked on load, a missing, truncated or bit-flipped file is named (or skipped with
 --load-fallback), --no-verify-checksums loads it anyway, and a checkpoint saved before checksums still loads.
 
-The trainer runs go through ``megatron-patch train`` on 2 processes, as a user's would."""
+The damage tests launch the trainer through ``megatron-patch train`` (2 processes; 1 to resume at another world
+size), as a user would; one shared 2-process run saves the checkpoints they copy and damage."""
 
 import glob
 import json
