@@ -7,8 +7,10 @@ Example::
 Trains a GPT one step in one process (so the Adam state exists), then times our ``save_checkpoint`` /
 ``load_checkpoint`` (megatron-core dist_checkpointing, torch_dist format, model + optimizer + scheduler) and, as
 the floor, one ``write`` + ``fsync`` and one ``readinto`` of as many bytes as the checkpoint holds. Alternates
-the two several times and keeps the best of each. Prints ``RESULT {json}`` lines with ratio = ours / plain
-(lower is better; 1.0 is the disk's own speed).
+them several times and keeps the best of each. Prints ``RESULT {json}`` lines with ratio = ours / plain (lower is
+better; 1.0 is the disk's own speed), and what the checksums cost: the save against the same save with its CRC-32
+pass over the files (``_checksum_files``) stubbed out, that pass's own share of the save, and the load against
+``verify_checksums=False``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import shutil
 import sys
 import tempfile
 import time
+from unittest import mock
 
 
 def _dir_bytes(path: str) -> int:
@@ -49,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_patch.model.config import get_model_config
     from megatron_patch.model.parallel import ParallelConfig
     from megatron_patch.testing import counting_batches
+    from megatron_patch.training import checkpointing
     from megatron_patch.training.checkpointing import load_checkpoint, save_checkpoint
     from megatron_patch.training.step import build_optimizer, lm_forward_step, train_step, wrap_model
 
@@ -74,28 +78,66 @@ def main(argv: list[str] | None = None) -> int:
                seq, 2)
 
     work = tempfile.mkdtemp(prefix="bench_checkpoint_io_")
-    best = {"save": float("inf"), "load": float("inf"), "write": float("inf"), "read": float("inf")}
-    size = 0
-    for attempt in range(args.repeats):
-        root = os.path.join(work, f"ckpt{attempt}")
+    best = dict.fromkeys(["save", "save unchecked", "crc pass", "load", "load unverified", "write", "read"],
+                         float("inf"))
+
+    def timed(what, fn, *fn_args, **fn_kwargs):
         start = time.perf_counter()
-        save_checkpoint(root, 1, chunks, optimizer, scheduler, megatron=True)
-        best["save"] = min(best["save"], time.perf_counter() - start)
+        fn(*fn_args, **fn_kwargs)
+        best[what] = min(best[what], time.perf_counter() - start)
+
+    checksum_files, crc_seconds = checkpointing._checksum_files, [0.0]
+
+    def timed_checksum_files(paths):
         start = time.perf_counter()
-        load_checkpoint(root, chunks, optimizer, scheduler, megatron=True)
-        best["load"] = min(best["load"], time.perf_counter() - start)
+        found = checksum_files(paths)
+        crc_seconds[0] += time.perf_counter() - start
+        return found
+
+    unchecked = {"bytes": 0, "crc32": "00000000"}
+    root = os.path.join(work, "ckpt")
+
+    def save_checked_then_load(attempt):
+        crc_seconds[0] = 0.0
+        with mock.patch.object(checkpointing, "_checksum_files", timed_checksum_files):
+            timed("save", save_checkpoint, root, 1, chunks, optimizer, scheduler, megatron=True)
+        best["crc pass"] = min(best["crc pass"], crc_seconds[0])
+        loads = [("load", True), ("load unverified", False)]
+        for what, verify in loads[::-1] if attempt % 2 else loads:
+            timed(what, load_checkpoint, root, chunks, optimizer, scheduler, megatron=True, verify_checksums=verify)
         size = _dir_bytes(root)
+        shutil.rmtree(root)
+        return size
+
+    def save_unchecked():
+        with mock.patch.object(checkpointing, "_checksum_files", lambda paths: [unchecked] * len(paths)):
+            timed("save unchecked", save_checkpoint, root, 1, chunks, optimizer, scheduler, megatron=True)
+        shutil.rmtree(root)
+
+    for attempt in range(args.repeats):
+        # Each first in turn (the loads too), so that neither always follows the plain write's writeback.
+        if attempt % 2:
+            save_unchecked()
+            size = save_checked_then_load(attempt)
+        else:
+            size = save_checked_then_load(attempt)
+            save_unchecked()
         written, read = _plain_write_read(os.path.join(work, "plain.bin"), bytearray(os.urandom(size)))
         best["write"], best["read"] = min(best["write"], written), min(best["read"], read)
-        shutil.rmtree(root)
     shutil.rmtree(work)
-    print(f"checkpoint of {size / 1e6:.0f} MB: save {best['save']:.2f}s vs plain write+fsync {best['write']:.2f}s; "
-          f"load {best['load']:.2f}s vs plain read {best['read']:.2f}s")
-    for what, plain in (("save", "write"), ("load", "read")):
-        print("RESULT " + json.dumps({
-            "benchmark": f"checkpoint {what} vs plain {plain} of the same bytes (ours / plain)",
-            "ratio": round(best[what] / best[plain], 2), "target": "lower is better",
-            "note": f"{size / 1e6:.0f} MB, best of {args.repeats}"}), flush=True)
+    print(f"checkpoint of {size / 1e6:.0f} MB: save {best['save']:.2f}s (its CRC-32 pass {best['crc pass']:.2f}s; "
+          f"without it {best['save unchecked']:.2f}s) vs plain write+fsync {best['write']:.2f}s; "
+          f"load {best['load']:.2f}s (without verifying checksums {best['load unverified']:.2f}s) vs plain read "
+          f"{best['read']:.2f}s")
+    note = f"{size / 1e6:.0f} MB, best of {args.repeats}"
+    for what, against, benchmark in (
+            ("save", "write", "checkpoint save vs plain write of the same bytes (ours / plain)"),
+            ("load", "read", "checkpoint load vs plain read of the same bytes (ours / plain)"),
+            ("save", "save unchecked", "checkpoint save with checksums vs without (the checksums' cost)"),
+            ("crc pass", "save", "checkpoint save's CRC-32 pass / the whole save (timed inside the same saves)"),
+            ("load", "load unverified", "checkpoint load verifying checksums vs --no-verify-checksums")):
+        print("RESULT " + json.dumps({"benchmark": benchmark, "ratio": round(best[what] / best[against], 3),
+                                      "target": "lower is better", "note": note}), flush=True)
     return 0
 
 

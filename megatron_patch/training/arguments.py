@@ -149,8 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="load model weights only and start at iteration 0")
     ckpt.add_argument("--exit-on-missing-checkpoint", action="store_true")
     ckpt.add_argument("--load-fallback", action="store_true",
-                      help="when --load's latest checkpoint has a missing or truncated file, load the newest "
-                           "complete earlier iter_* instead of stopping")
+                      help="when --load's latest checkpoint has a missing, truncated or damaged file, load the "
+                           "newest intact earlier iter_* instead of stopping")
+    ckpt.add_argument("--no-verify-checksums", action="store_true",
+                      help="load without comparing each file's CRC-32 with the checksums.json its save wrote "
+                           "(missing and truncated files are still refused)")
     ckpt.add_argument("--keep-last-k", type=int, default=None, metavar="K",
                       help="after each save keep only the newest K iter_* checkpoints under --save")
     ckpt.add_argument("--async-save", action="store_true",

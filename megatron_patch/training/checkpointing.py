@@ -17,22 +17,29 @@ memory mode or data-parallel size) and the scheduler state.
 
 Crash safety: a save goes to ``SAVE/iter_0000100.tmp-<id>/``, is fsynced, renamed to ``iter_0000100`` and only
 then named by the tracker (replaced atomically), so a process killed mid-save leaves the previous checkpoint
-current; loading ignores ``*.tmp-*`` leftovers and the next successful save removes them. A checkpoint with a
-missing or truncated file raises CorruptCheckpointError naming both; ``load_fallback`` loads the newest complete
-earlier ``iter_*`` instead.
+current; loading ignores ``*.tmp-*`` leftovers and the next successful save removes them.
+
+Integrity: every save records each file's length and CRC-32 in ``iter_*/checksums.json``, written before the rename
+that publishes the checkpoint. A checkpoint with a missing, truncated or damaged file (one whose CRC-32 differs,
+e.g. flipped bytes) raises CorruptCheckpointError naming both; ``load_fallback`` loads the newest intact earlier
+``iter_*`` instead. A checkpoint saved before checksums were recorded (no ``checksums.json``) still loads, its files
+checked for presence and length only.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import json
 import logging
+import mmap
 import os
 import random
 import re
 import shutil
 import uuid
 import zipfile
+import zlib
 
 import numpy
 import torch
@@ -48,9 +55,15 @@ _OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 _COMPLETE = re.compile(r"iter_(\d{7})")
 _STAGING = re.compile(r"iter_(\d{7})\.tmp-")
 
+CHECKSUMS = "checksums.json"
+_CHECKSUMS_FORMAT = {"format": "megatron_patch checkpoint checksums", "version": 1, "algorithm": "crc32"}
+# Each rank's checksums of the files it wrote, merged into CHECKSUMS by rank 0 before the checkpoint is published.
+_RANK_CHECKSUMS = "checksums.rank_{:05d}.json"
+
 
 class CorruptCheckpointError(RuntimeError):
-    """A checkpoint directory with a missing or truncated file (a save that died half-way, a damaged disk)."""
+    """A checkpoint directory with a missing, truncated or damaged file (a save that died half-way, a damaged disk
+    or copy)."""
 
 
 def checkpoint_dir(root: str, iteration: int) -> str:
@@ -163,18 +176,18 @@ def _restore_adam_step(optimizer) -> None:
 
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, megatron: bool,
                     info: CheckpointInfo | None = None, *, keep_last_k: int | None = None, async_queue=None) -> str:
-    """Write ``iter_{iteration}`` (through a ``.tmp-`` directory, renamed once every rank's files are on disk),
-    ``info`` as ``megatron_patch_args.json`` (megatron models), then the tracker; with ``keep_last_k`` delete all
-    but the newest K ``iter_*`` (never the tracker's).
+    """Write ``iter_{iteration}`` (through a ``.tmp-`` directory, renamed once every rank's files are on disk and
+    their checksums in ``checksums.json``), ``info`` as ``megatron_patch_args.json`` (megatron models), then the
+    tracker; with ``keep_last_k`` delete all but the newest K ``iter_*`` (never the tracker's).
 
     Example::
 
         save_checkpoint("ckpt", 300, model, optimizer, scheduler, True, info, keep_last_k=2)
         # ckpt/iter_0000200, ckpt/iter_0000300; the tracker holds 300
 
-    With ``async_queue`` (megatron-core's ``AsyncCallsQueue``) the tensors are written by a background process
-    and the publishing (rename, tracker) happens when the queue finalizes the save on every rank
-    (``maybe_finalize_async_calls``), so an unfinished save is never the latest.
+    With ``async_queue`` (megatron-core's ``AsyncCallsQueue``) the tensors are written and checksummed by a
+    background process and the publishing (rename, tracker) happens when the queue finalizes the save on every
+    rank (``maybe_finalize_async_calls``), so an unfinished save is never the latest.
     """
     path = checkpoint_dir(root, iteration)
     rank = torch.distributed.get_rank()
@@ -186,25 +199,47 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, mega
 
         state = _megatron_state(model, optimizer, scheduler, is_loading=False, with_optimizer=True)
         state["iteration"] = iteration
-        request = dist_checkpointing.save(state, staging, async_sharded_save=async_queue is not None)
+        # Asynchronous in form even for a synchronous save (run at once by execute_sync, as megatron-core's own
+        # synchronous save does: strategies/base.py:212), so that its write function can be wrapped.
+        request = dist_checkpointing.save(state, staging, async_sharded_save=True)
         # After dist_checkpointing.save, which warns ("Overwriting old incomplete / corrupted checkpoint") when
         # its directory is not empty (serialization.py:383).
-        _save_rng(staging, rank)
-        if request is not None:
-            request.add_finalize_fn(publish)
+        checksums = _save_rng(staging, rank)
+        if request.async_fn is None:  # this rank holds only replicas another rank writes: no .distcp of its own
+            _write_rank_checksums(staging, rank, checksums)
+        else:
+            request = request._replace(async_fn=functools.partial(
+                _write_and_checksum, request.async_fn, staging, rank, checksums))
+        request.add_finalize_fn(publish)
+        if async_queue is None:
+            request.execute_sync()
+        else:
             async_queue.schedule_async_request(request)
-            return path
-    else:
-        _save_rng(staging, rank)
-        _save_plain(staging, model, optimizer, scheduler, iteration, rank)
+        return path
+    checksums = _save_rng(staging, rank)
+    checksums.update(_save_plain(staging, model, optimizer, scheduler, iteration, rank))
+    _write_rank_checksums(staging, rank, checksums)
     publish()
     return path
+
+
+def _write_and_checksum(write, staging: str, rank: int, checksums: dict, *args, **kwargs) -> None:
+    """megatron-core's write function (``write(rank, write_buckets, results_queue)``, strategies/
+    filesystem_async.py:235), then the CRC-32 of each ``.distcp`` it wrote. megatron-core opens these files itself
+    (filesystem_async.py:380), so they are read back, from the page cache they were just written through, in the
+    same (with --async-save background) process."""
+    write(*args, **kwargs)
+    files = [file for file, _, _ in args[1]]
+    for file, checksum in zip(files, _checksum_files(files)):
+        checksums[os.path.relpath(file, staging)] = checksum
+    _write_rank_checksums(staging, rank, checksums)
 
 
 def _publish_when_written(root: str, staging: str, path: str, iteration: int, info: CheckpointInfo | None,
                           keep_last_k: int | None) -> None:
     torch.distributed.barrier()  # every rank's files are written: rank 0 may publish them
     if torch.distributed.get_rank() == 0:
+        _write_checksums(staging, torch.distributed.get_world_size())
         _fsync_tree(staging)
         _publish(staging, path)
         if info is not None:
@@ -212,6 +247,90 @@ def _publish_when_written(root: str, staging: str, path: str, iteration: int, in
         _write_tracker(root, iteration)
         _remove_old(root, iteration, keep_last_k)
     torch.distributed.barrier()
+
+
+class _ChecksummedFile:
+    """A file opened for writing that keeps the length and CRC-32 of what is written to it (``torch.save`` takes
+    it as its file), so the file is checksummed as it is written, not read back.
+
+    Example::
+
+        with _ChecksummedFile("ckpt/trainer_state.pt") as f:
+            torch.save(state, f)
+        f.checksum()   # {"bytes": 1234, "crc32": "9a3c11f0"}
+    """
+
+    def __init__(self, path: str):
+        self._file = open(path, "wb")
+        self._crc = self._bytes = 0
+
+    def write(self, data) -> int:
+        self._crc = zlib.crc32(data, self._crc)
+        self._bytes += memoryview(data).nbytes
+        return self._file.write(data)
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def checksum(self) -> dict:
+        return _checksum_entry(self._bytes, self._crc)
+
+    def __enter__(self) -> "_ChecksummedFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self._file.flush()
+            # Each rank flushes its own files: on a shared filesystem rank 0's fsync does not reach another node's.
+            os.fsync(self._file.fileno())
+        finally:
+            self._file.close()
+
+
+def _checksum_entry(size: int, crc: int) -> dict:
+    return {"bytes": size, "crc32": f"{crc:08x}"}
+
+
+def _checksum_file(path: str) -> dict:
+    """The length and CRC-32 of the file at ``path``. Mapped, not read: the CRC runs over the page cache itself
+    (a read's copy into a buffer made it about 1.5x slower here)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:  # mmap refuses an empty file
+            return _checksum_entry(0, 0)
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            mapped.madvise(mmap.MADV_SEQUENTIAL)
+            return _checksum_entry(size, zlib.crc32(mapped))
+
+
+def _checksum_files(paths: list[str]) -> list[dict]:
+    """``_checksum_file`` of each path, the files in parallel (zlib.crc32 releases the GIL)."""
+    if len(paths) < 2:
+        return [_checksum_file(path) for path in paths]
+    with concurrent.futures.ThreadPoolExecutor(min(len(paths), os.cpu_count() or 1)) as pool:
+        return list(pool.map(_checksum_file, paths))
+
+
+def _write_rank_checksums(staging: str, rank: int, checksums: dict) -> None:
+    with open(os.path.join(staging, _RANK_CHECKSUMS.format(rank)), "w") as f:
+        json.dump(checksums, f)
+
+
+def _write_checksums(staging: str, world_size: int) -> None:
+    """Merge the ranks' checksums into ``checksums.json``, adding those of the files no rank checksummed while
+    writing (rank 0's ``common.pt``, ``metadata.json`` and ``.metadata``; ``save_pretrained``'s files)."""
+    files = {}
+    for rank in range(world_size):
+        part = os.path.join(staging, _RANK_CHECKSUMS.format(rank))
+        with open(part) as f:
+            files.update(json.load(f))
+        os.remove(part)
+    rest = [os.path.relpath(os.path.join(directory, name), staging)
+            for directory, _, names in os.walk(staging) for name in names]
+    rest = [name for name in rest if name not in files]
+    files.update(zip(rest, _checksum_files([os.path.join(staging, name) for name in rest])))
+    with open(os.path.join(staging, CHECKSUMS), "w") as f:
+        json.dump({**_CHECKSUMS_FORMAT, "files": dict(sorted(files.items()))}, f, indent=1)
 
 
 def _make_staging_dir(path: str, rank: int) -> str:
@@ -344,22 +463,34 @@ def _load_plain_optimizer_state(model: torch.nn.Module, optimizer, state: dict) 
         set_optimizer_state_dict(model, inner, state, options=StateDictOptions(full_state_dict=True))
 
 
-def _save_plain(path: str, model, optimizer, scheduler, iteration: int, rank: int) -> None:
+def _save_plain(path: str, model, optimizer, scheduler, iteration: int, rank: int) -> dict:
+    """Write the model and ``trainer_state.pt`` (rank 0); return the checksums of the files written through
+    ``_ChecksummedFile`` (``save_pretrained`` writes its own)."""
     # Collectives under FSDP2 and ZeRO: every rank takes part before rank 0 writes.
     state = _full_model_state(model)
     optimizer_state = _plain_optimizer_state(model, optimizer)
     if rank != 0:
-        return
+        return {}
     module = _plain_module(model)
     os.makedirs(path, exist_ok=True)
+    checksums = {}
     if hasattr(module, "save_pretrained"):
         module.save_pretrained(path, state_dict=state)
     else:
-        torch.save(state, os.path.join(path, "model.pt"))
+        checksums["model.pt"] = _save_checksummed(state, os.path.join(path, "model.pt"))
     scaler = getattr(optimizer, "scaler", None)  # fp16's dynamic loss scale, which must resume where it was
-    torch.save({"iteration": iteration, "scheduler": None if scheduler is None else scheduler.state_dict(),
-                "optimizer": optimizer_state, "grad_scaler": None if scaler is None else scaler.state_dict()},
-               os.path.join(path, "trainer_state.pt"))
+    checksums["trainer_state.pt"] = _save_checksummed(
+        {"iteration": iteration, "scheduler": None if scheduler is None else scheduler.state_dict(),
+         "optimizer": optimizer_state, "grad_scaler": None if scaler is None else scaler.state_dict()},
+        os.path.join(path, "trainer_state.pt"))
+    return checksums
+
+
+def _save_checksummed(obj, path: str) -> dict:
+    """``torch.save(obj, path)``, flushed to disk; returns the file's checksum."""
+    with _ChecksummedFile(path) as f:
+        torch.save(obj, f)
+    return f.checksum()
 
 
 def _rng_state() -> dict:
@@ -386,18 +517,21 @@ def _set_rng_state(state: dict) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def _save_rng(path: str, rank: int) -> None:
+def _rng_file(rank: int) -> str:
+    return os.path.join("rng", f"rank_{rank:05d}.pt")
+
+
+def _save_rng(path: str, rank: int) -> dict:
+    """Write this rank's RNG state; return its file's checksum, keyed by its name in the checkpoint."""
     os.makedirs(os.path.join(path, "rng"), exist_ok=True)
-    file = os.path.join(path, "rng", f"rank_{rank:05d}.pt")
-    with open(file, "wb") as f:
-        torch.save({**_rng_state(), "world_size": torch.distributed.get_world_size()}, f)
-        f.flush()
-        # Each rank flushes its own file: on a shared filesystem rank 0's fsync does not reach another node's.
-        os.fsync(f.fileno())
+    state = {**_rng_state(), "world_size": torch.distributed.get_world_size()}
+    return {_rng_file(rank): _save_checksummed(state, os.path.join(path, _rng_file(rank)))}
 
 
 def _load_rng(path: str, rank: int, logger) -> None:
-    file = os.path.join(path, "rng", f"rank_{rank:05d}.pt")
+    # verify_checkpoint found every rank's file of the world size the checkpoint was saved at; none for this
+    # rank, or another world size in it, means a resume at another world size.
+    file = os.path.join(path, _rng_file(rank))
     state = torch.load(file, weights_only=False) if os.path.isfile(file) else None
     if state is None or state["world_size"] != torch.distributed.get_world_size():
         logger.warning(f"{path}: no RNG state for this world size; keeping the seeded RNG (as --no-load-rng)")
@@ -406,10 +540,12 @@ def _load_rng(path: str, rank: int, logger) -> None:
 
 
 def load_checkpoint(root: str, model, optimizer, scheduler, megatron: bool, *, load_optim: bool = True,
-                    load_rng: bool = True, finetune: bool = False, load_fallback: bool = False, logger=None) -> int:
+                    load_rng: bool = True, finetune: bool = False, load_fallback: bool = False,
+                    verify_checksums: bool = True, logger=None) -> int:
     """Load the tracker's iteration into ``model`` (and optimizer/scheduler); return the iteration to resume
     from (0 with ``finetune``). Raises FileNotFoundError when ``root`` has no tracker, CorruptCheckpointError when
-    that checkpoint has a missing or truncated file (with ``load_fallback``: loads the newest complete earlier one).
+    that checkpoint has a missing, truncated or damaged file (with ``load_fallback``: loads the newest intact
+    earlier one); ``verify_checksums=False`` skips comparing the files' CRC-32s with ``checksums.json``.
 
     Example::
 
@@ -422,7 +558,8 @@ def load_checkpoint(root: str, model, optimizer, scheduler, megatron: bool, *, l
         raise FileNotFoundError(f"--load {root}: no {TRACKER}; nothing to resume from")
     if iteration == RELEASE:
         return _load_release(root, model, megatron, logger)
-    iteration = _complete_iteration(root, iteration, megatron, load_fallback, logger or logging.getLogger(__name__))
+    logger = logger or logging.getLogger(__name__)
+    iteration = _complete_iteration(root, iteration, megatron, load_fallback, verify_checksums, logger)
     path = checkpoint_dir(root, iteration)
     with_optimizer = load_optim and not finetune
     if megatron:
@@ -469,11 +606,13 @@ def _check_finetune_coverage(path: str, state: dict, absent: set, logger) -> Non
         logger.info(f"--finetune: {path} has no {', '.join(sorted(absent))}; initialised, not loaded")
 
 
-def _complete_iteration(root: str, iteration: int, megatron: bool, load_fallback: bool, logger) -> int:
-    """``iteration`` when its checkpoint is complete; else, with ``load_fallback``, the newest complete earlier
+def _complete_iteration(root: str, iteration: int, megatron: bool, load_fallback: bool, checksums: bool,
+                        logger) -> int:
+    """``iteration`` when its checkpoint is intact; else, with ``load_fallback``, the newest intact earlier
     one. Every rank checks the same files, so all ranks pick the same checkpoint."""
+    verify = functools.partial(verify_checkpoint, megatron=megatron, checksums=checksums, logger=logger)
     try:
-        verify_checkpoint(checkpoint_dir(root, iteration), megatron)
+        verify(checkpoint_dir(root, iteration))
         return iteration
     except CorruptCheckpointError as error:
         if not load_fallback:
@@ -482,22 +621,26 @@ def _complete_iteration(root: str, iteration: int, megatron: bool, load_fallback
         problem = error
     for earlier in reversed([i for i in complete_iterations(root) if i < iteration]):
         try:
-            verify_checkpoint(checkpoint_dir(root, earlier), megatron)
+            verify(checkpoint_dir(root, earlier))
         except CorruptCheckpointError as error:
             logger.warning(f"--load-fallback: skipping {error}")
             continue
         logger.warning(f"--load {root}: {problem}; --load-fallback: loading iteration {earlier} instead")
         return earlier
-    raise CorruptCheckpointError(f"--load {root}: {problem}; --load-fallback found no complete earlier checkpoint")
+    raise CorruptCheckpointError(f"--load {root}: {problem}; --load-fallback found no intact earlier checkpoint")
 
 
-def verify_checkpoint(path: str, megatron: bool) -> None:
-    """Raise CorruptCheckpointError naming ``path`` and the file when a file is missing or shorter than what the
-    checkpoint's own metadata records; reads metadata only, not the weights.
+def verify_checkpoint(path: str, megatron: bool, *, checksums: bool = True, logger=None) -> None:
+    """Raise CorruptCheckpointError naming ``path`` and the file when a file is missing, shorter than what the
+    checkpoint's own metadata records, or (``checksums``) its CRC-32 differs from ``checksums.json``'s. Under
+    torch.distributed every rank must call it: the ranks share the reading, each file is read once.
 
     Example::
 
-        verify_checkpoint("ckpt/iter_0000100", megatron=True)   # a truncated __0_0.distcp raises
+        verify_checkpoint("ckpt/iter_0000100", megatron=True)   # a truncated or bit-flipped __0_0.distcp raises
+
+    A checkpoint without ``checksums.json`` (saved before checksums were recorded) is checked from its own
+    metadata and its RNG files, and ``logger`` says so.
     """
     if not os.path.isdir(path):
         raise CorruptCheckpointError(f"checkpoint {path} does not exist")
@@ -505,14 +648,73 @@ def verify_checkpoint(path: str, megatron: bool) -> None:
         _require(path, "trainer_state.pt", zipped=True)
         if not any(os.path.isfile(os.path.join(path, name)) for name in ("model.pt", "config.json")):
             raise CorruptCheckpointError(f"checkpoint {path} is incomplete: neither model.pt nor config.json")
+    else:
+        _require(path, "common.pt", zipped=True)
+        try:
+            with open(_require(path, "metadata.json")) as f:
+                json.load(f)
+        except ValueError as error:
+            raise CorruptCheckpointError(f"checkpoint {path} is corrupted: metadata.json is not JSON ({error})"
+                                         ) from None
+        _verify_distcp_sizes(path)
+    if not os.path.isfile(os.path.join(path, CHECKSUMS)):
+        (logger or logging.getLogger(__name__)).info(
+            f"{path} has no {CHECKSUMS} (saved before checksums were recorded): its files are checked for presence "
+            "and length, not content")
+        _verify_rng_files(path)
         return
-    _require(path, "common.pt", zipped=True)
+    _verify_checksums(path, checksums)
+
+
+def _verify_checksums(path: str, checksums: bool) -> None:
+    """Every file ``checksums.json`` lists is there with its length and (``checksums``) its CRC-32."""
     try:
-        with open(_require(path, "metadata.json")) as f:
-            json.load(f)
-    except ValueError as error:
-        raise CorruptCheckpointError(f"checkpoint {path} is corrupted: metadata.json is not JSON ({error})") from None
-    _verify_distcp_sizes(path)
+        with open(os.path.join(path, CHECKSUMS)) as f:
+            files = json.load(f)["files"]
+    except (ValueError, KeyError) as error:
+        raise CorruptCheckpointError(f"checkpoint {path} is corrupted: {CHECKSUMS} does not load ({error!r})"
+                                     ) from None
+    for name, recorded in sorted(files.items()):
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            raise CorruptCheckpointError(f"checkpoint {path} is incomplete: {name} is missing")
+        size = os.path.getsize(file)
+        if size != recorded["bytes"]:
+            damage = "truncated" if size < recorded["bytes"] else "longer than written"
+            raise CorruptCheckpointError(f"checkpoint {path} is corrupted: {name} is {damage} ({size} bytes; "
+                                         f"{CHECKSUMS} records {recorded['bytes']})")
+    if not checksums:
+        return
+    rank, world_size = ((torch.distributed.get_rank(), torch.distributed.get_world_size())
+                        if torch.distributed.is_initialized() else (0, 1))
+    # Largest first, dealt out in turn: the ranks read about as many bytes each.
+    mine = sorted(files, key=lambda name: (-files[name]["bytes"], name))[rank::world_size]
+    found = _checksum_files([os.path.join(path, name) for name in mine])
+    here = next((name for name, checksum in zip(mine, found) if checksum != files[name]), None)
+    damaged = [here]
+    if world_size > 1:
+        damaged = [None] * world_size
+        torch.distributed.all_gather_object(damaged, here)
+    name = next((name for name in damaged if name is not None), None)
+    if name is not None:
+        raise CorruptCheckpointError(
+            f"checkpoint {path} is corrupted: {name} does not match its CRC-32 in {CHECKSUMS} (damaged on disk or "
+            "in a copy); --no-verify-checksums loads it as it is")
+
+
+def _verify_rng_files(path: str) -> None:
+    """Every rank's RNG file of the world size the checkpoint was saved at (recorded in each file), each a whole
+    ``torch.save`` file. A missing one would leave that rank on its seeded RNG unnoticed: ``_load_rng`` takes a
+    missing file for a resume at another world size."""
+    directory = os.path.join(path, "rng")
+    if not os.path.isdir(directory):  # not saved by this trainer (it always writes rng/): loaded as --no-load-rng
+        return
+    names = sorted(os.listdir(directory))
+    for name in names:
+        _require(path, os.path.join("rng", name), zipped=True)
+    first = _require(path, os.path.join("rng", names[0]) if names else _rng_file(0))
+    for rank in range(torch.load(first, weights_only=False)["world_size"]):
+        _require(path, _rng_file(rank))
 
 
 def _require(path: str, name: str, zipped: bool = False) -> str:

@@ -206,7 +206,8 @@ class _Trainer:
             self.iteration = checkpointing.load_checkpoint(
                 args.load, self.model, self.optimizer, self.lr_scheduler, self.megatron,
                 load_optim=not args.no_load_optim, load_rng=not args.no_load_rng, finetune=args.finetune,
-                load_fallback=args.load_fallback, logger=self.engine.logger,
+                load_fallback=args.load_fallback, verify_checksums=not args.no_verify_checksums,
+                logger=self.engine.logger,
             ) if checkpointing.read_tracker(args.load) is not None or args.exit_on_missing_checkpoint else 0
 
     def _chunks(self) -> list:

@@ -1,0 +1,194 @@
+"""A damaged checkpoint never resumes silently: every file's length and CRC-32 is recorded at save time
+(``checksums.json``) and checked on load, a missing, truncated or bit-flipped file is named (or skipped with
+--load-fallback), --no-verify-checksums loads it anyway, and a checkpoint saved before checksums still loads.
+
+The damage tests launch the trainer through ``megatron-patch train`` (2 processes; 1 to resume at another world
+size), as a user would; one shared 2-process run saves the checkpoints they copy and damage."""
+
+import glob
+import json
+import os
+import shutil
+import zlib
+
+import pytest
+from seed_scripts.assets import rapidformer_assets
+from test_reliability import _records, _run
+from test_trainer_megatron import _gpt_flags, train_gpt
+
+from megatron_patch.testing import run_on_ranks
+from megatron_patch.training.checkpointing import CorruptCheckpointError, verify_checkpoint
+
+TRACKER = "latest_checkpointed_iteration.txt"
+ITERS = 4
+RNG_FILE = os.path.join("rng", "rank_00001.pt")
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    return rapidformer_assets(tmp_path_factory)
+
+
+def _flags(assets, *extra):
+    """Dropout on, so a rank that resumed on its seeded RNG instead of the saved one draws other masks."""
+    return _gpt_flags(assets, "--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--micro-batch-size", "2",
+                      "--global-batch-size", "4", *extra)
+
+
+@pytest.fixture(scope="module")
+def unbroken(assets, tmp_path_factory):
+    """A 2-process run saving (asynchronously) after every iteration: its records and its checkpoints."""
+    root = tmp_path_factory.mktemp("unbroken")
+    save, logs = str(root / "ckpt"), str(root / "logs")
+    status, output = _run(_flags(assets, "--train-iters", str(ITERS), "--save", save, "--save-interval", "1",
+                                 "--async-save", "--log-dir", logs), nproc=2)
+    assert status == 0, output
+    return {"save": save, "records": _records(logs)}
+
+
+def _copy(save, tmp_path) -> str:
+    return shutil.copytree(save, str(tmp_path / "ckpt"))
+
+
+def _iter_dir(save, iteration) -> str:
+    return os.path.join(save, f"iter_{iteration:07d}")
+
+
+def _set_tracker(save, iteration) -> None:
+    with open(os.path.join(save, TRACKER), "w") as f:
+        f.write(str(iteration))
+
+
+def _flip_distcp(path) -> str:
+    """Invert 256 bytes in the middle of the largest ``.distcp`` (tensor data; its length stays); its name."""
+    file = max(glob.glob(os.path.join(path, "*.distcp")), key=os.path.getsize)
+    with open(file, "r+b") as f:
+        f.seek(os.path.getsize(file) // 2)
+        flipped = bytes(b ^ 0xFF for b in f.read(256))
+        f.seek(os.path.getsize(file) // 2)
+        f.write(flipped)
+    return os.path.basename(file)
+
+
+def _truncate(file) -> None:
+    os.truncate(file, os.path.getsize(file) // 2)
+
+
+def _file_checksums(path) -> dict:
+    """Every file under ``path`` but checksums.json, with its length and CRC-32 computed here from its bytes."""
+    found = {}
+    for directory, _, names in os.walk(path):
+        for name in names:
+            with open(os.path.join(directory, name), "rb") as f:
+                data = f.read()
+            found[os.path.relpath(os.path.join(directory, name), path)] = {"bytes": len(data),
+                                                                           "crc32": f"{zlib.crc32(data):08x}"}
+    found.pop("checksums.json")
+    return found
+
+
+def _recorded_checksums(path) -> dict:
+    with open(os.path.join(path, "checksums.json")) as f:
+        return json.load(f)["files"]
+
+
+@pytest.mark.parametrize("saving", ["async", "sync"])
+def test_every_file_of_a_checkpoint_has_its_checksum(assets, unbroken, tmp_path, saving):
+    if saving == "async":
+        path = _iter_dir(unbroken["save"], 1)
+    else:
+        save = str(tmp_path / "ckpt")
+        run_on_ranks(train_gpt, 1, args=(_flags(assets, "--train-iters", "1", "--save", save),), timeout=300)
+        path = _iter_dir(save, 1)
+    assert _recorded_checksums(path) == _file_checksums(path)
+
+
+def test_damaged_checkpoints_are_named_and_fallback_resumes_exactly_from_the_intact_one(assets, unbroken, tmp_path):
+    save = _copy(unbroken["save"], tmp_path)
+    os.remove(os.path.join(_iter_dir(save, 2), RNG_FILE))
+    _truncate(os.path.join(_iter_dir(save, 3), RNG_FILE))
+    flipped = _flip_distcp(_iter_dir(save, 4))
+    damage = {4: f"{flipped} does not match its CRC-32", 3: f"{RNG_FILE} is truncated", 2: f"{RNG_FILE} is missing"}
+    for iteration, problem in damage.items():
+        _set_tracker(save, iteration)
+        status, output = _run(_flags(assets, "--train-iters", str(iteration), "--load", save), nproc=2)
+        assert status != 0, output
+        assert "CorruptCheckpointError" in output and f"{_iter_dir(save, iteration)} is " in output, output
+        assert problem in output and "--load-fallback" in output, output
+
+    _set_tracker(save, ITERS)
+    logs = str(tmp_path / "logs")
+    status, output = _run(_flags(assets, "--train-iters", str(ITERS), "--load", save, "--load-fallback",
+                                 "--log-dir", logs), nproc=2)
+    assert status == 0, output
+    assert all(problem in output for problem in damage.values()), output
+    assert "--load-fallback: loading iteration 1 instead" in output
+    assert _records(logs) == unbroken["records"][1:]
+
+
+def test_no_verify_checksums_loads_a_bit_flipped_checkpoint(assets, unbroken, tmp_path):
+    """Also at another world size, where no RNG state was saved: the seeded RNG stays, as before checksums."""
+    save = _copy(unbroken["save"], tmp_path)
+    _flip_distcp(_iter_dir(save, ITERS))
+    logs = str(tmp_path / "logs")
+    status, output = _run(_flags(assets, "--train-iters", str(ITERS), "--load", save, "--no-verify-checksums",
+                                 "--log-dir", logs), nproc=1)
+    assert status == 0, output
+    assert "no RNG state for this world size; keeping the seeded RNG" in output
+    assert not os.path.exists(os.path.join(logs, "iterations.jsonl")) or not _records(logs)  # resumed at ITERS
+
+
+def test_a_checkpoint_saved_before_checksums_resumes_exactly(assets, unbroken, tmp_path):
+    save = _copy(unbroken["save"], tmp_path)
+    os.remove(os.path.join(_iter_dir(save, 2), "checksums.json"))
+    _set_tracker(save, 2)
+    logs = str(tmp_path / "logs")
+    status, output = _run(_flags(assets, "--train-iters", str(ITERS), "--load", save, "--log-dir", logs), nproc=2)
+    assert status == 0, output
+    assert f"{_iter_dir(save, 2)} has no checksums.json (saved before checksums were recorded)" in output
+    assert _records(logs) == unbroken["records"][2:]
+
+
+@pytest.mark.parametrize("damage", ["remove", "truncate"])
+def test_without_checksums_a_missing_or_truncated_rng_file_is_still_named(unbroken, tmp_path, damage):
+    path = shutil.copytree(_iter_dir(unbroken["save"], 1), str(tmp_path / "iter_0000001"))
+    os.remove(os.path.join(path, "checksums.json"))
+    (os.remove if damage == "remove" else _truncate)(os.path.join(path, RNG_FILE))
+    with pytest.raises(CorruptCheckpointError, match=f"{path} is .*: {RNG_FILE} is "):
+        verify_checkpoint(path, megatron=True)
+
+
+def _save_and_load_hf_model(rank, world_size, save):
+    """Save a tiny Hugging Face model through the plain path, invert a byte of its weights file, load it back."""
+    import torch
+    import transformers
+
+    from megatron_patch.distributed import initialize_distributed
+    from megatron_patch.training.checkpointing import load_checkpoint, save_checkpoint
+
+    initialize_distributed(seed=1)
+    config = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=8)
+    model = transformers.GPT2LMHeadModel(config)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.arange(8)[None], labels=torch.arange(8)[None]).loss.backward()
+    optimizer.step()
+    path = save_checkpoint(save, 1, model, optimizer, None, megatron=False)
+    recorded, found = _recorded_checksums(path), _file_checksums(path)
+    weights = os.path.join(path, "model.safetensors")
+    with open(weights, "r+b") as f:
+        f.seek(-4, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-4, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0xFF]))
+    try:
+        load_checkpoint(save, model, optimizer, None, megatron=False)
+    except CorruptCheckpointError as error:
+        return recorded, found, str(error)
+    return recorded, found, None
+
+
+def test_plain_model_checkpoints_are_checksummed_too(tmp_path):
+    save = str(tmp_path / "ckpt")
+    [(recorded, found, error)] = run_on_ranks(_save_and_load_hf_model, 1, args=(save,), timeout=300)
+    assert recorded == found and "model.safetensors" in found
+    assert error is not None and "model.safetensors does not match its CRC-32" in error
