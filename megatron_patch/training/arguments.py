@@ -183,8 +183,8 @@ def _add_megatron_lm_arguments(parser: argparse.ArgumentParser) -> None:
                           help="with --train-samples: warm the learning rate up over this many samples")
     schedule.add_argument("--rampup-batch-size", type=int, nargs=3, default=None, metavar=("START", "INCR", "SAMPLES"),
                           help="grow the global batch from START by INCR over SAMPLES samples up to "
-                               "--global-batch-size (megatron-core's num_microbatches_calculator; needs "
-                               "--train-samples)")
+                               "--global-batch-size (megatron-core's num_microbatches_calculator); with "
+                               "--train-iters too, which Megatron-LM 0.16.1 refuses (logged)")
     schedule.add_argument("--decoupled-lr", type=float, default=None,
                           help="megatron models: learning rate of the input embedding and output layer")
     schedule.add_argument("--decoupled-min-lr", type=float, default=None,

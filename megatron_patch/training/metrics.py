@@ -11,12 +11,12 @@ Example::
 
 With ``record_path`` every iteration is also appended to a JSON-lines file at full precision (``iteration``,
 ``consumed_samples``, ``lr``, ``loss``, ``grad_norm``, ``loss_scale``, ``skipped``, ``global_batch_size`` and
-any other reported loss such as ``sop loss``), flushed as it is written, so a
-run killed at any point leaves the record of what it did (a resumed run appends the iterations it repeats).
+any other reported loss such as ``sop loss``), flushed as it is written, so a run killed at any point leaves the
+record of what it did (a resumed run appends the iterations it repeats).
 
 A line reads like Megatron-LM's: `` iteration 10/100 | consumed samples: 80 | elapsed time per iteration (ms):
-120.0 | learning rate: 1.000E-04 | global batch size: 8 | lm loss: 3.200E+00 | loss scale: 65536.0 | grad norm: 1.100 | number of
-skipped iterations: 0 | tokens/s: 34133 | peak memory (MB): 512``; TFLOP/s and MFU are added on GPUs:
+120.0 | learning rate: 1.000E-04 | global batch size: 8 | lm loss: 3.200E+00 | loss scale: 65536.0 | grad norm:
+1.100 | number of skipped iterations: 0 | tokens/s: 34133 | peak memory (MB): 512``; TFLOP/s and MFU are added on GPUs:
 TFLOP/s per GPU = ``flops_per_sample`` x samples / step time / ``world_size`` / 1e12, MFU = that / the GPU's peak.
 The trainers give ``tensorboard_dir`` to the last rank only (it holds the loss under pipeline parallelism).
 """
