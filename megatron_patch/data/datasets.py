@@ -163,6 +163,7 @@ def build_gpt_datasets(
     seed: int = 1234,
     mock: bool = False,
     data_cache_path: str | None = None,
+    mmap_bin_files: bool = True,
     reset_position_ids: bool = False,
     reset_attention_mask: bool = False,
     eod_mask_loss: bool = False,
@@ -182,6 +183,7 @@ def build_gpt_datasets(
         blend=None if mock else parse_data_path(data_path or []),
         split=split,
         path_to_cache=data_cache_path,
+        mmap_bin_files=mmap_bin_files,  # False: Megatron-LM's --no-mmap-bin-files (file reads)
         tokenizer=tokenizer,
         reset_position_ids=reset_position_ids,
         reset_attention_mask=reset_attention_mask,
@@ -202,6 +204,7 @@ def build_bert_datasets(
     masked_lm_prob: float = 0.15,
     short_seq_prob: float = 0.1,
     data_cache_path: str | None = None,
+    mmap_bin_files: bool = True,
     is_built_on_rank: Callable[[], bool] = lambda: True,
 ) -> tuple:
     """(train, valid, test) BERT masked-LM datasets over sentence-level data.
@@ -217,6 +220,7 @@ def build_bert_datasets(
         blend=parse_data_path(data_path),
         split=split,
         path_to_cache=data_cache_path,
+        mmap_bin_files=mmap_bin_files,  # False: Megatron-LM's --no-mmap-bin-files (file reads)
         tokenizer=tokenizer,
         masking_probability=masked_lm_prob,
         short_sequence_probability=short_seq_prob,

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_patch.model.bert import BertForSequenceClassification, BertModel
@@ -63,6 +64,7 @@ def to_transformer_config(model_config: ModelConfig, parallel_config: ParallelCo
         hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout,
         layernorm_epsilon=m.layernorm_epsilon,
+        layernorm_zero_centered_gamma=m.layernorm_zero_centered_gamma,
         normalization=m.normalization,
         add_bias_linear=m.add_bias_linear,
         add_qkv_bias=m.add_qkv_bias,
@@ -89,6 +91,7 @@ def to_transformer_config(model_config: ModelConfig, parallel_config: ParallelCo
         bias_activation_fusion=p.fused_kernels and fusable,
         masked_softmax_fusion=False,  # our SDPA core attention does the softmax
         bias_dropout_fusion=p.fused_kernels,
+        attention_backend=AttnBackend[p.attention_backend],
     )
 
 

@@ -70,6 +70,9 @@ class ModelConfig:
     """BERT segment (token type) embeddings: 2 for sentence pairs, 0 for none."""
     add_binary_head: bool = False
     """BERT's next-sentence / sentence-order head on the pooled first token (``--bert-no-binary-head`` = off)."""
+    layernorm_zero_centered_gamma: bool = False
+    """Norm weights store gamma - 1, initialised to 0 (``--apply-layernorm-1p``; megatron-core's
+    ``layernorm_zero_centered_gamma``)."""
     bert_layernorm_style: Literal["pre", "post"] = "pre"
     """"pre": Megatron's BERT (norm before attention/MLP, final norm). "post": original BERT as in Hugging Face
     ``BertModel`` (norm after each residual add, a norm on the embeddings, no final norm). Real BERT checkpoints
@@ -286,6 +289,7 @@ _SWITCH_FLAGS = [
     ("--add-qkv-bias", "add_qkv_bias", True),
     ("--untie-embeddings-and-output-weights", "untie_embeddings_and_output_weights", True),
     ("--bert-no-binary-head", "add_binary_head", False),
+    ("--apply-layernorm-1p", "layernorm_zero_centered_gamma", True),
 ]
 
 

@@ -18,7 +18,35 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-_NORMS = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
+class _ZeroCenteredGamma:
+    """A torch norm whose ``weight`` holds gamma - 1, initialised to 0 (megatron-core's
+    ``layernorm_zero_centered_gamma``, Megatron-LM's ``--apply-layernorm-1p``): weight decay then pulls gamma
+    towards 1 instead of 0."""
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if self.weight is not None:
+            torch.nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._norm(x, self.weight + 1)
+
+
+class ZeroCenteredLayerNorm(_ZeroCenteredGamma, torch.nn.LayerNorm):
+    def _norm(self, x, weight):
+        return torch.nn.functional.layer_norm(x, self.normalized_shape, weight, self.bias, self.eps)
+
+
+class ZeroCenteredRMSNorm(_ZeroCenteredGamma, torch.nn.RMSNorm):
+    def _norm(self, x, weight):
+        return torch.nn.functional.rms_norm(x, self.normalized_shape, weight, self.eps)
+
+
+# (normalization, zero-centered gamma) -> the torch module.
+_NORMS = {
+    ("LayerNorm", False): torch.nn.LayerNorm, ("RMSNorm", False): torch.nn.RMSNorm,
+    ("LayerNorm", True): ZeroCenteredLayerNorm, ("RMSNorm", True): ZeroCenteredRMSNorm,
+}
 
 
 class TorchNorm:
@@ -31,12 +59,13 @@ class TorchNorm:
         >>> norm = TorchNorm(config, hidden_size=64, eps=1e-5)     # an nn.LayerNorm
 
     megatron-core's ``WrappedTorchNorm`` (its fallback without apex or TE) asserts ``not config.sequence_parallel``
-    (``transformer/torch_norm.py:32``) although nothing in the maths forbids it; this is the same constructor
-    signature without that assertion.
+    and ``not config.layernorm_zero_centered_gamma`` (``transformer/torch_norm.py:26-32``) although nothing in the
+    maths forbids either; this is the same constructor signature without those assertions.
     """
 
     def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **unused) -> torch.nn.Module:
-        norm = _NORMS[config.normalization](hidden_size, eps=eps, dtype=config.params_dtype)
+        norm = _NORMS[config.normalization, config.layernorm_zero_centered_gamma](
+            hidden_size, eps=eps, dtype=config.params_dtype)
         for param in norm.parameters():
             param.sequence_parallel = config.sequence_parallel
         return norm

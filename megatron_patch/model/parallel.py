@@ -51,6 +51,9 @@ class ParallelConfig:
     """Defaults to 1 with full recompute (every layer is checkpointed)."""
     bf16: bool = False
     fp16: bool = False
+    attention_backend: Literal["auto", "flash", "fused", "unfused", "local"] = "auto"
+    """Transformer Engine's attention kernel (megatron-core's ``attention_backend``); without Transformer Engine the
+    local spec's SDPA attention runs whatever this says (the trainers log that as ignored)."""
     fused_kernels: bool = False
     """megatron-core's torch.compile'd bias-activation (SwiGLU, tanh-GeLU) and bias-dropout-add fusions. Off by
     default: the first call compiles for seconds, which only pays off on long runs."""
@@ -173,6 +176,9 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
                        help="old name for --recompute-granularity full --recompute-method uniform")
     group.add_argument("--bf16", action="store_true")
     group.add_argument("--fp16", action="store_true")
+    group.add_argument("--attention-backend", choices=["auto", "flash", "fused", "unfused", "local"], default="auto",
+                       help="Transformer Engine's attention kernel (megatron-core's attention_backend); without "
+                            "Transformer Engine megatron-core's local attention (torch SDPA) runs")
     group.add_argument("--fused-kernels", action="store_true",
                        help="torch.compile'd bias-activation and bias-dropout-add fusions (see ParallelConfig)")
     return parser
@@ -213,4 +219,5 @@ def parallel_config_from_args(args: argparse.Namespace, num_layers: int) -> Para
         bf16=args.bf16,
         fp16=args.fp16,
         fused_kernels=args.fused_kernels,
+        attention_backend=args.attention_backend,
     )

@@ -168,7 +168,86 @@ def build_parser() -> argparse.ArgumentParser:
     log.add_argument("--log-dir", default=None,
                      help="where the loss-curve PNG goes (default: --tensorboard-dir, else --save)")
     log.add_argument("--log-throughput", action="store_true", help="accepted; throughput is always logged")
+    _add_megatron_lm_arguments(parser)
     return parser
+
+
+def _add_megatron_lm_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of Megatron-LM's examples/ launch scripts (core_v0.16.1) beyond the basic ones above; each acts
+    as it does there, or is refused or logged as ignored by ``flag_notices`` (none is silently dropped)."""
+    schedule = parser.add_argument_group("Megatron-LM sample-counted schedules and batch ramp-up")
+    schedule.add_argument("--train-samples", type=int, default=None,
+                          help="train on this many samples instead of --train-iters (iterations: samples / global "
+                               "batch, with ramp-up counted as Megatron-LM's update_train_iters does)")
+    schedule.add_argument("--lr-decay-samples", type=int, default=None,
+                          help="with --train-samples: decay the learning rate over this many samples (default "
+                               "--train-samples)")
+    schedule.add_argument("--lr-warmup-samples", type=int, default=0,
+                          help="with --train-samples: warm the learning rate up over this many samples")
+    schedule.add_argument("--rampup-batch-size", type=int, nargs=3, default=None, metavar=("START", "INCR", "SAMPLES"),
+                          help="grow the global batch from START by INCR over SAMPLES samples up to "
+                               "--global-batch-size (megatron-core's num_microbatches_calculator); with "
+                               "--train-iters too, which Megatron-LM 0.16.1 refuses (logged)")
+    schedule.add_argument("--decoupled-lr", type=float, default=None,
+                          help="megatron models: learning rate of the input embedding and output layer")
+    schedule.add_argument("--decoupled-min-lr", type=float, default=None,
+                          help="megatron models: minimum learning rate of the input embedding and output layer")
+
+    step = parser.add_argument_group("Megatron-LM step, memory and exit options")
+    step.add_argument("--calculate-per-token-loss", action="store_true",
+                      help="megatron models: divide the summed loss by the tokens of the whole global batch, not "
+                           "each microbatch by its own tokens (megatron-core's calculate_per_token_loss)")
+    step.add_argument("--overlap-grad-reduce", action="store_true",
+                      help="megatron models: reduce gradient buckets during the backward pass (megatron-core DDP)")
+    step.add_argument("--overlap-param-gather", action="store_true",
+                      help="megatron models with the distributed optimizer: all-gather updated parameters during "
+                           "the next forward pass (megatron-core DDP; needs --overlap-grad-reduce)")
+    step.add_argument("--grad-reduce-in-bf16", action="store_true",
+                      help="--bf16: accumulate and reduce gradients in bf16 instead of fp32")
+    step.add_argument("--cross-entropy-loss-fusion", action="store_true",
+                      help="megatron models: megatron-core's fused vocab-parallel cross-entropy (torch.compile'd; "
+                           "the same loss)")
+    step.add_argument("--manual-gc", action="store_true",
+                      help="turn Python's automatic garbage collector off and collect every --manual-gc-interval "
+                           "iterations and around evaluations, at the same point on every rank")
+    step.add_argument("--manual-gc-interval", type=int, default=0,
+                      help="with --manual-gc: iterations between collections (0: only around evaluations)")
+    step.add_argument("--no-manual-gc-eval", action="store_false", dest="manual_gc_eval",
+                      help="with --manual-gc: no collection around evaluations")
+    step.add_argument("--exit-duration-in-mins", type=int, default=None,
+                      help="after this many minutes since start-up, save under --save (if given) and exit")
+    step.add_argument("--empty-unused-memory-level", type=int, choices=[0, 1, 2], default=0,
+                      help="GPUs: empty the CUDA caching allocator after each step's backward (1) and also after "
+                           "its optimizer step (2)")
+    step.add_argument("--profile", action="store_true",
+                      help="GPUs: run CUDA's profiler (for nsys) from --profile-step-start to --profile-step-end")
+    step.add_argument("--profile-step-start", type=int, default=10)
+    step.add_argument("--profile-step-end", type=int, default=12)
+    step.add_argument("--profile-ranks", type=int, nargs="+", default=[0], help="global ranks that profile")
+
+    kernels = parser.add_argument_group("Megatron-LM kernels and precision")
+    kernels.add_argument("--use-mcore-models", action="store_true",
+                         help="deprecated in Megatron-LM 0.16 (megatron-core models are its default); every "
+                              "megatron model here is one")
+    kernels.add_argument("--fp8-format", choices=["e4m3", "hybrid"], default=None,
+                         help="fp8 matmuls through Transformer Engine (needs it and an fp8-capable GPU)")
+    kernels.add_argument("--fp8-amax-history-len", type=int, default=1)
+    kernels.add_argument("--fp8-amax-compute-algo", choices=["most_recent", "max"], default="most_recent")
+    kernels.add_argument("--fp8-param-gather", action="store_true",
+                         help="keep parameters in fp8 and all-gather them in fp8 (with --fp8-format)")
+
+    data = parser.add_argument_group("Megatron-LM data and checkpoint formats")
+    data.add_argument("--no-mmap-bin-files", action="store_false", dest="mmap_bin_files",
+                      help="read the .bin files of --data-path with file reads instead of memory-mapping them")
+    data.add_argument("--no-create-attention-mask-in-dataloader", action="store_false",
+                      dest="create_attention_mask_in_dataloader",
+                      help="accepted: the GPT datasets here never build attention masks (the attention is causal)")
+    data.add_argument("--tiktoken-pattern", default=None,
+                      help="Megatron-LM's TikTokenizer pattern; no --tokenizer-type here reads it (logged)")
+    data.add_argument("--ckpt-format", choices=["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"],
+                      default="torch_dist",
+                      help="megatron models are saved in torch_dist (megatron-core dist_checkpointing, loadable at "
+                           "any TP/PP); the other formats are refused")
 
 
 def _refuse(message: str):
@@ -204,6 +283,114 @@ _CHECKS = [
     (lambda a: a.tensorboard_dir is not None and importlib.util.find_spec("tensorboard") is None,
      "--tensorboard-dir needs the tensorboard package (pip install tensorboard)"),
 ]
+
+
+def _rampup_wrong(a: argparse.Namespace) -> str | None:
+    """What is wrong with ``--rampup-batch-size`` (None when nothing is), as megatron-core's calculator checks."""
+    start, increment, samples = a.rampup_batch_size
+    if start < 1 or increment < 1 or samples < 0:
+        return "--rampup-batch-size START INCR SAMPLES needs START and INCR at least 1 and SAMPLES at least 0"
+    if a.global_batch_size is None or start > a.global_batch_size:
+        return "--rampup-batch-size START must not exceed --global-batch-size (the batch it ramps up to)"
+    if (a.global_batch_size - start) % increment:
+        return (f"--rampup-batch-size: --global-batch-size {a.global_batch_size} minus START {start} is not a "
+                f"multiple of INCR {increment}")
+    return None
+
+
+# Megatron-LM's own refusals for its schedule and DDP flags (megatron/training/arguments.py, core_v0.16.1:
+# validate_args), each with the fix.
+_MEGATRON_LM_CHECKS = [
+    (lambda a: a.train_samples is not None and a.train_iters is not None,
+     "--train-samples and --train-iters conflict; give one"),
+    (lambda a: a.train_samples is not None and a.lr_decay_iters is not None,
+     "--lr-decay-iters counts iterations but --train-samples counts samples; give --lr-decay-samples"),
+    (lambda a: a.train_samples is not None and a.lr_warmup_iters,
+     "--lr-warmup-iters counts iterations but --train-samples counts samples; give --lr-warmup-samples"),
+    (lambda a: a.train_samples is None and (a.lr_decay_samples is not None or a.lr_warmup_samples),
+     "--lr-decay-samples/--lr-warmup-samples count samples: give --train-samples instead of --train-iters"),
+    (lambda a: a.lr_warmup_fraction is not None and a.lr_warmup_samples,
+     "--lr-warmup-samples and --lr-warmup-fraction conflict; give one"),
+    (lambda a: a.rampup_batch_size is not None and _rampup_wrong(a) is not None, lambda a: _rampup_wrong(a)),
+    (lambda a: a.decoupled_min_lr is not None and a.decoupled_lr is None,
+     "--decoupled-min-lr needs --decoupled-lr"),
+    (lambda a: a.overlap_param_gather and not a.use_distributed_optimizer,
+     "--overlap-param-gather needs the distributed optimizer: add --use-distributed-optimizer"),
+    (lambda a: a.overlap_param_gather and not a.overlap_grad_reduce,
+     "--overlap-param-gather needs --overlap-grad-reduce"),
+    (lambda a: a.manual_gc_interval < 0, "--manual-gc-interval must be at least 0"),
+    (lambda a: a.profile and a.profile_step_end <= a.profile_step_start,
+     "--profile-step-end must be after --profile-step-start"),
+    (lambda a: a.ckpt_format != "torch_dist",
+     lambda a: f"--ckpt-format {a.ckpt_format}: megatron models are saved here in torch_dist (megatron-core "
+               "dist_checkpointing, which loads at any TP/PP); give --ckpt-format torch_dist or drop the flag"),
+]
+
+
+def flag_notices(args: argparse.Namespace) -> list[str]:
+    """One line for each given flag that does nothing on this machine or in this package, saying why; the
+    engine logs them once. Settings the notice names as off are turned off here.
+
+    Example::
+
+        flag_notices(parse_args([..., "--profile"]))   # on a machine without CUDA:
+        # ['ignored on this machine: --profile (runs CUDA's profiler for nsys; no CUDA device here)']
+    """
+    import torch
+
+    from megatron_patch import compat
+
+    cuda = torch.cuda.is_available()
+    te = compat.transformer_engine_available()
+    notices = []
+    if args.use_mcore_models:
+        notices.append("ignored: --use-mcore-models (deprecated in Megatron-LM 0.16, where megatron-core models are "
+                       "the default; here every megatron model is one)")
+    if args.tiktoken_pattern is not None:
+        notices.append(f"ignored: --tiktoken-pattern {args.tiktoken_pattern} (it configures Megatron-LM's "
+                       "TikTokenizer, which no --tokenizer-type here is)")
+    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
+        # megatron/training/arguments.py (core_v0.16.1) turns it off at TP=1 with a warning, as here.
+        args.sequence_parallel = False
+        notices.append("ignored: --sequence-parallel (it splits activations over tensor-parallel ranks, and "
+                       "--tensor-model-parallel-size is 1; Megatron-LM turns it off too)")
+    if args.rampup_batch_size is not None and args.train_iters is not None:
+        # Megatron-LM 0.16.1 asserts "expected no batch-size rampup for iteration-based training" although its own
+        # examples/gpt3/train_gpt3_175b_distributed.sh combines the two; here that script runs.
+        notices.append("note: --rampup-batch-size with --train-iters (Megatron-LM 0.16.1 refuses the pair): the "
+                       "run takes --train-iters iterations, the first ones with the ramp-up's smaller batches")
+    if args.grad_reduce_in_bf16 and not args.bf16:
+        notices.append("ignored: --grad-reduce-in-bf16 (it applies to --bf16 runs)")
+    if not (te and cuda):
+        missing = "Transformer Engine is not installed" if not te else "no CUDA device here"
+        fp8 = [("--fp8-format", args.fp8_format is not None), ("--fp8-amax-history-len", args.fp8_amax_history_len != 1),
+               ("--fp8-amax-compute-algo", args.fp8_amax_compute_algo != "most_recent"),
+               ("--fp8-param-gather", args.fp8_param_gather)]
+        precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+        for flag, given in fp8:
+            if given:
+                notices.append(f"ignored on this machine: {flag} (fp8 needs Transformer Engine and an fp8-capable "
+                               f"GPU; {missing}): the run computes in {precision}")
+        args.fp8_format, args.fp8_param_gather = None, False
+    elif args.fp8_param_gather:
+        notices.append("ignored: --fp8-param-gather (parameters are built in --bf16/--fp16 here; --fp8-format "
+                       "applies to the matmuls)")
+        args.fp8_param_gather = False
+    if args.attention_backend in ("flash", "fused", "unfused") and not te:
+        notices.append(f"ignored on this machine: --attention-backend {args.attention_backend} (a Transformer "
+                       "Engine kernel; Transformer Engine is not installed, so megatron-core's local attention "
+                       "(torch SDPA) runs)")
+        args.attention_backend = "auto"
+    if not cuda:
+        if args.profile:
+            notices.append("ignored on this machine: --profile (runs CUDA's profiler for nsys between "
+                           "--profile-step-start and --profile-step-end; no CUDA device here)")
+            args.profile = False
+        if args.empty_unused_memory_level:
+            notices.append(f"ignored on this machine: --empty-unused-memory-level {args.empty_unused_memory_level} "
+                           "(it empties the CUDA caching allocator; no CUDA device here)")
+            args.empty_unused_memory_level = 0
+    return notices
 
 
 # Fields a flag may change on a stored model: they shape the training run, not the weights.
@@ -257,11 +444,11 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     args.memory_optimization = _memory_mode(args)
     if args.mixed_precision and not args.bf16:
         args.fp16 = True
-    for wrong, message in _CHECKS:
-        if wrong(args):
-            _refuse(message)
     if args.memory_optimization in ("zero-1", "zero-2"):
         args.use_distributed_optimizer = True
+    for wrong, message in _CHECKS + _MEGATRON_LM_CHECKS:
+        if wrong(args):
+            _refuse(message(args) if callable(message) else message)
     args.dataset_path = args.dataset_path or (args.data_path[0] if args.data_path else None)
     args.dataset_name = args.dataset_name or args.data_name
     _apply_checkpoint_args(args)
@@ -280,6 +467,7 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
             parse_data_path(args.data_path)
         except ValueError as error:
             _refuse(str(error))
+    args.flag_notices = flag_notices(args)
     # Megatron-LM user scripts read these names.
     args.params_dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     return args

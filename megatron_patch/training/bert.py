@@ -22,8 +22,9 @@ import torch.nn.functional as F
 from megatron_patch.data.datasets import build_bert_datasets
 from megatron_patch.model import ModelConfig
 from megatron_patch.training.data import SequenceClassificationMetric
-from megatron_patch.training.models import forward_only
+from megatron_patch.training.models import forward_only, megatron_model
 from megatron_patch.training.step import broadcast_batch
+from megatron_patch.training.trainers import Pretrainer
 
 # megatron-core's BERTMaskedWordPieceDataset sample keys a forward step reads (all int64).
 _PRETRAINING_KEYS = ["text", "types", "labels", "is_random", "loss_mask", "padding_mask"]
@@ -41,20 +42,22 @@ def bert_datasets(args, tokenizer, train_val_test_num_samples, model_config: Mod
     return build_bert_datasets(
         args.data_path, args.split, args.seq_length, tokenizer, train_val_test_num_samples, seed=args.seed,
         binary_head=model_config.add_binary_head, masked_lm_prob=args.mask_prob, short_seq_prob=args.short_seq_prob,
-        data_cache_path=args.data_cache_path, is_built_on_rank=_tp_rank_zero)
+        data_cache_path=args.data_cache_path, mmap_bin_files=args.mmap_bin_files, is_built_on_rank=_tp_rank_zero)
 
 
 def bert_loss_func(loss_mask: torch.Tensor, is_random: torch.Tensor, output):
     """Masked-LM loss (mean over masked tokens) plus, with a binary head, the next-sentence cross-entropy, as
-    Megatron-LM's ``pretrain_bert.loss_func``. Reports the masked-LM loss as ``lm loss`` (Megatron-LM's name)."""
+    Megatron-LM's ``pretrain_bert.loss_func``; reports them under its names, ``lm loss`` and ``sop loss``."""
     per_token_loss, binary_logits = output
     mask = loss_mask.reshape(-1).float()
     lm_loss = torch.sum(per_token_loss.reshape(-1).float() * mask) / mask.sum().clamp(min=1.0)
-    loss = lm_loss
-    if binary_logits is not None:
-        loss = loss + F.cross_entropy(binary_logits.reshape(-1, 2).float(), is_random.reshape(-1), ignore_index=-1)
     # The legacy two-value form: the schedule averages over microbatches; [value, 1] is what the trainers sum.
-    return loss, {"lm loss": torch.stack([lm_loss.detach(), torch.ones_like(lm_loss)])}
+    report = {"lm loss": torch.stack([lm_loss.detach(), torch.ones_like(lm_loss)])}
+    if binary_logits is None:
+        return lm_loss, report
+    sop_loss = F.cross_entropy(binary_logits.reshape(-1, 2).float(), is_random.reshape(-1), ignore_index=-1)
+    report["sop loss"] = torch.stack([sop_loss.detach(), torch.ones_like(sop_loss)])
+    return lm_loss + sop_loss, report
 
 
 def bert_forward_step(data_iterator, model, model_config: ModelConfig):
@@ -65,6 +68,27 @@ def bert_forward_step(data_iterator, model, model_config: ModelConfig):
     types = batch["types"] if model_config.num_tokentypes else None
     output = model(batch["text"], batch["padding_mask"], tokentype_ids=types, lm_labels=batch["labels"])
     return output, functools.partial(bert_loss_func, batch["loss_mask"], batch["is_random"])
+
+
+class BertPretrainer(Pretrainer):
+    """Megatron-LM's ``pretrain_bert.py`` as a trainer: a megatron-core BERT from the flags (or ``--model-name``,
+    or ``--load``'s description) on sentence-split mmap data; ``rapidformer --task pretraining`` with BERT flags
+    and examples/bert/pretrain_bert.py run it."""
+
+    def model_optimizer_lr_scheduler_provider(self):
+        if self.args.calculate_per_token_loss:
+            raise SystemExit("rapidformer: error: --calculate-per-token-loss: BERT's loss averages each microbatch "
+                             "(masked-LM mean plus sentence-order loss, as Megatron-LM's pretrain_bert.py); drop it")
+        model, self.checkpoint_info = megatron_model(self.engine, family="bert")
+        return model, None, None  # None: megatron-core's optimizer and scheduler from the flags
+
+    def train_valid_test_datasets_provider(self, train_val_test_num_samples):
+        # The model is built first: whether it has the binary head decides the samples (sentence pairs or not).
+        return bert_datasets(self.args, self.engine.tokenizer, train_val_test_num_samples,
+                             self.checkpoint_info.model_config)
+
+    def run_forward_step(self, data_iterator, model):
+        return bert_forward_step(data_iterator, model, self.checkpoint_info.model_config)
 
 
 # ----------------------------------------------------------------------------------------------------------

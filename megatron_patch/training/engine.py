@@ -32,6 +32,7 @@ import torch
 
 from megatron_patch.distributed import initialize_distributed
 from megatron_patch.training.arguments import parse_args
+from megatron_patch.training.schedule import build_scheduler, configure_batch_schedule
 
 _ENGINE: "Engine | None" = None
 
@@ -302,6 +303,9 @@ class Engine:
         args.data_parallel_size = dp
         args.rank, args.world_size = self.layout.rank, self.layout.world_size
         args.local_rank = self.layout.local_rank
+        configure_batch_schedule(args, self.layout.rank, dp)
+        # Megatron-LM's --exit-duration-in-mins counts from start-up (training.py's _TRAIN_START_TIME).
+        self.start_time = time.time()
         self.logger = logging.getLogger("rapidformer")
         if not self.logger.handlers:
             handler = logging.StreamHandler(sys.stdout)
@@ -311,6 +315,10 @@ class Engine:
         # The last rank logs, as Megatron-LM's print_rank_last: it holds the last pipeline stage and its loss.
         last = self.layout.rank == self.layout.world_size - 1
         self.logger.setLevel(logging.INFO if last else logging.WARNING)
+        if self.layout.rank == 0:
+            print(format_arguments(args), flush=True)
+            for notice in args.flag_notices:
+                print(f"[rapidformer] {notice}", flush=True)
         self.timers = Timers()
         self._tokenizer = None
         self.optimizer = None
@@ -395,6 +403,26 @@ class Engine:
         self.logger.info(message)
 
 
+def format_arguments(args: argparse.Namespace, title: str = "arguments") -> str:
+    """Every effective setting in Megatron-LM's block (``_print_args`` of megatron/training/arguments.py): one
+    ``  name .... value`` line each, dots up to column 48, sorted ignoring case, between two rulers.
+
+    Example::
+
+        print(format_arguments(argparse.Namespace(lr=0.001)))
+        # ------------------------ arguments ------------------------
+        #   lr .............................................. 0.001
+        # -------------------- end of arguments ---------------------
+    """
+    settings = {name: value for name, value in vars(args).items() if not name.startswith("_switch_")}
+    # Switch flags keep their value under a private name (model.config._SWITCH_FLAGS); show the flag's name.
+    settings.update({name[len("_switch_"):]: value for name, value in vars(args).items()
+                     if name.startswith("_switch_")})
+    lines = sorted((f"  {name} {'.' * (48 - len(name))} {value}" for name, value in settings.items()), key=str.lower)
+    return "\n".join([f"------------------------ {title} ------------------------", *lines,
+                      f"-------------------- end of {title} ---------------------"])
+
+
 def _check_tokenizer_fits(tokenizer, info, args) -> None:
     """Refuse a tokenizer whose ids the ``--load`` checkpoint cannot embed, before any step.
 
@@ -417,21 +445,6 @@ def _plain_autocast_dtype(args) -> torch.dtype | None:
     return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
 
 
-def _default_scheduler(args, optimizer, total_steps: int, unit: int = 1):
-    """megatron-core's OptimizerParamScheduler from the flags; ``unit`` is samples per step (1 = iterations)."""
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    decay_steps = (args.lr_decay_iters or total_steps) * unit
-    warmup = args.lr_warmup_iters * unit
-    if args.lr_warmup_fraction is not None:
-        warmup = int(args.lr_warmup_fraction * decay_steps)
-    return OptimizerParamScheduler(
-        optimizer, init_lr=0.0 if warmup else args.lr, max_lr=args.lr, min_lr=args.min_lr,
-        lr_warmup_steps=warmup, lr_decay_steps=max(decay_steps, warmup + 1), lr_decay_style=args.lr_decay_style,
-        start_wd=args.weight_decay, end_wd=args.weight_decay, wd_incr_steps=decay_steps, wd_incr_style="constant",
-    )
-
-
 def _compile(model: torch.nn.Module, backend: str, logger: logging.Logger) -> None:
     logger.info(f"--onnx-runtime-training: ONNX Runtime training is unmaintained upstream, so the model's "
                 f"forward is compiled with torch.compile(backend={backend!r}) instead")
@@ -448,11 +461,26 @@ def _user_scheduler(lr_scheduler_fn, optimizer, default: Callable[[], object]):
     return lr_scheduler_fn
 
 
+# Flags that act on megatron-core's DDP, optimizer, scheduler or pipeline schedules: (flag, whether it is given).
+_MEGATRON_ONLY_FLAGS = [
+    ("--train-samples", lambda a: a.train_samples is not None),
+    ("--rampup-batch-size", lambda a: a.rampup_batch_size is not None),
+    ("--decoupled-lr", lambda a: a.decoupled_lr is not None),
+    ("--calculate-per-token-loss", lambda a: a.calculate_per_token_loss),
+    ("--overlap-grad-reduce", lambda a: a.overlap_grad_reduce),
+    ("--cross-entropy-loss-fusion", lambda a: a.cross_entropy_loss_fusion),
+]
+
+
 def _compose_plain(engine: Engine, model: torch.nn.Module, optimizer, lr_scheduler_fn, train_iters: int):
     args = engine.args
     if args.tensor_model_parallel_size > 1 or args.pipeline_model_parallel_size > 1:
         raise SystemExit("rapidformer: error: --tensor-model-parallel-size/--pipeline-model-parallel-size need a "
                          "megatron-core model; plain torch/Hugging Face models train data-parallel only")
+    for flag, given in _MEGATRON_ONLY_FLAGS:
+        if given(args):
+            raise SystemExit(f"rapidformer: error: {flag} acts on megatron-core models (their DDP, optimizer and "
+                             "sample-counted scheduler); drop it for plain torch/Hugging Face models")
     model.to(engine.device)
     if args.onnx_runtime_training:
         _compile(model, args.compile_backend, engine.logger)
@@ -476,7 +504,7 @@ def _compose_plain(engine: Engine, model: torch.nn.Module, optimizer, lr_schedul
     if autocast is not None:
         model.forward = torch.autocast(engine.device.type, dtype=autocast)(model.forward)
     scheduler = _user_scheduler(lr_scheduler_fn, optimizer,
-                                lambda: IterationScheduler(_default_scheduler(args, optimizer, train_iters)))
+                                lambda: IterationScheduler(build_scheduler(args, optimizer, train_iters)))
     return model, wrapped, scheduler
 
 
@@ -498,6 +526,11 @@ def _compose_megatron(engine: Engine, model_obj, optimizer, lr_scheduler_fn, tra
     config = get_model_config(chunks[0])
     # The flags decide the precision even when the user's model was configured without it.
     config.fp16, config.bf16 = args.fp16, args.bf16
+    config.calculate_per_token_loss = args.calculate_per_token_loss
+    config.cross_entropy_loss_fusion = args.cross_entropy_loss_fusion  # read by each forward's loss
+    if args.fp8_format is not None:  # only where Transformer Engine and CUDA exist (arguments.flag_notices)
+        config.fp8, config.fp8_amax_history_len = args.fp8_format, args.fp8_amax_history_len
+        config.fp8_amax_compute_algo = args.fp8_amax_compute_algo
     if args.fp16 or args.bf16:
         config.pipeline_dtype = torch.float16 if args.fp16 else torch.bfloat16
     if args.onnx_runtime_training:
@@ -505,7 +538,9 @@ def _compose_megatron(engine: Engine, model_obj, optimizer, lr_scheduler_fn, tra
             _compile(chunk, args.compile_backend, engine.logger)
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=args.use_distributed_optimizer,
-        grad_reduce_in_fp32=args.fp16 or args.bf16,
+        grad_reduce_in_fp32=args.fp16 or (args.bf16 and not args.grad_reduce_in_bf16),
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
     )
     model = wrap_model(chunks, ddp_config)
     if optimizer is None:
@@ -515,9 +550,10 @@ def _compose_megatron(engine: Engine, model_obj, optimizer, lr_scheduler_fn, tra
             clip_grad=args.clip_grad, fp16=args.fp16, bf16=args.bf16, params_dtype=config.params_dtype,
             loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
             use_distributed_optimizer=args.use_distributed_optimizer,
+            decoupled_lr=args.decoupled_lr, decoupled_min_lr=args.decoupled_min_lr,
         ))
     scheduler = _user_scheduler(
-        lr_scheduler_fn, optimizer, lambda: _default_scheduler(args, optimizer, train_iters, unit=args.global_batch_size)
+        lr_scheduler_fn, optimizer, lambda: build_scheduler(args, optimizer, train_iters, unit=args.global_batch_size)
     )
     return model, optimizer, scheduler
 

@@ -35,7 +35,8 @@ def gpt_datasets(args, tokenizer, train_val_test_num_samples) -> tuple:
     only: the forward step broadcasts each batch to the other TP ranks, as Megatron-LM's ``pretrain_gpt.py``."""
     return build_gpt_datasets(
         args.data_path, args.split, args.seq_length, tokenizer, train_val_test_num_samples, seed=args.seed,
-        mock=args.mock_data, data_cache_path=args.data_cache_path, reset_position_ids=args.reset_position_ids,
+        mock=args.mock_data, data_cache_path=args.data_cache_path, mmap_bin_files=args.mmap_bin_files,
+        reset_position_ids=args.reset_position_ids,
         eod_mask_loss=args.eod_mask_loss, create_attention_mask=False, is_built_on_rank=_tp_rank_zero)
 
 

@@ -10,12 +10,13 @@ Example::
     log.close()
 
 With ``record_path`` every iteration is also appended to a JSON-lines file at full precision (``iteration``,
-``consumed_samples``, ``lr``, ``loss``, ``grad_norm``, ``loss_scale``, ``skipped``), flushed as it is written, so a
-run killed at any point leaves the record of what it did (a resumed run appends the iterations it repeats).
+``consumed_samples``, ``lr``, ``loss``, ``grad_norm``, ``loss_scale``, ``skipped``, ``global_batch_size`` and
+any other reported loss such as ``sop loss``), flushed as it is written, so a run killed at any point leaves the
+record of what it did (a resumed run appends the iterations it repeats).
 
 A line reads like Megatron-LM's: `` iteration 10/100 | consumed samples: 80 | elapsed time per iteration (ms):
-120.0 | learning rate: 1.000E-04 | lm loss: 3.200E+00 | loss scale: 65536.0 | grad norm: 1.100 | number of
-skipped iterations: 0 | tokens/s: 34133 | peak memory (MB): 512``; TFLOP/s and MFU are added on GPUs:
+120.0 | learning rate: 1.000E-04 | global batch size: 8 | lm loss: 3.200E+00 | loss scale: 65536.0 | grad norm:
+1.100 | number of skipped iterations: 0 | tokens/s: 34133 | peak memory (MB): 512``; TFLOP/s and MFU are added on GPUs:
 TFLOP/s per GPU = ``flops_per_sample`` x samples / step time / ``world_size`` / 1e12, MFU = that / the GPU's peak.
 The trainers give ``tensorboard_dir`` to the last rank only (it holds the loss under pipeline parallelism).
 """
@@ -85,19 +86,24 @@ class TrainingLog:
             self.writer.add_scalar(name, value, iteration)
 
     def step(self, iteration: int, consumed_samples: int, lr: float, loss: float | None, grad_norm: float | None,
-             loss_scale: float, skipped: bool, step_time: float, tokens: int, samples: int) -> None:
+             loss_scale: float, skipped: bool, step_time: float, tokens: int, samples: int,
+             other_losses: dict[str, float] | None = None) -> None:
+        """Record one iteration; ``other_losses`` are losses reported beside the lm loss (BERT's "sop loss"),
+        logged after it under their names as Megatron-LM does."""
+        other_losses = other_losses or {}
         self.skipped += int(skipped)
         self.step_times.append(step_time)
         if loss is not None:
             self.train_losses.append((iteration, loss))
         self._window.append(dict(loss=loss, grad_norm=grad_norm, step_time=step_time, tokens=tokens,
-                                 samples=samples))
+                                 samples=samples, other_losses=other_losses))
         if self.record is not None:
             self.record.write(json.dumps(dict(iteration=iteration, consumed_samples=consumed_samples, lr=lr, loss=loss,
-                                              grad_norm=grad_norm, loss_scale=loss_scale, skipped=skipped)) + "\n")
+                                              grad_norm=grad_norm, loss_scale=loss_scale, skipped=skipped,
+                                              global_batch_size=samples, **other_losses)) + "\n")
             self.record.flush()
         for name, value in (("lm loss", loss), ("learning-rate", lr), ("grad-norm", grad_norm),
-                            ("loss-scale", loss_scale)):
+                            ("loss-scale", loss_scale), *other_losses.items()):
             self._scalar(name, value, iteration)
         if iteration % self.log_interval and iteration != self.train_iters:
             return
@@ -111,9 +117,13 @@ class TrainingLog:
             f"consumed samples: {consumed_samples}",
             f"elapsed time per iteration (ms): {seconds * 1000:.1f}",
             f"learning rate: {lr:.3E}",
+            f"global batch size: {window[-1]['samples']}",
         ]
         if losses:
             parts.append(f"lm loss: {sum(losses) / len(losses):.6E}")
+        for name in other_losses:
+            values = [w["other_losses"][name] for w in window if name in w["other_losses"]]
+            parts.append(f"{name}: {sum(values) / len(values):.6E}")
         parts += [f"loss scale: {loss_scale:.1f}"]
         if grad_norm is not None:
             parts.append(f"grad norm: {grad_norm:.3f}")

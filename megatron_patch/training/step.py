@@ -84,8 +84,11 @@ def build_optimizer(chunks: list[DistributedDataParallel], optimizer_config: Opt
     ddp_config = chunks[0].ddp_config
     if ddp_config.overlap_grad_reduce:
         config.no_sync_func = [chunk.no_sync for chunk in chunks]
+        # Each chunk starts reducing its last buckets as soon as its backward ends (Megatron-LM's
+        # --align-grad-reduce, on by default: megatron/training/training.py, core_v0.16.1, setup of train()).
+        config.grad_sync_func = [chunk.start_grad_sync for chunk in chunks]
         if len(chunks) == 1:
-            config.no_sync_func = config.no_sync_func[0]
+            config.no_sync_func, config.grad_sync_func = config.no_sync_func[0], config.grad_sync_func[0]
     return optimizer
 
 
@@ -107,18 +110,25 @@ class StepStats:
     num_tokens: int
     loss_scale: float = 1.0
     input_tokens: int | None = None
+    other_losses: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Losses the loss function reports beside "lm loss" (BERT's "sop loss"), averaged the same way."""
 
 
-def _reduce_loss_reports(reports: list[dict], input_tokens: int | None) -> tuple[float | None, int, int | None]:
-    """Sum the ``{"lm loss": tensor([loss_sum, num_tokens])}`` reports of all microbatches and DP ranks, and
-    this rank's ``input_tokens`` with them (one all-reduce, none at DP=1); returns (loss, num_tokens,
-    input_tokens)."""
+def _reduce_loss_reports(reports: list[dict], input_tokens: int | None
+                         ) -> tuple[float | None, int, int | None, dict[str, float]]:
+    """Sum each ``{"lm loss": tensor([loss_sum, count]), ...}`` report of all microbatches and DP ranks, and this
+    rank's ``input_tokens`` with them (one all-reduce, none at DP=1); returns (lm loss, its token count,
+    input_tokens, the other reported losses), each loss its sum over its count."""
     if not reports:
-        return None, 0, input_tokens
-    loss_sum, num_tokens = torch.stack([report["lm loss"].detach().float() for report in reports]).sum(dim=0)
-    loss_sum, num_tokens, tokens = sum_over_data_parallel([loss_sum, num_tokens, input_tokens or 0],
-                                                          loss_sum.device)
-    return loss_sum / max(num_tokens, 1.0), int(num_tokens), None if input_tokens is None else int(tokens)
+        return None, 0, input_tokens, {}
+    names = list(reports[0])
+    sums = [torch.stack([report[name].detach().float() for report in reports]).sum(dim=0) for name in names]
+    totals = sum_over_data_parallel([value for pair in sums for value in pair] + [input_tokens or 0],
+                                    sums[0].device)
+    losses = {name: totals[2 * i] / max(totals[2 * i + 1], 1.0) for i, name in enumerate(names)}
+    num_tokens = int(totals[2 * names.index("lm loss") + 1])
+    tokens = None if input_tokens is None else int(totals[-1])
+    return losses.pop("lm loss"), num_tokens, tokens, losses
 
 
 def optimizer_step(optimizer) -> tuple[bool, float | None, float]:
@@ -163,13 +173,16 @@ def train_step(
     micro_batch_size: int,
     scheduler=None,
     count_input_tokens: Callable[[], int] | None = None,
+    empty_cache_level: int = 0,
 ) -> StepStats:
     """Forward and backward over ``num_microbatches`` microbatches, then one optimiser (and scheduler) step.
 
     ``forward_step_func(data_iterator, model)`` returns ``(output, loss_func)`` as in Megatron-LM, where
     ``loss_func(output)`` returns ``(loss_sum, num_tokens, {"lm loss": tensor([loss_sum, num_tokens])})``.
     ``count_input_tokens()``, called after the backward passes, gives this rank's input tokens of the step;
-    ``StepStats.input_tokens`` is their sum over data-parallel ranks.
+    ``StepStats.input_tokens`` is their sum over data-parallel ranks. ``empty_cache_level`` is Megatron-LM's
+    ``--empty-unused-memory-level`` (GPUs): 1 empties the CUDA cache after the backward passes, 2 also after the
+    optimizer step.
     """
     for chunk in chunks:
         chunk.zero_grad_buffer()
@@ -187,12 +200,16 @@ def train_step(
     # Read the loss before the optimizer step: on GPUs the host then waits for the backward it must wait for
     # anyway (the norm's .item() follows), and the optimizer's kernels overlap the next step's launch.
     input_tokens = None if count_input_tokens is None else count_input_tokens()
-    loss, num_tokens, input_tokens = (
+    loss, num_tokens, input_tokens, other_losses = (
         _reduce_loss_reports(reports, input_tokens)
         if parallel_state.is_pipeline_last_stage(ignore_virtual=True)
-        else (None, 0, None)
+        else (None, 0, None, {})
     )
+    if empty_cache_level >= 1:
+        torch.cuda.empty_cache()
     update_successful, grad_norm, loss_scale = optimizer_step(optimizer)
+    if empty_cache_level >= 2:
+        torch.cuda.empty_cache()
     if update_successful and scheduler is not None:
         data_parallel_size = parallel_state.get_data_parallel_world_size()
         scheduler.step(increment=num_microbatches * micro_batch_size * data_parallel_size)
@@ -203,6 +220,7 @@ def train_step(
         num_tokens=num_tokens,
         loss_scale=loss_scale,
         input_tokens=input_tokens,
+        other_losses=other_losses,
     )
 
 

@@ -8,6 +8,8 @@ Example::
         BertWordPieceLowerCase --vocab-file vocab.txt --data-path corpus_text_sentence --train-iters 100
     rapidformer --task pretraining --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 \
         --tokenizer-type GPT2BPETokenizer ... --data-path corpus_text_document --train-iters 100   # megatron GPT
+    rapidformer --task pretraining --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 \
+        --tokenizer-type BertWordPieceLowerCase --vocab-file vocab.txt --data-path corpus_text_sentence ...  # BERT
 
 Each task is a trainer class registered in ``TASKS``; ``run_task`` picks one by name.
 """
@@ -18,6 +20,7 @@ from typing import Callable
 
 import torch
 
+from megatron_patch.training.bert import BertPretrainer
 from megatron_patch.training.data import (
     SequenceClassificationMetric,
     build_train_valid_test_datasets_for_huggingface,
@@ -126,9 +129,33 @@ class MegatronGPTPretrainer(Pretrainer):
         return gpt_forward_step(data_iterator, model)
 
 
+def pretraining_family(args) -> str:
+    """"bert" or "gpt": the megatron model ``--task pretraining`` trains. Megatron-LM picks it by program
+    (pretrain_bert.py or pretrain_gpt.py); here the flags say it: ``--model-family``, a ``--model-name`` or
+    ``--load`` of that family, ``--bert-no-binary-head``, or a BERT WordPiece ``--tokenizer-type``.
+
+    Example::
+
+        >>> pretraining_family(parse_args(["--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", "v.txt"]))
+        'bert'
+    """
+    from megatron_patch.model.config import get_model_config
+
+    if args.model_family is not None:  # given, or set from --load's megatron_patch_args.json
+        return args.model_family
+    if args.model_name is not None:
+        return get_model_config(args.model_name).family
+    bert = args._switch_bert_no_binary_head or (args.tokenizer_type or "").startswith("BertWordPiece")
+    return "bert" if bert else "gpt"
+
+
 def _pretraining(engine: Engine):
-    cls = HuggingFaceBertPretrainer if engine.args.pretrained_model_name_or_path else MegatronGPTPretrainer
-    return cls(engine=engine)
+    if engine.args.pretrained_model_name_or_path:
+        return HuggingFaceBertPretrainer(engine=engine)
+    family = pretraining_family(engine.args)
+    engine.logger.info(f"--task pretraining: a megatron-core {'BERT' if family == 'bert' else 'GPT'} "
+                       "(from the model flags; --model-family gpt|bert chooses)")
+    return (BertPretrainer if family == "bert" else MegatronGPTPretrainer)(engine=engine)
 
 
 register_task("sequence_classification")(SequenceClassificationFinetuner)

@@ -22,6 +22,7 @@ and Hugging Face models train data-parallel under the memory mode of the flags.
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import math
 import os
@@ -35,6 +36,7 @@ from megatron_patch.distributed import record_progress, sum_over_data_parallel
 from megatron_patch.training import checkpointing
 from megatron_patch.training.engine import Engine, is_megatron_model
 from megatron_patch.training.metrics import TrainingLog
+from megatron_patch.training.schedule import consumed_samples
 
 
 class MissingHook(TypeError):
@@ -147,6 +149,7 @@ class _Trainer:
         self.model = self.optimizer = self.lr_scheduler = None
         self.megatron = False
         self.iteration = 0
+        self.consumed_samples = 0  # samples of the iterations done (Megatron-LM's consumed_train_samples)
         self._last_saved = None  # the iteration of the last save (so nothing is saved twice)
         self._bad_steps = 0  # consecutive steps skipped for NaN/Inf gradients (bf16/fp32)
         self._exit_signal = None  # signals.ExitSignal with --exit-signal-handler
@@ -209,6 +212,7 @@ class _Trainer:
                 load_fallback=args.load_fallback, verify_checksums=not args.no_verify_checksums,
                 logger=self.engine.logger,
             ) if checkpointing.read_tracker(args.load) is not None or args.exit_on_missing_checkpoint else 0
+        self.consumed_samples = consumed_samples(args, self.iteration)
 
     def _chunks(self) -> list:
         return self.model if isinstance(self.model, list) else [self.model]
@@ -219,7 +223,13 @@ class _Trainer:
         def forward_step(data_iterator, model):
             if _post_process(model):
                 result = forward(data_iterator, model)
-                return result if isinstance(result, tuple) else (result, _mean_loss_func)
+                if isinstance(result, tuple):
+                    return result
+                if self.args.calculate_per_token_loss:
+                    raise SystemExit("rapidformer: error: --calculate-per-token-loss sums the loss over the global "
+                                     "batch's tokens: run_forward_step must return (output, loss_func) with "
+                                     "loss_func giving (loss_sum, num_tokens, report), not a mean loss")
+                return result, _mean_loss_func
             try:
                 forward(data_iterator, _StageModel(model))
             except _StageOutput as stage:
@@ -228,24 +238,27 @@ class _Trainer:
 
         return forward_step
 
-    def _step(self, forward, data_iterator, counter: _TokenCounter | None
-              ) -> tuple[float | None, float | None, bool, float, int | None]:
+    def _step(self, forward, data_iterator, counter: _TokenCounter | None, num_microbatches: int
+              ) -> tuple[float | None, float | None, bool, float, int | None, dict[str, float]]:
         """One optimiser step over ``num_microbatches``; returns (loss, grad norm, skipped, loss scale, input
-        tokens of the global batch); the tokens are counted by ``counter`` (None: not counted)."""
+        tokens of the global batch, other reported losses); the tokens are counted by ``counter`` (None: not
+        counted)."""
         args = self.args
         if self.megatron:
             from megatron_patch.training.step import train_step
 
             stats = train_step(self._adapt(forward), data_iterator, self.model, self.optimizer,
-                               args.num_microbatches, args.seq_length or 1, args.micro_batch_size,
+                               num_microbatches, args.seq_length or 1, args.micro_batch_size,
                                scheduler=self.lr_scheduler,
-                               count_input_tokens=None if counter is None else counter.take)
-            return stats.loss, stats.grad_norm, stats.skipped, stats.loss_scale, stats.input_tokens
+                               count_input_tokens=None if counter is None else counter.take,
+                               empty_cache_level=args.empty_unused_memory_level)
+            return (stats.loss, stats.grad_norm, stats.skipped, stats.loss_scale, stats.input_tokens,
+                    stats.other_losses)
         losses = []
-        for index in range(args.num_microbatches):
-            with _ddp_no_sync(self.model, last=index == args.num_microbatches - 1):
+        for index in range(num_microbatches):
+            with _ddp_no_sync(self.model, last=index == num_microbatches - 1):
                 loss = forward(data_iterator, self.model)
-                self.engine.backward(loss / args.num_microbatches)
+                self.engine.backward(loss / num_microbatches)
             losses.append(loss.detach().float())  # kept on the device: one host sync per step, not per microbatch
         loss_scale = self.optimizer.get_loss_scale()
         success, grad_norm, _ = self.optimizer.step()
@@ -254,25 +267,47 @@ class _Trainer:
         self.optimizer.zero_grad()
         loss_sum, count, tokens = sum_over_data_parallel(
             [torch.stack(losses).sum(), len(losses), 0 if counter is None else counter.take()], self.engine.device)
-        return loss_sum / count, grad_norm, not success, float(loss_scale), None if counter is None else int(tokens)
+        return (loss_sum / count, grad_norm, not success, float(loss_scale), None if counter is None else int(tokens),
+                {})
 
     def _run(self, forward, data_iterator, train_iters: int, log: TrainingLog, after_step=None,
              counter: _TokenCounter | None = None) -> bool:
-        """Train up to ``train_iters``; returns True when an exit signal stopped it (after saving). Without a
-        token ``counter`` every sample counts ``--seq-length`` tokens (Megatron-LM's pretraining count)."""
+        """Train up to ``train_iters``; returns True when an exit signal or ``--exit-duration-in-mins`` stopped it
+        (after saving). Without a token ``counter`` every sample counts ``--seq-length`` tokens (Megatron-LM's
+        pretraining count). Each iteration takes the global batch megatron-core's microbatch calculator gives
+        for the samples consumed so far (``--rampup-batch-size``)."""
+        from megatron.core.num_microbatches_calculator import (
+            get_current_global_batch_size, get_num_microbatches, update_num_microbatches,
+        )
+
         args = self.args
         for chunk in self._chunks():
             chunk.train()
+        if args.manual_gc:
+            # Collect at the same points on every rank, not when each rank's allocation count says (Megatron-LM's
+            # --manual-gc: stragglers from unaligned collections slow every collective).
+            gc.disable()
+            gc.collect()
+        update_num_microbatches(self.consumed_samples, consistency_check=False)
         while self.iteration < train_iters:
+            num_microbatches = get_num_microbatches()
+            update_num_microbatches(self.consumed_samples, consistency_check=True)
+            if get_num_microbatches() != num_microbatches and args.save:
+                self.save()  # Megatron-LM saves where the ramp-up changes the batch
+            num_microbatches, batch_size = get_num_microbatches(), get_current_global_batch_size()
+            self._profile(start=True)
             start = time.perf_counter()
-            loss, grad_norm, skipped, loss_scale, tokens = self._step(forward, data_iterator, counter)
+            loss, grad_norm, skipped, loss_scale, tokens, other_losses = self._step(
+                forward, data_iterator, counter, num_microbatches)
             self.iteration += 1
+            self.consumed_samples += batch_size
             elapsed = time.perf_counter() - start
             record_progress(self.iteration)
+            self._profile(start=False)
             if counter is None:
-                tokens = args.global_batch_size * (args.seq_length or 0)
-            log.step(self.iteration, self.iteration * args.global_batch_size, self._lr(), loss, grad_norm,
-                     loss_scale, skipped, elapsed, tokens or 0, args.global_batch_size)
+                tokens = batch_size * (args.seq_length or 0)
+            log.step(self.iteration, self.consumed_samples, self._lr(), loss, grad_norm, loss_scale, skipped, elapsed,
+                     tokens or 0, batch_size, other_losses)
             self._count_bad_step(skipped)
             if after_step is not None:
                 after_step(self.iteration)
@@ -280,12 +315,52 @@ class _Trainer:
                 self.save()
             if self._async_saves is not None:
                 self._async_saves.maybe_finalize_async_calls(blocking=False)
+            if args.manual_gc and args.manual_gc_interval and self.iteration % args.manual_gc_interval == 0:
+                gc.collect()
             if self._exit_signal is not None and self._exit_signal.any_rank_received(self.engine.device):
                 self._finish_saves()
                 self.engine.logger.info(f" exiting on signal {self._exit_signal.signum}: saved iteration "
                                         f"{self.iteration} to {args.save}")
                 return True
+            if args.exit_duration_in_mins and self._out_of_time():
+                self._finish_saves()
+                self.engine.logger.info(f" exiting after --exit-duration-in-mins {args.exit_duration_in_mins} at "
+                                        f"iteration {self.iteration}" + (f", saved to {args.save}" if args.save else ""))
+                return True
         return False
+
+    def _out_of_time(self) -> bool:
+        """Whether any rank has run longer than ``--exit-duration-in-mins`` (all ranks agree, so all stop)."""
+        minutes = (time.time() - self.engine.start_time) / 60.0
+        done = torch.tensor([int(minutes > self.args.exit_duration_in_mins)], device=self.engine.device)
+        torch.distributed.all_reduce(done, op=torch.distributed.ReduceOp.MAX)
+        return bool(done.item())
+
+    def _profile(self, start: bool) -> None:
+        """``--profile`` (GPUs; arguments.flag_notices turns it off elsewhere): CUDA's profiler runs from the
+        start of iteration ``--profile-step-start`` to the end of ``--profile-step-end``, on ``--profile-ranks``."""
+        args = self.args
+        if not args.profile or torch.distributed.get_rank() not in args.profile_ranks:
+            return
+        if start and self.iteration == args.profile_step_start:
+            torch.cuda.check_error(torch.cuda.cudart().cudaProfilerStart())
+        elif not start and self.iteration == args.profile_step_end:
+            torch.cuda.check_error(torch.cuda.cudart().cudaProfilerStop())
+
+    @contextlib.contextmanager
+    def _parameters_in_sync(self):
+        """With ``--overlap-param-gather`` the updated parameters arrive during the next forward pass; saving or
+        evaluating needs them now (Megatron-LM's disable_forward_pre_hook around both)."""
+        overlapped = self.megatron and self.args.overlap_param_gather
+        if overlapped:
+            for chunk in self._chunks():
+                chunk.disable_forward_pre_hook(param_sync=True)
+        try:
+            yield
+        finally:
+            if overlapped:
+                for chunk in self._chunks():
+                    chunk.enable_forward_pre_hook()
 
     def _count_bad_step(self, skipped: bool) -> None:
         """fp16 skips overflowing steps as a matter of course (the loss scaler adapts); in bf16/fp32 a skipped
@@ -311,9 +386,10 @@ class _Trainer:
 
     def save(self) -> str:
         self._last_saved = self.iteration
-        return checkpointing.save_checkpoint(self.args.save, self.iteration, self.model, self.optimizer,
-                                             self.lr_scheduler, self.megatron, self.checkpoint_info,
-                                             keep_last_k=self.args.keep_last_k, async_queue=self._async_saves)
+        with self._parameters_in_sync():
+            return checkpointing.save_checkpoint(self.args.save, self.iteration, self.model, self.optimizer,
+                                                 self.lr_scheduler, self.megatron, self.checkpoint_info,
+                                                 keep_last_k=self.args.keep_last_k, async_queue=self._async_saves)
 
     def _wait_for_saves(self) -> None:
         """Publish every asynchronous save still being written (a no-op without --async-save)."""
@@ -331,6 +407,8 @@ class _Trainer:
         self._finish_saves()
         if self._exit_signal is not None:
             self._exit_signal.restore()
+        if args.manual_gc:
+            gc.enable()
         directory = args.log_dir or args.tensorboard_dir or args.save
         if directory and torch.distributed.get_rank() == torch.distributed.get_world_size() - 1:
             log.plot(os.path.join(directory, "loss_curves.png"))
@@ -404,6 +482,22 @@ class Pretrainer(_Trainer):
     def evaluate(self, data_iterator) -> float | None:
         """Mean validation loss over ``--eval-iters`` global batches (None off the last pipeline stage)."""
         args = self.args
+        with self._parameters_in_sync(), self._collected_around(args.manual_gc and args.manual_gc_eval):
+            return self._evaluate(data_iterator)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _collected_around(collect: bool):
+        # --manual-gc: evaluation allocates its own tensors; collect before and after it (Megatron-LM's
+        # --manual-gc-eval, on by default).
+        if collect:
+            gc.collect()
+        yield
+        if collect:
+            gc.collect()
+
+    def _evaluate(self, data_iterator) -> float | None:
+        args = self.args
         for chunk in self._chunks():
             chunk.eval()
         losses = []
@@ -438,14 +532,14 @@ class Pretrainer(_Trainer):
         self._compose(args.train_iters)
         gbs, evals = args.global_batch_size, (args.train_iters // args.eval_interval + 1) if args.eval_interval else 0
         train_ds, valid_ds, _ = self.train_valid_test_datasets_provider(
-            [args.train_iters * gbs, evals * args.eval_iters * gbs, args.eval_iters * gbs])
+            [args.train_samples or args.train_iters * gbs, evals * args.eval_iters * gbs, args.eval_iters * gbs])
         if evals:
             # Only the ranks that build datasets know whether the split left validation documents; all must agree,
             # since every rank takes part in each evaluation.
             has_valid = torch.tensor([float(valid_ds is not None)], device=self.engine.device)
             torch.distributed.all_reduce(has_valid, op=torch.distributed.ReduceOp.MAX)
             evals = evals if has_valid.item() else 0
-        train_iterator = self._iterators(train_ds, self.iteration * gbs)
+        train_iterator = self._iterators(train_ds, self.consumed_samples)
         valid_iterator = self._iterators(valid_ds, 0) if evals else None
         log = self._log(args.train_iters, self._flops_per_sample())
 
@@ -481,6 +575,9 @@ class Finetuner(_Trainer):
     def train(self) -> TrainingLog:
         self.check_hooks()
         args = self.args
+        if args.train_samples is not None or args.rampup_batch_size is not None:
+            raise SystemExit("rapidformer: error: --train-samples/--rampup-batch-size schedule pretraining (a "
+                             "Pretrainer); fine-tuning counts --epochs or --train-iters")
         train_ds, valid_ds, _, collate_fn = self.train_valid_test_datasets_provider()
         train_loader = self.build_data_loader(train_ds, collate_fn=collate_fn)
         eval_loader = self.build_data_loader(valid_ds, collate_fn=collate_fn, shuffle=False) if valid_ds else None
