@@ -227,14 +227,16 @@ def test_a_damaged_checkpoint_description_is_one_line(llama_checkpoint, tmp_path
     assert not os.path.exists(out)
 
 
-def test_verify_compares_a_trainer_checkpoint_with_its_export(tmp_path):
-    """The quick start's steps: train from scratch, export, and then verify the export against the checkpoint."""
+@pytest.mark.parametrize("flags", [[], ["--apply-layernorm-1p"]], ids=["gamma", "gamma-minus-one"])
+def test_verify_compares_a_trainer_checkpoint_with_its_export(tmp_path, flags):
+    """The quick start's steps: train from scratch, export, and then verify the export against the checkpoint.
+    With --apply-layernorm-1p the norms keep gamma - 1, which the export turns back into Hugging Face's gamma."""
     save, exported = str(tmp_path / "ckpt"), str(tmp_path / "hf")
     status, out, err, _ = megatron_patch(
         "train", "--task", "pretraining", "--nproc-per-node", "1", "--mock-data", "--tokenizer-type",
         "NullTokenizer", "--vocab-size", "99", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads",
         "4", "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
-        "--global-batch-size", "2", "--train-iters", "2", "--lr", "1e-3", "--save", save)
+        "--global-batch-size", "2", "--train-iters", "2", "--lr", "1e-3", "--save", save, *flags)
     assert status == 0, out + err
     status, _, err, _ = megatron_patch("convert", "megatron-to-hf", "--load-dir", save, "--save-dir", exported,
                                        "--model-type", "gpt2", "--no-progress")

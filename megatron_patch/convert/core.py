@@ -309,6 +309,13 @@ def megatron_to_hf(
     model = build_reference_model(m, info.padded_vocab_size, _DTYPES[info.dtype], allocate_only=True)
     load_into_reference_model(model, load_dir, info)
     state = full_state_dict(model)
+    if m.layernorm_zero_centered_gamma:
+        from megatron_patch.model.layers import ZeroCenteredNorm
+
+        # --apply-layernorm-1p keeps gamma - 1 in the norms' weights (model/layers.py); Hugging Face's hold gamma.
+        for name, module in model.named_modules():
+            if isinstance(module, ZeroCenteredNorm):
+                state[f"{name}.weight"] = state[f"{name}.weight"] + 1
     table = family.table(m, architecture)
     rules = table.expanded(m.num_layers)
     _check_coverage(rules, table, state)

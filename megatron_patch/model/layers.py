@@ -18,7 +18,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-class _ZeroCenteredGamma:
+class ZeroCenteredNorm:
     """A torch norm whose ``weight`` holds gamma - 1, initialised to 0 (megatron-core's
     ``layernorm_zero_centered_gamma``, Megatron-LM's ``--apply-layernorm-1p``): weight decay then pulls gamma
     towards 1 instead of 0."""
@@ -32,12 +32,12 @@ class _ZeroCenteredGamma:
         return self._norm(x, self.weight + 1)
 
 
-class ZeroCenteredLayerNorm(_ZeroCenteredGamma, torch.nn.LayerNorm):
+class ZeroCenteredLayerNorm(ZeroCenteredNorm, torch.nn.LayerNorm):
     def _norm(self, x, weight):
         return torch.nn.functional.layer_norm(x, self.normalized_shape, weight, self.bias, self.eps)
 
 
-class ZeroCenteredRMSNorm(_ZeroCenteredGamma, torch.nn.RMSNorm):
+class ZeroCenteredRMSNorm(ZeroCenteredNorm, torch.nn.RMSNorm):
     def _norm(self, x, weight):
         return torch.nn.functional.rms_norm(x, self.normalized_shape, weight, self.eps)
 
