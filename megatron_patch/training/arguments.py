@@ -363,7 +363,8 @@ def flag_notices(args: argparse.Namespace) -> list[str]:
         notices.append("ignored: --grad-reduce-in-bf16 (it applies to --bf16 runs)")
     if not (te and cuda):
         missing = "Transformer Engine is not installed" if not te else "no CUDA device here"
-        fp8 = [("--fp8-format", args.fp8_format is not None), ("--fp8-amax-history-len", args.fp8_amax_history_len != 1),
+        fp8 = [("--fp8-format", args.fp8_format is not None),
+               ("--fp8-amax-history-len", args.fp8_amax_history_len != 1),
                ("--fp8-amax-compute-algo", args.fp8_amax_compute_algo != "most_recent"),
                ("--fp8-param-gather", args.fp8_param_gather)]
         precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"

@@ -324,8 +324,9 @@ class _Trainer:
                 return True
             if args.exit_duration_in_mins and self._out_of_time():
                 self._finish_saves()
+                saved = f", saved to {args.save}" if args.save else ""
                 self.engine.logger.info(f" exiting after --exit-duration-in-mins {args.exit_duration_in_mins} at "
-                                        f"iteration {self.iteration}" + (f", saved to {args.save}" if args.save else ""))
+                                        f"iteration {self.iteration}{saved}")
                 return True
         return False
 

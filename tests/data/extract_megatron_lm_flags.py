@@ -3,7 +3,8 @@ training program, taken by running the script with ``torchrun`` replaced by a fu
 
 Example::
 
-    python tests/data/extract_megatron_lm_flags.py /path/to/Megatron-LM core_v0.16.1 > tests/data/megatron_lm_example_flags.json
+    python tests/data/extract_megatron_lm_flags.py /path/to/Megatron-LM core_v0.16.1 \\
+        > tests/data/megatron_lm_example_flags.json
 
 Each script runs in an empty temporary directory (it creates its checkpoint and cache folders there) with
 placeholder positional arguments (its own path shows as ``$PWD``); torchrun's own flags and the program's name
