@@ -53,8 +53,13 @@ def _descendants(process) -> list[psutil.Process]:
 
 
 def _ranks(process) -> dict[int, psutil.Process]:
-    """The job's rank processes by RANK."""
-    return {int(p.environ()["RANK"]): p for p in _descendants(process) if "--rank-entry" in p.cmdline()}
+    """The job's rank processes by RANK (torchrun sets it for them alone)."""
+    ranks = {}
+    for child in _descendants(process):
+        environment = child.environ()
+        if "--rank-entry" in child.cmdline() and "RANK" in environment:
+            ranks[int(environment["RANK"])] = child
+    return ranks
 
 
 def _kill_all(processes) -> None:
