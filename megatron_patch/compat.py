@@ -384,3 +384,31 @@ def apply() -> None:
         _skip_step_on_optimizer_load()
         _save_a_zero_optimizer_step()
         _fallback_fixes_applied = True
+
+
+
+_elastic_close = None  # torch's PContext.close, before shorten_elastic_shutdown wrapped it
+
+
+def shorten_elastic_shutdown(seconds: int) -> None:
+    """Give the ranks ``seconds``, not 30, between SIGTERM and SIGKILL when torch's elastic agent (torchrun) stops
+    them after a rank failed (checked on torch 2.13).
+
+    Example::
+
+        >>> shorten_elastic_shutdown(5)    # before torch.distributed.run.run(args) in this process
+
+    On a failure the agent's process context closes itself (torch/distributed/elastic/multiprocessing/api.py:990,
+    ``self.close()``) with ``PContext.close``'s default timeout of 30 s; torchrun's ``--shutdown-timeout`` reaches
+    only the close that follows a signal (agent/server/api.py:754). A hung or stopped rank that handles SIGTERM
+    (``--exit-signal-handler``) used up those 30 s every time, after the job had already failed.
+    """
+    from torch.distributed.elastic.multiprocessing.api import PContext
+
+    global _elastic_close
+    _elastic_close = _elastic_close or PContext.close
+
+    def close(self, death_sig=None, timeout: int = seconds) -> None:
+        _elastic_close(self, death_sig, timeout)
+
+    PContext.close = close

@@ -21,6 +21,7 @@ import multiprocessing
 import os
 import socket
 import sys
+import time
 
 import torch
 
@@ -237,7 +238,11 @@ def exit_rank(status: int) -> None:
 
 
 _PROGRESS_KEY = "megatron_patch/progress/{}"
+_FAILED_KEY = "megatron_patch/failed/{}"  # "waited": a collective timed out there; "failed": any other error
+_REPORTER_KEY = "megatron_patch/reporter"
+_REPORTED_KEY = "megatron_patch/reported"
 _finished_iterations = 0
+_iteration_ends: list[float] = []  # monotonic times of the last two finished iterations
 
 
 def record_progress(finished_iterations: int | None = None) -> None:
@@ -249,9 +254,13 @@ def record_progress(finished_iterations: int | None = None) -> None:
     global _finished_iterations
     if finished_iterations is not None:
         _finished_iterations = finished_iterations
+        _iteration_ends[:] = [*_iteration_ends[-1:], time.monotonic()]
     milestone = 2 * _finished_iterations + (finished_iterations is None)
-    store = torch.distributed.distributed_c10d._get_default_store()
-    store.set(_PROGRESS_KEY.format(torch.distributed.get_rank()), str(milestone))
+    _store().set(_PROGRESS_KEY.format(torch.distributed.get_rank()), str(milestone))
+
+
+def _store():
+    return torch.distributed.distributed_c10d._get_default_store()
 
 
 def _describe_milestone(milestone: int) -> str:
@@ -260,22 +269,80 @@ def _describe_milestone(milestone: int) -> str:
     return f"finished {milestone // 2} iteration(s)"
 
 
+def _timed_out(error: BaseException) -> bool:
+    # gloo: "Timed out waiting 15000ms for recv operation to complete" (gloo/transport/tcp/unbound_buffer.cc).
+    return "timed out" in str(error).lower()
+
+
+def report_failure(error: BaseException) -> str | None:
+    """Called by a rank that failed with ``error``: mark it in the store, and when a collective timed out, return
+    the report on which rank stopped making progress, from one rank (the first to time out; None on the others).
+
+    Example::
+
+        except Exception as error:
+            report = report_failure(error)
+            # 'rank 1: finished 3 iteration(s); rank 0: finished 3 iteration(s), timed out waiting -> rank 1 fell
+            #  behind (stopped making progress: no collective timed out there)'
+
+    How far each rank got cannot tell a stopped rank from its peers: stopped between two iterations, it finished as
+    many as the peer now waiting for it. What tells them apart is that a waiting rank's collective times out and a
+    stopped one's does not. The healthy ranks block within about one iteration of each other (every iteration ends
+    in collectives all ranks join), so their timeouts fire within that time of the first: the first waits two
+    iterations' time (measured here) and 2 s more for their marks, and the ranks still unmarked are the ones that stopped. The others wait for its report before
+    they exit: the launcher stops every rank once one has exited.
+    """
+    if not torch.distributed.is_initialized():
+        return None
+    rank = torch.distributed.get_rank()
+    try:
+        store = _store()
+        waited = _timed_out(error)
+        store.set(_FAILED_KEY.format(rank), "waited" if waited else "failed")
+        if not waited:
+            return None
+        iteration = _iteration_ends[-1] - _iteration_ends[0] if len(_iteration_ends) == 2 else 0.0
+        patience = 2.0 + 2 * iteration
+        if store.add(_REPORTER_KEY, 1) > 1:
+            store.wait([_REPORTED_KEY], datetime.timedelta(seconds=patience + 10))
+            return None
+        marks = [_FAILED_KEY.format(r) for r in range(torch.distributed.get_world_size())]
+        deadline = time.monotonic() + patience
+        while not store.check(marks) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        report = progress_report()
+        store.set(_REPORTED_KEY, "1")
+        return report
+    except (RuntimeError, torch.distributed.DistError):  # the store went away with the launcher: nothing to add
+        return None
+
+
 def progress_report() -> str:
-    """How far each rank got, from ``record_progress``: after a collective timed out, the ranks that got least far
-    are the ones that hung or died (their peers wait for them).
+    """How far each rank got (``record_progress``) and how it failed (``report_failure``), and which ranks fell
+    behind: those no collective timed out on while their peers' did, or else the ones that got least far.
 
     Example::
 
         progress_report()
-        # 'rank 1: finished 1 iteration(s); rank 0: computed the gradients of iteration 2 -> rank 1 fell behind'
+        # 'rank 1: finished 1 iteration(s); rank 0: computed the gradients of iteration 2, timed out waiting
+        #  -> rank 1 fell behind (stopped making progress: no collective timed out there)'
     """
-    store = torch.distributed.distributed_c10d._get_default_store()
-    reached: dict[int, list[int]] = {}
+    store = _store()
+    states: dict[tuple[int, str], list[int]] = {}
     for rank in range(torch.distributed.get_world_size()):
-        key = _PROGRESS_KEY.format(rank)
-        reached.setdefault(int(store.get(key)) if store.check([key]) else 0, []).append(rank)
+        progress, failed = _PROGRESS_KEY.format(rank), _FAILED_KEY.format(rank)
+        milestone = int(store.get(progress)) if store.check([progress]) else 0
+        state = store.get(failed).decode() if store.check([failed]) else ""
+        states.setdefault((milestone, state), []).append(rank)
     names = lambda ranks: f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"  # noqa: E731
-    report = "; ".join(f"{names(ranks)}: {_describe_milestone(m)}" for m, ranks in sorted(reached.items()))
-    if len(reached) > 1:
-        report += f" -> {names(reached[min(reached)])} fell behind"
+    what = {"": "", "waited": ", timed out waiting", "failed": ", failed"}
+    report = "; ".join(f"{names(ranks)}: {_describe_milestone(m)}{what[state]}"
+                       for (m, state), ranks in sorted(states.items()))
+    stopped = sorted(r for (_, state), ranks in states.items() if not state for r in ranks)
+    if stopped and any(state == "waited" for _, state in states):
+        return report + f" -> {names(stopped)} fell behind (stopped making progress: no collective timed out there)"
+    milestones = {m for m, _ in states}
+    if len(milestones) > 1:
+        behind = sorted(r for (m, _), ranks in states.items() if m == min(milestones) for r in ranks)
+        report += f" -> {names(behind)} fell behind"
     return report

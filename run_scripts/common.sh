@@ -262,5 +262,9 @@ launch() {
   mkdir -p "$OUTPUT_DIR/logs" "$OUTPUT_DIR/checkpoints"
   local log=$OUTPUT_DIR/logs/${RECIPE}_node${NODE_RANK:-0}.log
   _print_command "${command[@]}" | tee -a "$log"
+  # Preemption (SIGTERM to this process group) is the launcher's to handle: it passes the signal to the ranks, which
+  # save, and exits 0 once they have. The shell and tee ignore it so that they wait for that, and the ranks' last
+  # lines still reach the log (the launcher sets its own handler, so it does not inherit the ignoring).
+  trap '' TERM
   "${command[@]}" 2>&1 | tee -a "$log"
 }

@@ -6,24 +6,33 @@ Example::
     rapidformer --user-script my_trainer.py --micro-batch-size 16 --mixed-precision
     python -m megatron_patch.training.launcher --task pretraining --nproc-per-node 2 ...   # on CPUs
 
-Each process runs ``python -m megatron_patch.training.launcher --rank-entry ...``: the user script (as
-``__main__``, with ``from megatron import mpu`` available; see ``run_user_script``) or the ``--task``. A rank ends
-through ``megatron_patch.distributed.exit_rank`` (a normal interpreter exit after gloo sometimes aborts).
+The elastic agent (torchrun) runs inside the launcher (``run_torchrun``), so the launcher is the one process that
+a signal has to reach. Each rank runs ``python -m megatron_patch.training.launcher --rank-entry ...``: the user
+script (as ``__main__``, with ``from megatron import mpu`` available; see ``run_user_script``) or the ``--task``. A
+rank ends through ``megatron_patch.distributed.exit_rank`` (a normal interpreter exit after gloo sometimes aborts).
 """
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import os
-import subprocess
+import signal
 import sys
 import traceback
 import types
 
-from megatron_patch.distributed import exit_rank, free_port
+from megatron_patch.distributed import exit_rank, free_port, report_failure
 from megatron_patch.training.arguments import parse_args
 
 _RANK_ENTRY = "--rank-entry"
+
+# When a rank fails, the others get SIGTERM and, SHUTDOWN_SECONDS later, SIGKILL (torch's default, 30 s, was waited
+# out by every hung or stopped rank with a SIGTERM handler); the failing ranks' report is written by then
+# (distributed.report_failure). SIGTERM is the launcher's own (signals.RanksForward), not torchrun's: torchrun would
+# answer it by stopping the ranks and exit 1 even after they saved.
+SHUTDOWN_SECONDS = 5
+TORCHRUN_SETTINGS = ["--signals-to-handle=SIGINT,SIGHUP,SIGQUIT", f"--shutdown-timeout={SHUTDOWN_SECONDS}"]
 
 
 def processes_per_node(requested: int | None) -> int:
@@ -64,14 +73,75 @@ def launch_command(argv: list[str]) -> list[str]:
         f"--nnodes={env.get('NNODES', '1')}", f"--node-rank={env.get('NODE_RANK', '0')}",
         f"--master-addr={env.get('MASTER_ADDR', '127.0.0.1')}",
         f"--master-port={env.get('MASTER_PORT') or free_port()}",
-        "-m", "megatron_patch.training.launcher", _RANK_ENTRY, *_without(argv, "--nproc-per-node"),
+        *TORCHRUN_SETTINGS, "-m", "megatron_patch.training.launcher", _RANK_ENTRY,
+        *_without(argv, "--nproc-per-node"),
     ]
+
+
+def run_torchrun(command: list[str]) -> int:
+    """Run a ``python -m torch.distributed.run ...`` command line in this process; returns the job's exit status.
+
+    Example::
+
+        run_torchrun([sys.executable, "-m", "torch.distributed.run", *TORCHRUN_SETTINGS, "--nproc-per-node=2",
+                      "-m", "my_module", "--flag", "1"])
+
+    The first SIGTERM goes on to the ranks and the job ends as they do (0 after their save with
+    ``--exit-signal-handler``); a second one stops them (status 143). A failed job is summed up in one line; torchrun's
+    own table names the first rank to exit as the "root cause", which after a hang is a rank that waited for it.
+    """
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from megatron_patch.compat import shorten_elastic_shutdown
+    from megatron_patch.training.signals import RanksForward
+
+    shorten_elastic_shutdown(SHUTDOWN_SECONDS)
+    assert command[1:3] == ["-m", "torch.distributed.run"], command
+    args = torchrun.parse_args(command[3:])
+    forward = RanksForward()
+    try:
+        torchrun.run(args)
+    except ChildFailedError as error:
+        print(f"rapidformer: the job failed: {_describe_failures(error.failures)}", file=sys.stderr, flush=True)
+        return 1
+    except SignalException as error:
+        return 128 + int(error.sigval)
+    finally:
+        forward.restore()
+    return 0
+
+
+def _describe_failures(failures: dict) -> str:
+    """``{rank: ProcessFailure}`` as ``rank 0 exited with status 1; rank 1 was killed by SIGKILL``."""
+    parts = []
+    for rank, failure in sorted(failures.items()):
+        if failure.exitcode < 0:
+            parts.append(f"rank {rank} was killed by {signal.Signals(-failure.exitcode).name}")
+        else:
+            parts.append(f"rank {rank} exited with status {failure.exitcode}")
+    return "; ".join(parts)
+
+
+def _die_with_launcher() -> None:
+    """Have the kernel SIGKILL this rank when the launcher dies (Linux's PR_SET_PDEATHSIG).
+
+    torch's elastic agent starts each rank in a session of its own (elastic/multiprocessing/subprocess_handler/
+    subprocess_handler.py, ``start_new_session``), so a SIGKILL of the launcher's process group (a container's
+    teardown, a scheduler's end of the grace period) would leave the ranks running, holding their devices. A
+    launcher that died before this call leaves the rank to fail at the rendezvous: its store lived in the launcher.
+    """
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1  # <linux/prctl.h>
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL))
 
 
 def _run_rank(argv: list[str]) -> int:
     """One rank's work: the user script or the task. Returns the exit status."""
     from megatron_patch import compat
 
+    _die_with_launcher()
     compat.apply()
     from megatron_patch.training import mpu
 
@@ -112,19 +182,6 @@ def run_user_script(path: str, argv: list[str]) -> None:
     exec(code, module.__dict__)
 
 
-def _print_progress() -> None:
-    """After a failure (a collective that timed out names no culprit), say which rank fell behind."""
-    import torch
-
-    from megatron_patch.distributed import progress_report
-
-    if torch.distributed.is_initialized():
-        try:
-            print(f"rapidformer: {progress_report()}", file=sys.stderr)
-        except RuntimeError:  # the store went away with the launcher: nothing to add
-            pass
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == [_RANK_ENTRY]:
@@ -136,12 +193,17 @@ def main(argv: list[str] | None = None) -> int:
         except BaseException as error:  # noqa: BLE001  (report every failure of a rank before the hard exit)
             traceback.print_exc()
             print(f"rapidformer: rank {os.environ.get('RANK', 0)} failed: {error!r}", file=sys.stderr)
-            _print_progress()
+            report = report_failure(error)
+            if report:
+                print(f"rapidformer: {report}", file=sys.stderr)
             status = 1
         exit_rank(status)
+    # The recipes start the launcher with SIGTERM ignored (run_scripts/common.sh); until run_torchrun handles it,
+    # SIGTERM ends the launcher at once, as it would any program: no rank runs yet.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     command = launch_command(argv)
     print("+ " + " ".join(command), flush=True)
-    return subprocess.run(command).returncode
+    return run_torchrun(command)
 
 
 if __name__ == "__main__":

@@ -3,16 +3,19 @@
 Example::
 
     rapidformer --task pretraining ... --save ckpt --exit-signal-handler
-    kill -TERM <pid of any rank>      # or the scheduler's SIGTERM to the whole job
-    # -> " exiting on SIGTERM: saved iteration 37 to ckpt"; rerun with --load ckpt to continue exactly
+    kill -TERM <pid of the launcher>      # or the scheduler's SIGTERM to the whole process group
+    # -> " exiting on signal 15: saved iteration 37 to ckpt", status 0; rerun with --load ckpt to continue exactly
 
-The handler only records the signal; the trainer asks ``any_rank_received()`` after each iteration, an
+The launcher passes the signal on to its ranks once (``RanksForward``): torch's elastic agent starts each rank in a
+session of its own, so a signal to the launcher's process group never reaches them. A rank's handler
+(``ExitSignal``) only records the signal; the trainer asks ``any_rank_received()`` after each iteration, an
 all-reduce, so the ranks that got the signal and those that did not agree on the same last iteration (Megatron-LM's
 ``--exit-signal-handler`` works the same way).
 """
 
 from __future__ import annotations
 
+import os
 import signal
 
 import torch
@@ -33,6 +36,46 @@ class ExitSignal:
         flag = torch.tensor([int(self.received)], device=device)
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         return bool(flag.item())
+
+    def restore(self) -> None:
+        signal.signal(self.signum, self._previous)
+
+
+class RanksForward:
+    """The launcher's SIGTERM: the first one goes to every rank (this process's children), which finish their
+    iteration, save and exit 0 with ``--exit-signal-handler``; a second one, or one before any rank started, raises
+    torch's ``SignalException``, on which the elastic agent stops the ranks (SIGTERM, then SIGKILL after its
+    shutdown timeout: elastic/agent/server/api.py, ``run``).
+
+    Example::
+
+        forward = RanksForward()
+        try:
+            torch.distributed.run.run(args)     # the elastic agent, in this process
+        finally:
+            forward.restore()
+    """
+
+    def __init__(self, signum: int = signal.SIGTERM):
+        self.signum = signum
+        self.forwarded = False
+        self._previous = signal.signal(signum, self._forward)
+
+    def _forward(self, signum, frame) -> None:
+        import psutil
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        ranks = psutil.Process().children()
+        if self.forwarded or not ranks:
+            raise SignalException(f"process {os.getpid()} got signal {signum} again", sigval=signal.Signals(signum))
+        self.forwarded = True
+        for rank in ranks:
+            # The rank alone, not its process group: dist_checkpointing's writer processes share that group and
+            # must live on to write the save this signal asks for.
+            try:
+                os.kill(rank.pid, signum)
+            except ProcessLookupError:  # it ended meanwhile
+                pass
 
     def restore(self) -> None:
         signal.signal(self.signum, self._previous)
