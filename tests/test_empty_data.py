@@ -39,6 +39,7 @@ def assert_refused(status, output, prefix, fix):
     lines = [line for line in output.splitlines() if f"--data-path {prefix}:" in line]
     assert lines and fix in lines[-1], output
     assert " iteration " not in output and "cannot mmap" not in output, output
+    assert "Traceback" not in output, output  # one line; the traceback only with --debug
 
 
 def test_an_empty_dataset_is_refused_before_the_first_step(tmp_path):

@@ -47,6 +47,7 @@ import torch
 from megatron_patch.convert.mcore_io import (
     RELEASE, TRACKER_FILE as TRACKER, CheckpointInfo, read_info, weights_dir, write_args_file,
 )
+from megatron_patch.errors import UserError
 
 # Reshardable across TP/PP/DP at load time (shared/notes/megatron-core-on-cpu.md, item 9).
 _OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -61,7 +62,7 @@ _CHECKSUMS_FORMAT = {"format": "megatron_patch checkpoint checksums", "version":
 _RANK_CHECKSUMS = "checksums.rank_{:05d}.json"
 
 
-class CorruptCheckpointError(RuntimeError):
+class CorruptCheckpointError(UserError, RuntimeError):
     """A checkpoint directory with a missing, truncated or damaged file (a save that died half-way, a damaged disk
     or copy)."""
 

@@ -23,6 +23,7 @@ import traceback
 import types
 
 from megatron_patch.distributed import exit_rank, free_port, report_failure
+from megatron_patch.errors import UserError, debugging, describe
 from megatron_patch.training.arguments import parse_args
 
 _RANK_ENTRY = "--rank-entry"
@@ -191,8 +192,11 @@ def main(argv: list[str] | None = None) -> int:
             print(error, file=sys.stderr)
             status = error.code if isinstance(error.code, int) else 1
         except BaseException as error:  # noqa: BLE001  (report every failure of a rank before the hard exit)
-            traceback.print_exc()
-            print(f"rapidformer: rank {os.environ.get('RANK', 0)} failed: {error!r}", file=sys.stderr)
+            # A user's error (bad data, a damaged checkpoint) says what to fix in its one line; a bug needs the trace.
+            if not isinstance(error, UserError) or debugging():
+                traceback.print_exc()
+            print(f"rapidformer: rank {os.environ.get('RANK', 0)} failed: {type(error).__name__}: {describe(error)}",
+                  file=sys.stderr)
             report = report_failure(error)
             if report:
                 print(f"rapidformer: {report}", file=sys.stderr)
