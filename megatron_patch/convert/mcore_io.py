@@ -11,7 +11,7 @@ Layout of a directory (Megatron-LM's, so its ``--load`` finds the weights)::
 
     latest_checkpointed_iteration.txt                 "release"
     megatron_patch_args.json                          ModelConfig, padded vocabulary, HF config, format
-    release/                                          torch_dist: metadata.json, *.distcp, common.pt
+    release/                                          torch_dist: metadata.json, *.distcp, common.pt with ``args``
     release/mp_rank_TT[_PPP]/model_optim_rng.pt       torch: one file per TP (x PP) rank, with ``args``
     hf_tokenizer/                                     the tokenizer files given at conversion
 
