@@ -138,7 +138,7 @@ def corrupt_checkpoint(rank, world_size, megatron_dir, out_dir, pre_ln):
         with torch.no_grad():
             full["decoder.layers.1.mlp.linear_fc2.weight"].mul_(1.05)
     os.makedirs(out_dir)
-    save_dist(model, os.path.join(out_dir, "release"))
+    save_dist(model, os.path.join(out_dir, "release"), info)
     write_info(out_dir, info)
 
 

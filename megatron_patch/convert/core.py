@@ -268,16 +268,17 @@ def hf_to_megatron(
             bar.update(sum(reader.nbytes(n) for n in r.hf))
             return tensor
 
+        # Before the weights: Megatron-LM's args in them name the tokenizer only when there is one.
+        info.tokenizer_files = copy_tokenizer_files(hf_dir, os.path.join(tmp, TOKENIZER_DIR))
         weights = os.path.join(tmp, "release")
         if stream:
-            stream_dist(model, weights, produce)
+            stream_dist(model, weights, produce, info)
         else:
             with torch.no_grad():
                 for name, tensor in target.items():
                     tensor.copy_(produce(name))
             save_legacy(model, weights, info)
         bar.close()
-        info.tokenizer_files = copy_tokenizer_files(hf_dir, os.path.join(tmp, TOKENIZER_DIR))
         write_info(tmp, info)
         if check is not None:
             check(tmp)

@@ -11,7 +11,7 @@ Layout of a directory (Megatron-LM's, so its ``--load`` finds the weights)::
 
     latest_checkpointed_iteration.txt                 "release"
     megatron_patch_args.json                          ModelConfig, padded vocabulary, HF config, format
-    release/                                          torch_dist: metadata.json, *.distcp, common.pt
+    release/                                          torch_dist: metadata.json, *.distcp, common.pt with ``args``
     release/mp_rank_TT[_PPP]/model_optim_rng.pt       torch: one file per TP (x PP) rank, with ``args``
     hf_tokenizer/                                     the tokenizer files given at conversion
 
@@ -212,23 +212,25 @@ def check_dist_checkpoint(model, ckpt_dir: str) -> None:
                                  f"{first_problems(sorted(set(problems)))}")
 
 
-def save_dist(model, ckpt_dir: str) -> None:
+def save_dist(model, ckpt_dir: str, info: CheckpointInfo) -> None:
+    """Write ``model`` as a torch_dist checkpoint with Megatron-LM's common state (:func:`megatron_lm_common_state`)."""
     from megatron.core import dist_checkpointing
 
     os.makedirs(ckpt_dir, exist_ok=True)
-    dist_checkpointing.save(model.sharded_state_dict(), ckpt_dir)
+    dist_checkpointing.save({**megatron_lm_common_state(info, 0), **model.sharded_state_dict()}, ckpt_dir)
 
 
-def stream_dist(model, ckpt_dir: str, materialise: Callable[[str], torch.Tensor]) -> None:
+def stream_dist(model, ckpt_dir: str, materialise: Callable[[str], torch.Tensor], info: CheckpointInfo) -> None:
     """Write a torch_dist checkpoint of ``model`` (a meta-device reference model: it only lends names, shapes
     and megatron-core's sharding) whose tensors come from ``materialise(name)``, one at a time.
 
     Example::
 
         stream_dist(build_reference_model(config, padded, meta=True), "out/release",
-                    lambda name: read_and_transform(name))     # full (TP=1) tensor by megatron-core name
+                    lambda name: read_and_transform(name), info)  # full (TP=1) tensor by megatron-core name
 
-    megatron-core's own ``dist_checkpointing.save`` writes metadata.json, common.pt and the DCP metadata; only
+    megatron-core's own ``dist_checkpointing.save`` writes metadata.json, common.pt (the state dict's non-tensor
+    entries: Megatron-LM's ``args``, from ``info``) and the DCP metadata; only
     the tensor writing is replaced: synchronously, by PyTorch DCP's ``FileSystemWriter`` with one thread (its data
     file written around the page cache, :mod:`megatron_patch.convert.direct_io`), whose planner asks for each
     tensor as the file reaches it. So one tensor group is in memory at a time (megatron's
@@ -241,7 +243,7 @@ def stream_dist(model, ckpt_dir: str, materialise: Callable[[str], torch.Tensor]
     sharded_state = model.sharded_state_dict()
     sources = {(sharded.key, tuple(sharded.global_offset)): _full_index(name, sharded)
                for name, sharded in _sharded_tensors(sharded_state)}
-    dist_checkpointing.save(sharded_state, ckpt_dir,
+    dist_checkpointing.save({**megatron_lm_common_state(info, 0), **sharded_state}, ckpt_dir,
                             sharded_strategy=_streaming_strategy(sources, materialise))
 
 
@@ -329,24 +331,70 @@ def _tp_slice(tensor: torch.Tensor, dim: int | None, gated: bool, tp_rank: int, 
     return tensor.chunk(tp, dim=dim)[tp_rank].clone()  # clone: torch.save of a view writes its whole storage
 
 
-def legacy_args(info: CheckpointInfo) -> argparse.Namespace:
-    """Megatron-LM's ``args`` for the legacy files (its loader reads model flags from them)."""
+def megatron_lm_args(info: CheckpointInfo, **training) -> argparse.Namespace:
+    """Megatron-LM's ``args`` for a checkpoint of ``info``'s model: every field its ``load_args_from_checkpoint``
+    and ``load_checkpoint`` read (megatron/training/checkpointing.py at core_v0.16.1), under its names, so
+    ``--use-checkpoint-args`` rebuilds the model and a resume continues at the right sample.
+
+    Example::
+
+        megatron_lm_args(info, iteration=10, consumed_train_samples=80, tokenizer_type="GPT2BPETokenizer")
+
+    ``training`` overrides what only a trainer knows (consumed samples, the tokenizer, virtual pipeline size).
+    The MoE, Mamba and hybrid fields are None: Megatron-LM keeps its own flags for them, right for a dense model.
+    """
     m = info.model_config
-    return argparse.Namespace(
-        num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_size,
-        num_attention_heads=m.num_attention_heads, group_query_attention=m.query_groups != m.num_attention_heads,
-        num_query_groups=m.query_groups, kv_channels=m.head_dim, seq_length=m.seq_length,
+    hf_vocab = (info.hf_config or {}).get("vocab_size")
+    fields = dict(
+        num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_size, seq_length=m.seq_length,
+        num_attention_heads=m.num_attention_heads, num_query_groups=m.query_groups,
+        group_query_attention=m.query_groups != m.num_attention_heads, kv_channels=m.head_dim,
         max_position_embeddings=m.max_positions, position_embedding_type=m.position_embedding_type,
-        rotary_base=m.rotary_base, rotary_percent=m.rotary_percent, normalization=m.normalization,
-        norm_epsilon=m.layernorm_epsilon, swiglu=m.activation == "swiglu", openai_gelu=m.activation == "gelu_tanh",
-        add_bias_linear=m.add_bias_linear, add_qkv_bias=m.add_qkv_bias,
+        add_position_embedding=m.position_embedding_type == "learned_absolute",
+        use_rotary_position_embeddings=m.position_embedding_type == "rope", rotary_base=m.rotary_base,
+        rotary_percent=m.rotary_percent, rotary_interleaved=False, add_bias_linear=m.add_bias_linear,
+        add_qkv_bias=m.add_qkv_bias, squared_relu=False, swiglu=m.activation == "swiglu",
+        openai_gelu=m.activation == "gelu_tanh",
         untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
-        padded_vocab_size=info.padded_vocab_size, make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
+        apply_layernorm_1p=m.layernorm_zero_centered_gamma, normalization=m.normalization,
+        # Megatron-LM's flag is --norm-epsilon but its checkpoints (and check_checkpoint_args' readers) keep the
+        # older name next to it; both carry the same value.
+        norm_epsilon=m.layernorm_epsilon, layernorm_epsilon=m.layernorm_epsilon,
+        apply_query_key_layer_scaling=False, attention_dropout=m.attention_dropout,
+        hidden_dropout=m.hidden_dropout, init_method_std=m.init_method_std,
+        hybrid_override_pattern=None, spec=None, hybrid_attention_ratio=None, hybrid_mlp_ratio=None,
+        num_experts=None, moe_layer_freq=None, moe_ffn_hidden_size=None, moe_router_topk=None,
+        moe_token_dispatcher_type=None, moe_router_pre_softmax=None, moe_grouped_gemm=None,
+        moe_shared_expert_intermediate_size=None, moe_router_score_function=None,
+        moe_router_enable_expert_bias=None, moe_router_topk_scaling_factor=None, moe_latent_size=None,
+        mamba_state_dim=None, mamba_head_dim=None, mamba_num_groups=None, mamba_num_heads=None,
+        is_hybrid_model=False, heterogeneous_layers_config_path=None,
+        heterogeneous_layers_config_encoded_json=None,
+        # A conversion's tokenizer is the Hugging Face one saved in hf_tokenizer/ (Megatron-LM's
+        # HuggingFaceTokenizer); the path is left to the reader's --tokenizer-model, the directory may move.
+        tokenizer_type="HuggingFaceTokenizer" if info.tokenizer_files else None, tokenizer_model=None,
+        tiktoken_pattern=None, padded_vocab_size=info.padded_vocab_size, vocab_size=m.vocab_size or hf_vocab,
+        make_vocab_size_divisible_by=m.make_vocab_size_divisible_by, ckpt_format=info.format,
+        fp16=info.dtype == "float16", bf16=info.dtype == "bfloat16",
         tensor_model_parallel_size=info.tensor_model_parallel_size,
-        pipeline_model_parallel_size=info.pipeline_model_parallel_size, num_tokentypes=m.num_tokentypes,
-        bert_binary_head=m.add_binary_head, ckpt_format="torch",
+        pipeline_model_parallel_size=info.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=None, num_layers_per_virtual_pipeline_stage=None,
+        expert_model_parallel_size=1, consumed_train_samples=0, skipped_train_samples=0,
+        consumed_valid_samples=0, num_tokentypes=m.num_tokentypes, bert_binary_head=m.add_binary_head,
         megatron_patch=json.dumps(info.to_json()),
     )
+    return argparse.Namespace(**{**fields, **training})
+
+
+def megatron_lm_common_state(info: CheckpointInfo, iteration: int, **training) -> dict:
+    """The non-tensor part of a Megatron-LM checkpoint (its ``generate_state_dict``): ``args``,
+    ``checkpoint_version`` 3.0 (Megatron-LM's current one: TP/PP sizes under their own names) and ``iteration``.
+
+    Example::
+
+        torch.save({"model": shards, **megatron_lm_common_state(info, 0)}, "release/mp_rank_00/model_optim_rng.pt")
+    """
+    return {"args": megatron_lm_args(info, **training), "checkpoint_version": 3.0, "iteration": iteration}
 
 
 def save_legacy(model, ckpt_dir: str, info: CheckpointInfo) -> None:
@@ -355,7 +403,7 @@ def save_legacy(model, ckpt_dir: str, info: CheckpointInfo) -> None:
     if m.num_layers % pp:
         raise ValueError(f"--target-pipeline-parallel-size {pp} must divide the {m.num_layers} layers")
     full, dims = model.state_dict(), partition_dims(model)
-    args = legacy_args(info)
+    common = megatron_lm_common_state(info, 0)
     for pp_rank in range(pp):
         placed = {}
         for name, value in full.items():
@@ -372,7 +420,7 @@ def save_legacy(model, ckpt_dir: str, info: CheckpointInfo) -> None:
                                 else _tp_slice(value, dims.get(_LAYER.sub(r"\1{}.", name)), _is_gated_fc1(name, m), tp_rank, tp))
             path = os.path.join(ckpt_dir, rank_dir_name(tp_rank, pp_rank, pp), "model_optim_rng.pt")
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            torch.save({"model": state, "args": args, "checkpoint_version": 3.0, "iteration": 0}, path)
+            torch.save({"model": state, **common}, path)
 
 
 def load_legacy_file(path: str) -> dict:

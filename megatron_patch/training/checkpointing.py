@@ -45,7 +45,8 @@ import numpy
 import torch
 
 from megatron_patch.convert.mcore_io import (
-    RELEASE, TRACKER_FILE as TRACKER, CheckpointInfo, read_info, weights_dir, write_args_file,
+    RELEASE, TRACKER_FILE as TRACKER, CheckpointInfo, megatron_lm_common_state, read_info, weights_dir,
+    write_args_file,
 )
 from megatron_patch.errors import UserError
 
@@ -176,7 +177,8 @@ def _restore_adam_step(optimizer) -> None:
 
 
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, megatron: bool,
-                    info: CheckpointInfo | None = None, *, keep_last_k: int | None = None, async_queue=None) -> str:
+                    info: CheckpointInfo | None = None, *, keep_last_k: int | None = None, async_queue=None,
+                    run_args: dict | None = None) -> str:
     """Write ``iter_{iteration}`` (through a ``.tmp-`` directory, renamed once every rank's files are on disk and
     their checksums in ``checksums.json``), ``info`` as ``megatron_patch_args.json`` (megatron models), then the
     tracker; with ``keep_last_k`` delete all but the newest K ``iter_*`` (never the tracker's).
@@ -189,6 +191,9 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, mega
     With ``async_queue`` (megatron-core's ``AsyncCallsQueue``) the tensors are written and checksummed by a
     background process and the publishing (rename, tracker) happens when the queue finalizes the save on every
     rank (``maybe_finalize_async_calls``), so an unfinished save is never the latest.
+
+    With ``info``, ``common.pt`` carries Megatron-LM's ``args`` (``run_args``, e.g. ``consumed_train_samples``,
+    override what ``info`` cannot know), so Megatron-LM resumes it with ``--use-checkpoint-args``.
     """
     path = checkpoint_dir(root, iteration)
     rank = torch.distributed.get_rank()
@@ -199,7 +204,10 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, mega
         from megatron.core import dist_checkpointing
 
         state = _megatron_state(model, optimizer, scheduler, is_loading=False, with_optimizer=True)
-        state["iteration"] = iteration
+        # dist_checkpointing.save writes the state's non-sharded entries to common.pt (rank 0), which
+        # _write_checksums covers.
+        state.update(megatron_lm_common_state(info, iteration, **(run_args or {})) if info is not None
+                     else {"iteration": iteration})
         # Asynchronous in form even for a synchronous save (run at once by execute_sync, as megatron-core's own
         # synchronous save does: strategies/base.py:212), so that its write function can be wrapped.
         request = dist_checkpointing.save(state, staging, async_sharded_save=True)
@@ -554,12 +562,21 @@ def load_checkpoint(root: str, model, optimizer, scheduler, megatron: bool, *, l
 
     A converted checkpoint (tracker ``release``) loads the model only and returns 0, as Megatron-LM does.
     """
+    logger = logger or logging.getLogger(__name__)
+    iteration = _load(root, model, optimizer, scheduler, megatron, load_optim, load_rng, finetune, load_fallback,
+                      verify_checksums, logger)
+    # Megatron-LM's wording (training/checkpointing.py load_checkpoint), which log scrapers look for.
+    logger.info(f"successfully loaded checkpoint from {root} at iteration {iteration}")
+    return iteration
+
+
+def _load(root: str, model, optimizer, scheduler, megatron: bool, load_optim: bool, load_rng: bool, finetune: bool,
+          load_fallback: bool, verify_checksums: bool, logger) -> int:
     iteration = read_tracker(root)
     if iteration is None:
         raise FileNotFoundError(f"--load {root}: no {TRACKER}; nothing to resume from")
     if iteration == RELEASE:
         return _load_release(root, model, megatron, logger)
-    logger = logger or logging.getLogger(__name__)
     iteration = _complete_iteration(root, iteration, megatron, load_fallback, verify_checksums, logger)
     path = checkpoint_dir(root, iteration)
     with_optimizer = load_optim and not finetune
@@ -603,7 +620,7 @@ def _check_finetune_coverage(path: str, state: dict, absent: set, logger) -> Non
     if absent == keys:
         raise ValueError(f"--load {path} --finetune: the checkpoint has none of this model's tensors; it holds "
                          "another model")
-    if absent and logger is not None:
+    if absent:
         logger.info(f"--finetune: {path} has no {', '.join(sorted(absent))}; initialised, not loaded")
 
 
@@ -758,9 +775,8 @@ def _load_release(root: str, model, megatron: bool, logger) -> int:
 
     # verify's loader reads both formats a conversion writes (torch_dist and the legacy per-rank files).
     load_into_chunks([_unwrap(chunk) for chunk in model], root, read_info(root))
-    if logger is not None:
-        logger.info(f"--load {root}: converted checkpoint ({weights_dir(root)}) has no optimizer, scheduler or "
-                    "RNG state; loaded the model only, starting at iteration 0 (as --finetune)")
+    logger.info(f"--load {root}: converted checkpoint ({weights_dir(root)}) has no optimizer, scheduler or "
+                "RNG state; loaded the model only, starting at iteration 0 (as --finetune)")
     torch.distributed.barrier()
     return 0
 

@@ -390,7 +390,18 @@ class _Trainer:
         with self._parameters_in_sync():
             return checkpointing.save_checkpoint(self.args.save, self.iteration, self.model, self.optimizer,
                                                  self.lr_scheduler, self.megatron, self.checkpoint_info,
-                                                 keep_last_k=self.args.keep_last_k, async_queue=self._async_saves)
+                                                 keep_last_k=self.args.keep_last_k, async_queue=self._async_saves,
+                                                 run_args=self._megatron_lm_run_args())
+
+    def _megatron_lm_run_args(self) -> dict:
+        """What Megatron-LM's ``args`` in a save need from the run, not the model (its resume reads
+        ``consumed_train_samples``). Validation restarts at its first sample on our resume, so 0 valid samples."""
+        args = self.args
+        return dict(consumed_train_samples=self.consumed_samples, consumed_valid_samples=0,
+                    tokenizer_type=args.tokenizer_type, global_batch_size=args.global_batch_size,
+                    micro_batch_size=args.micro_batch_size,
+                    virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+                    train_iters=args.train_iters)
 
     def _wait_for_saves(self) -> None:
         """Publish every asynchronous save still being written (a no-op without --async-save)."""

@@ -1,0 +1,142 @@
+"""Megatron-LM reads our checkpoints with ``--use-checkpoint-args``: a conversion's and a trainer's ``common.pt``
+and legacy rank files carry ``args`` with every field its loader reads, under its names, and a load logs its
+``successfully loaded checkpoint from DIR at iteration N`` line."""
+
+import argparse
+import glob
+import json
+import logging
+import os
+
+import pytest
+import torch
+
+from megatron_patch.testing import run_on_ranks
+from tests.convert_oracles import cli, make_hf_model, training_sequences
+
+# The fields Megatron-LM (megatron/training/checkpointing.py at core_v0.16.1) reads from a checkpoint's ``args``:
+# load_args_from_checkpoint's _set_arg calls (dense-model ones; the MoE/Mamba ones may be absent) ...
+MEGATRON_LM_FIELDS = [
+    "num_layers", "hidden_size", "ffn_hidden_size", "seq_length", "num_attention_heads", "num_query_groups",
+    "group_query_attention", "kv_channels", "max_position_embeddings", "position_embedding_type",
+    "add_position_embedding", "use_rotary_position_embeddings", "rotary_base", "rotary_percent", "rotary_interleaved",
+    "add_bias_linear", "add_qkv_bias", "squared_relu", "swiglu", "untie_embeddings_and_output_weights",
+    "apply_layernorm_1p", "normalization", "apply_query_key_layer_scaling", "attention_dropout", "hidden_dropout",
+    "tokenizer_type", "padded_vocab_size", "ckpt_format", "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    # ... load_checkpoint's resume state and check_checkpoint_args' comparisons ...
+    "consumed_train_samples", "consumed_valid_samples", "skipped_train_samples", "make_vocab_size_divisible_by",
+    # ... and what its --load of a model needs besides (precision, epsilon under the checkpoint's older name).
+    "fp16", "bf16", "vocab_size", "layernorm_epsilon",
+]
+RMS_NORM_EPS = 3e-6  # not the default (1e-5 in our config, 1e-6 in LlamaConfig): a value that must be carried
+
+
+def _expected(hf_config: dict, padded_vocab: int, tp: int = 1, pp: int = 1, fmt: str = "torch_dist") -> dict:
+    """The Megatron-LM values of a converted LLaMA-GQA, from its Hugging Face config."""
+    heads, groups = hf_config["num_attention_heads"], hf_config["num_key_value_heads"]
+    return dict(
+        num_layers=hf_config["num_hidden_layers"], hidden_size=hf_config["hidden_size"],
+        ffn_hidden_size=hf_config["intermediate_size"], num_attention_heads=heads, num_query_groups=groups,
+        group_query_attention=groups != heads, kv_channels=hf_config["hidden_size"] // heads,
+        max_position_embeddings=hf_config["max_position_embeddings"], position_embedding_type="rope",
+        add_position_embedding=False, use_rotary_position_embeddings=True, rotary_base=hf_config["rope_parameters"]["rope_theta"],
+        add_bias_linear=False, add_qkv_bias=False, swiglu=True, untie_embeddings_and_output_weights=True,
+        normalization="RMSNorm", layernorm_epsilon=RMS_NORM_EPS, padded_vocab_size=padded_vocab,
+        vocab_size=hf_config["vocab_size"], fp16=False, bf16=False, tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp, ckpt_format=fmt,
+    )
+
+
+def _load(path: str) -> dict:
+    with torch.serialization.safe_globals([argparse.Namespace]):  # Megatron-LM's args
+        return torch.load(path, weights_only=True)
+
+
+def _check_args(args, expected: dict) -> None:
+    missing = [f for f in MEGATRON_LM_FIELDS if not hasattr(args, f)]
+    assert not missing, missing
+    wrong = {k: (getattr(args, k), v) for k, v in expected.items() if getattr(args, k) != v}
+    assert not wrong, wrong
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    root = tmp_path_factory.mktemp("llama")
+    hf = make_hf_model("llama-gqa", str(root / "hf"), rms_norm_eps=RMS_NORM_EPS)
+    with open(os.path.join(hf, "config.json")) as f:
+        return hf, json.load(f), root
+
+
+def _convert(hf: str, out: str, *extra: str) -> dict:
+    assert run_on_ranks(cli, 1, args=(["hf-to-megatron", "--hf-dir", hf, "--save-dir", out, "--no-progress",
+                                       "--no-verify", *extra],)) == [0]
+    with open(os.path.join(out, "megatron_patch_args.json")) as f:
+        return json.load(f)
+
+
+def test_conversion_common_pt_carries_megatron_lm_args(llama):
+    """Failed before: common.pt was {} (no args, checkpoint_version or iteration)."""
+    hf, hf_config, root = llama
+    out = str(root / "dist")
+    info = _convert(hf, out)
+    common = _load(os.path.join(out, "release", "common.pt"))
+    assert common["checkpoint_version"] == 3.0 and common["iteration"] == 0
+    _check_args(common["args"], _expected(hf_config, info["padded_vocab_size"]))
+    assert common["args"].tokenizer_type == "HuggingFaceTokenizer"  # the saved tokenizer is a Hugging Face one
+
+
+def test_legacy_rank_files_carry_megatron_lm_args(llama):
+    """Failed before: the legacy files' args had norm_epsilon but no layernorm_epsilon, fp16, bf16 or tokenizer."""
+    hf, hf_config, root = llama
+    out = str(root / "legacy")
+    info = _convert(hf, out, "--ckpt-format", "torch", "--target-tensor-parallel-size", "2",
+                    "--target-pipeline-parallel-size", "2")
+    files = sorted(glob.glob(os.path.join(out, "release", "mp_rank_*", "model_optim_rng.pt")))
+    assert [os.path.basename(os.path.dirname(f)) for f in files] == [
+        "mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
+    for path in files:
+        state = _load(path)
+        assert state["checkpoint_version"] == 3.0 and state["iteration"] == 0
+        _check_args(state["args"], _expected(hf_config, info["padded_vocab_size"], tp=2, pp=2, fmt="torch"))
+
+
+def train_and_resume(rank, world_size, converted, trained, sequences):
+    """Train 2 iterations from ``converted`` (saving), then resume from that save for a third; return the
+    messages the trainer logged."""
+    from megatron_patch.training.engine import Engine
+    from tests.convert_oracles import _fixed_data_pretrainer
+
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("rapidformer").addHandler(handler)
+    common = ["--micro-batch-size", "2", "--global-batch-size", "4", "--seq-length", "16", "--lr", "1e-3",
+              "--lr-decay-style", "constant", "--seed", "3", "--save", trained]
+    _fixed_data_pretrainer(sequences)(engine=Engine(["--load", converted, "--train-iters", "2", *common])).train()
+    _fixed_data_pretrainer(sequences)(engine=Engine(["--load", trained, "--train-iters", "3", *common])).train()
+    return messages
+
+
+def test_trainer_checkpoint_carries_megatron_lm_args_and_its_load_is_logged(llama, tmp_path):
+    """Failed before: the trainer's common.pt had no args (Megatron-LM resumed at consumed sample 0), and no load
+    logged Megatron-LM's line."""
+    hf, hf_config, root = llama
+    converted, trained = str(root / "dist"), str(tmp_path / "trained")
+    if not os.path.isdir(converted):
+        _convert(hf, converted)
+    [messages] = run_on_ranks(train_and_resume, 1, args=(converted, trained, training_sequences()), timeout=300)
+    assert f"successfully loaded checkpoint from {converted} at iteration 0" in messages, messages
+    assert f"successfully loaded checkpoint from {trained} at iteration 2" in messages, messages
+
+    with open(os.path.join(trained, "megatron_patch_args.json")) as f:
+        info = json.load(f)
+    for iteration in (2, 3):
+        path = os.path.join(trained, f"iter_{iteration:07d}")
+        common = _load(os.path.join(path, "common.pt"))
+        assert common["checkpoint_version"] == 3.0 and common["iteration"] == iteration
+        expected = dict(_expected(hf_config, info["padded_vocab_size"]), seq_length=16,
+                        consumed_train_samples=iteration * 4, consumed_valid_samples=0)
+        _check_args(common["args"], expected)
+        with open(os.path.join(path, "checksums.json")) as f:
+            assert "common.pt" in json.load(f)["files"]
