@@ -45,8 +45,8 @@ import numpy
 import torch
 
 from megatron_patch.convert.mcore_io import (
-    RELEASE, TRACKER_FILE as TRACKER, CheckpointInfo, megatron_lm_common_state, read_info, weights_dir,
-    write_args_file,
+    RELEASE, TRACKER_FILE as TRACKER, CheckpointInfo, checkpoint_format, megatron_lm_common_state, read_info,
+    weights_dir, write_args_file,
 )
 from megatron_patch.errors import UserError
 
@@ -577,9 +577,11 @@ def _load(root: str, model, optimizer, scheduler, megatron: bool, load_optim: bo
         raise FileNotFoundError(f"--load {root}: no {TRACKER}; nothing to resume from")
     if iteration == RELEASE:
         return _load_release(root, model, megatron, logger)
+    with_optimizer = load_optim and not finetune
+    if megatron and checkpoint_format(checkpoint_dir(root, iteration)) == "torch":
+        return _load_legacy(root, iteration, model, with_optimizer, finetune, logger)
     iteration = _complete_iteration(root, iteration, megatron, load_fallback, verify_checksums, logger)
     path = checkpoint_dir(root, iteration)
-    with_optimizer = load_optim and not finetune
     if megatron:
         from megatron.core import dist_checkpointing
         from megatron.core.dist_checkpointing.validation import StrictHandling
@@ -771,14 +773,34 @@ def _load_release(root: str, model, megatron: bool, logger) -> int:
     if not megatron:
         raise ValueError(f"--load {root}: a converted ({RELEASE}) checkpoint holds a megatron-core model; this "
                          "trainer's model is a plain torch/Hugging Face one")
-    from megatron_patch.convert.verify import load_into_chunks
-
-    # verify's loader reads both formats a conversion writes (torch_dist and the legacy per-rank files).
-    load_into_chunks([_unwrap(chunk) for chunk in model], root, read_info(root))
+    _load_model_only(root, model)
     logger.info(f"--load {root}: converted checkpoint ({weights_dir(root)}) has no optimizer, scheduler or "
                 "RNG state; loaded the model only, starting at iteration 0 (as --finetune)")
-    torch.distributed.barrier()
     return 0
+
+
+def _load_legacy(root: str, iteration: int, model, with_optimizer: bool, finetune: bool, logger) -> int:
+    """The model of a Megatron-LM ``--ckpt-format torch`` save (``iter_N/mp_rank_*/model_optim_rng.pt``); its
+    optimizer state, kept per rank in Megatron-LM's own layout, is not read, so only --finetune or --no-load-optim
+    (as Megatron-LM's own flags, which skip the optimizer and scheduler alike) load it."""
+    path = checkpoint_dir(root, iteration)
+    if with_optimizer:
+        raise UserError(f"--load {root}: {path} holds Megatron-LM per-rank (--ckpt-format torch) files, whose "
+                        "optimizer state is not read; pass --finetune or --no-load-optim to load its model, or "
+                        "`megatron-patch convert` it first")
+    _load_model_only(root, model)
+    start = 0 if finetune else iteration
+    logger.info(f"--load {root}: loaded the model of {path} (Megatron-LM per-rank files) without optimizer, "
+                f"scheduler or RNG state, starting at iteration {start}")
+    return start
+
+
+def _load_model_only(root: str, model) -> None:
+    from megatron_patch.convert.verify import load_into_chunks
+
+    # verify's loader reads both formats a conversion or Megatron-LM writes (torch_dist, the legacy per-rank files).
+    load_into_chunks([_unwrap(chunk) for chunk in model], root, read_info(root))
+    torch.distributed.barrier()
 
 
 def _load_plain(path: str, model, optimizer, scheduler, with_optimizer: bool) -> None:
