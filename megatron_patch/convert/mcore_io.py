@@ -2,7 +2,7 @@
 
 Example::
 
-    info = read_info("ckpt")                          # megatron_patch_args.json: the model, vocabulary, format
+    info = read_info("ckpt")                          # megatron_patch_args.json, else Megatron-LM's own args
     model = build_reference_model(info.model_config, info.padded_vocab_size)
     load_into_reference_model(model, "ckpt", info)    # either format, any TP/PP it was written at
     full = full_state_dict(model)                     # megatron-core names -> unsharded tensors
@@ -14,6 +14,10 @@ Layout of a directory (Megatron-LM's, so its ``--load`` finds the weights)::
     release/                                          torch_dist: metadata.json, *.distcp, common.pt with ``args``
     release/mp_rank_TT[_PPP]/model_optim_rng.pt       torch: one file per TP (x PP) rank, with ``args``
     hf_tokenizer/                                     the tokenizer files given at conversion
+
+A checkpoint Megatron-LM's own ``save_checkpoint`` wrote has no ``megatron_patch_args.json`` (nor ``release``: its
+tracker holds the iteration of an ``iter_0000100/``); :func:`read_info` then takes the model from the ``args`` in its
+common.pt or ``mp_rank_00*/model_optim_rng.pt`` (:func:`info_from_megatron_lm`), the format from the files present.
 
 The ``torch_dist`` checkpoint is written from full (TP=1, PP=1) tensors under megatron-core's sharded keys, one
 tensor at a time (:func:`stream_dist`), so ``dist_checkpointing.load(model.sharded_state_dict(), dir)`` reshards
@@ -562,17 +566,21 @@ def save_legacy(model, ckpt_dir: str, info: CheckpointInfo) -> None:
 
 def load_legacy_file(path: str) -> dict:
     """A legacy rank file or a common.pt, unpickled with ``weights_only=True``: besides tensors only the types
-    megatron-core registers as safe when imported (megatron/core/safe_globals.py: Megatron-LM's ``args``
-    Namespace, its enums, numpy's RNG state in ``rng_state``). Not torch's ``safe_globals`` context manager: on
-    exit it unregisters what it was given, megatron-core's registrations included, and megatron-core's own
-    ``dist_checkpointing.load`` of common.pt then fails."""
-    import megatron.core  # noqa: F401  (registers its safe globals with torch.serialization)
+    megatron-core registers as safe (megatron/core/safe_globals.py: Megatron-LM's ``args`` Namespace, its enums,
+    numpy's RNG state in ``rng_state``). Registered again here, not through torch's ``safe_globals`` context
+    manager: on exit that unregisters what it was given, megatron-core's registrations included (its import
+    registers them once), and megatron-core's own ``dist_checkpointing.load`` of a common.pt then fails."""
+    from megatron.core.safe_globals import register_safe_globals
 
+    register_safe_globals()
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
         raise CheckpointMismatch(f"{path} holds a type no Megatron checkpoint holds ({str(error).splitlines()[-1]}); "
                                  "load it only if you trust its source, then re-save it") from None
+    except RuntimeError as error:  # torch.load's reader on a truncated or overwritten zip
+        raise CheckpointMismatch(f"{path} does not load ({str(error).split('. ')[0]}): it is truncated or damaged; "
+                                 "copy it again from the run that saved it") from None
 
 
 def merge_legacy(ckpt_dir: str, info: CheckpointInfo, dims: dict[str, int | None]) -> dict[str, torch.Tensor]:

@@ -7,7 +7,10 @@ Example::
 
 A megatron model whose description is known (``info``) also gets ``SAVE/megatron_patch_args.json``, the file
 ``megatron-patch convert megatron-to-hf`` reads. A tracker holding ``release`` names a converted checkpoint
-(``SAVE/release/``, Megatron-LM's convention): it has weights only, so loading it starts at iteration 0.
+(``SAVE/release/``, Megatron-LM's convention): it has weights only, so loading it starts at iteration 0. A checkpoint
+Megatron-LM's trainer saved loads too (its model described by the ``args`` it carries): torch_dist as ours, its
+legacy per-rank files (``iter_N/mp_rank_*/model_optim_rng.pt``) for the model only, with --finetune or
+--no-load-optim.
 
 megatron-core models go through ``dist_checkpointing`` (torch_dist), which reshards on load; the distributed
 optimizer's state is saved ``fully_reshardable`` so it loads at another TP/PP/DP (the default format refuses
