@@ -10,6 +10,7 @@ does not need, and the trainer loads such a checkpoint as --finetune or --no-loa
 
 import argparse
 import glob
+import logging
 import os
 import shutil
 
@@ -106,32 +107,41 @@ def test_megatron_lm_checkpoint_exports_to_the_source_models_logits(checkpoints,
 
 
 def first_losses(rank, world_size, loads, sequences):
-    """The first loss of a one-step --finetune run from each of ``loads``, and the error of a plain resume from
-    the last one."""
+    """The first loss of a one-step --finetune run from each of ``loads``; what the trainer logged when resuming
+    every second one with --no-load-optim (at its iteration: nothing left to train); the error of resuming the
+    last one with its optimizer."""
     from megatron_patch.training.engine import Engine
 
     common = ["--micro-batch-size", "2", "--global-batch-size", "4", "--seq-length", "16", "--lr", "1e-3",
-              "--lr-decay-style", "constant", "--seed", "3", "--train-iters", "1", "--log-interval", "1"]
+              "--lr-decay-style", "constant", "--seed", "3", "--log-interval", "1"]
     losses = []
     for load in loads:
-        log = _fixed_data_pretrainer(sequences)(engine=Engine(["--load", load, "--finetune", *common])).train()
+        log = _fixed_data_pretrainer(sequences)(
+            engine=Engine(["--load", load, "--finetune", "--train-iters", "1", *common])).train()
         losses.append(log.train_losses[0][1])
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("rapidformer").addHandler(handler)
+    for load in loads[1::2]:
+        _fixed_data_pretrainer(sequences)(engine=Engine(["--load", load, "--no-load-optim", "--train-iters",
+                                                         str(ITERATION), *common])).train()
     try:
-        _fixed_data_pretrainer(sequences)(engine=Engine(["--load", loads[-1], *common])).train()
+        _fixed_data_pretrainer(sequences)(engine=Engine(["--load", loads[-1], "--train-iters", "6", *common])).train()
         refusal = None
     except Exception as error:  # the UserError of a legacy checkpoint resumed with its optimizer
         refusal = str(error)
-    return losses, refusal
+    return losses, messages, refusal
 
 
-def test_trainer_finetunes_from_megatron_lm_checkpoints(checkpoints):
-    """Failed before: the torch_dist one did not load without model flags ('without --load the model needs
-    --tokenizer-type'), the legacy one was called corrupt ('common.pt is missing')."""
+def test_trainer_loads_megatron_lm_checkpoints(checkpoints):
+    """Failed before: neither loaded without model flags ('without --load the model needs --tokenizer-type (and
+    its files) for its vocabulary'): nothing described the model."""
     hf, made = checkpoints
     (dist, dist_lm), (legacy, legacy_lm) = made["torch_dist-tp2"], made["torch-tp2pp2"]
     sequences = training_sequences()
-    [(losses, refusal)] = run_on_ranks(first_losses, 1, args=([dist, dist_lm, legacy, legacy_lm], sequences),
-                                       timeout=400)
+    [(losses, messages, refusal)] = run_on_ranks(first_losses, 1, args=([dist, dist_lm, legacy, legacy_lm],
+                                                                        sequences), timeout=400)
     # The same weights, however described: the same first loss as from our own (described) conversion, and
     # transformers' loss of the source model over the checkpoint's padded vocabulary (TP=2 pads the legacy one
     # further: its softmax spans more zero rows, so the two formats' losses differ from each other).
@@ -140,7 +150,10 @@ def test_trainer_finetunes_from_megatron_lm_checkpoints(checkpoints):
         padded = read_info(checkpoint).padded_vocab_size
         reference = hf_reference(0, 1, hf, hf, sequences, padded, sequences[0][:4], 1)["loss"]
         assert loss == pytest.approx(reference, rel=1e-5), (checkpoint, loss, reference)
-    # Resuming with the optimizer is refused in one line (Megatron-LM's per-rank optimizer state is not read).
+    # --no-load-optim resumes both at their iteration (Megatron-LM's line, as for our own checkpoints) ...
+    for checkpoint in (dist_lm, legacy_lm):
+        assert f"successfully loaded checkpoint from {checkpoint} at iteration {ITERATION}" in messages, messages
+    # ... and resuming the legacy one with the optimizer is refused in one line (Megatron-LM's per-rank optimizer state is not read).
     assert "Megatron-LM per-rank" in refusal and "pass --finetune or --no-load-optim" in refusal, refusal
 
 
