@@ -108,8 +108,8 @@ def test_megatron_lm_checkpoint_exports_to_the_source_models_logits(checkpoints,
 
 def first_losses(rank, world_size, loads, sequences):
     """The first loss of a one-step --finetune run from each of ``loads``; what the trainer logged when resuming
-    every second one with --no-load-optim (at its iteration: nothing left to train); the error of resuming the
-    last one with its optimizer."""
+    every second one with --no-load-optim (at its iteration: nothing left to train), and the errors of resuming
+    them with their optimizer."""
     from megatron_patch.training.engine import Engine
 
     common = ["--micro-batch-size", "2", "--global-batch-size", "4", "--seq-length", "16", "--lr", "1e-3",
@@ -126,12 +126,14 @@ def first_losses(rank, world_size, loads, sequences):
     for load in loads[1::2]:
         _fixed_data_pretrainer(sequences)(engine=Engine(["--load", load, "--no-load-optim", "--train-iters",
                                                          str(ITERATION), *common])).train()
-    try:
-        _fixed_data_pretrainer(sequences)(engine=Engine(["--load", loads[-1], "--train-iters", "6", *common])).train()
-        refusal = None
-    except Exception as error:  # the UserError of a legacy checkpoint resumed with its optimizer
-        refusal = str(error)
-    return losses, messages, refusal
+    refusals = []
+    for load in loads[1::2]:
+        try:
+            _fixed_data_pretrainer(sequences)(engine=Engine(["--load", load, "--train-iters", "6", *common])).train()
+            refusals.append(None)
+        except Exception as error:  # the UserError of a checkpoint resumed with an optimizer state it lacks
+            refusals.append(str(error))
+    return losses, messages, refusals
 
 
 def test_trainer_loads_megatron_lm_checkpoints(checkpoints):
@@ -140,8 +142,8 @@ def test_trainer_loads_megatron_lm_checkpoints(checkpoints):
     hf, made = checkpoints
     (dist, dist_lm), (legacy, legacy_lm) = made["torch_dist-tp2"], made["torch-tp2pp2"]
     sequences = training_sequences()
-    [(losses, messages, refusal)] = run_on_ranks(first_losses, 1, args=([dist, dist_lm, legacy, legacy_lm],
-                                                                        sequences), timeout=400)
+    [(losses, messages, (dist_refusal, legacy_refusal))] = run_on_ranks(
+        first_losses, 1, args=([dist, dist_lm, legacy, legacy_lm], sequences), timeout=400)
     # The same weights, however described: the same first loss as from our own (described) conversion, and
     # transformers' loss of the source model over the checkpoint's padded vocabulary (TP=2 pads the legacy one
     # further: its softmax spans more zero rows, so the two formats' losses differ from each other).
@@ -153,8 +155,10 @@ def test_trainer_loads_megatron_lm_checkpoints(checkpoints):
     # --no-load-optim resumes both at their iteration (Megatron-LM's line, as for our own checkpoints) ...
     for checkpoint in (dist_lm, legacy_lm):
         assert f"successfully loaded checkpoint from {checkpoint} at iteration {ITERATION}" in messages, messages
-    # ... and resuming the legacy one with the optimizer is refused in one line (Megatron-LM's per-rank optimizer state is not read).
-    assert "Megatron-LM per-rank" in refusal and "pass --finetune or --no-load-optim" in refusal, refusal
+    # ... and resuming their optimizer is refused in one line: the torch_dist one has none (saved as by
+    # Megatron-LM's --no-save-optim), Megatron-LM's per-rank optimizer state is not read.
+    assert dist_refusal.endswith("has no optimizer state; pass --finetune or --no-load-optim to load its model")
+    assert "Megatron-LM per-rank" in legacy_refusal and "pass --finetune or --no-load-optim" in legacy_refusal
 
 
 def test_flag_contradicting_megatron_lm_args_is_refused(checkpoints, capsys):

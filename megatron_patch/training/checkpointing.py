@@ -589,6 +589,8 @@ def _load(root: str, model, optimizer, scheduler, megatron: bool, load_optim: bo
         from megatron.core import dist_checkpointing
         from megatron.core.dist_checkpointing.validation import StrictHandling
 
+        if with_optimizer:
+            _require_optimizer_state(root, path)
         state = _megatron_state(model, optimizer, scheduler, is_loading=True, with_optimizer=with_optimizer)
         if finetune:
             # --finetune may put a new head on the loaded weights (a classifier on a pretrained BERT): tensors the
@@ -612,6 +614,16 @@ def _load(root: str, model, optimizer, scheduler, megatron: bool, load_optim: bo
         _load_rng(path, torch.distributed.get_rank(), logger)
     torch.distributed.barrier()
     return 0 if finetune else iteration
+
+
+def _require_optimizer_state(root: str, path: str) -> None:
+    """Refuse, in one line, resuming the optimizer from a torch_dist checkpoint that has none (a model-only save,
+    e.g. Megatron-LM's with --no-save-optim), before megatron-core's loader fails on the missing keys."""
+    from megatron.core import dist_checkpointing
+
+    if not any(key.startswith("optimizer.") for key in dist_checkpointing.load_tensors_metadata(path)):
+        raise UserError(f"--load {root}: {path} has no optimizer state; pass --finetune or --no-load-optim to load "
+                        "its model")
 
 
 def _check_finetune_coverage(path: str, state: dict, absent: set, logger) -> None:
