@@ -126,7 +126,8 @@ def find_info(megatron_dir: str) -> tuple[CheckpointInfo, str] | None:
 
     Example::
 
-        find_info("megatron-lm-run")    # (CheckpointInfo(format="torch", ...), "megatron-lm-run/iter_0000100/mp_rank_00/model_optim_rng.pt")
+        info, source = find_info("megatron-lm-run")
+        source                           # "megatron-lm-run/iter_0000100/mp_rank_00/model_optim_rng.pt"
     """
     path = os.path.join(megatron_dir, ARGS_FILE)
     if os.path.isfile(path):
@@ -349,7 +350,8 @@ def check_dist_checkpoint(model, ckpt_dir: str) -> None:
             problems.append(f"{sharded.key}: checkpoint has shape {tuple(stored[sharded.key].global_shape)}, "
                             f"model expects {tuple(sharded.global_shape)}")
     if problems:
-        raise CheckpointMismatch(f"{ckpt_dir} does not fit the model its description ({ARGS_FILE} or Megatron-LM args) records: "
+        raise CheckpointMismatch(f"{ckpt_dir} does not fit the model its description ({ARGS_FILE} or Megatron-LM "
+                                 "args) records: "
                                  f"{first_problems(sorted(set(problems)))}")
 
 
@@ -631,7 +633,8 @@ def copy_full_tensors(model, full: dict[str, torch.Tensor], source: str) -> None
                  for n, t in target.items() if n in full and full[n].shape != t.shape]
     problems += [f"{n}: in the checkpoint but not a tensor of the model" for n in full if n not in target]
     if problems:
-        raise CheckpointMismatch(f"{source} does not fit the model its description ({ARGS_FILE} or Megatron-LM args) records: {first_problems(problems)}")
+        raise CheckpointMismatch(f"{source} does not fit the model its description ({ARGS_FILE} or Megatron-LM "
+                                 f"args) records: {first_problems(problems)}")
     with torch.no_grad():
         for name, tensor in target.items():
             tensor.copy_(full[name])

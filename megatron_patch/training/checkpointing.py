@@ -801,8 +801,7 @@ def _load_legacy(root: str, iteration: int, model, with_optimizer: bool, finetun
     path = checkpoint_dir(root, iteration)
     if with_optimizer:
         raise UserError(f"--load {root}: {path} holds Megatron-LM per-rank (--ckpt-format torch) files, whose "
-                        "optimizer state is not read; pass --finetune or --no-load-optim to load its model, or "
-                        "`megatron-patch convert` it first")
+                        "optimizer state is not read; pass --finetune or --no-load-optim to load its model")
     _load_model_only(root, model)
     start = 0 if finetune else iteration
     logger.info(f"--load {root}: loaded the model of {path} (Megatron-LM per-rank files) without optimizer, "
