@@ -1,10 +1,11 @@
 """A checkpoint Megatron-LM's own ``save_checkpoint`` wrote (no ``megatron_patch_args.json``) is read from the
 ``args`` in its common.pt or rank files: exported to Hugging Face, loaded by the trainer, its flags checked.
 
-The checkpoints are conversions of a tiny random LLaMA laid out as Megatron-LM's trainer lays out a save
-(megatron/training/checkpointing.py at core_v0.16.1): ``iter_0000005/`` named by a tracker holding ``5``, our
-description and tokenizer directory removed, ``args.megatron_patch`` (our own field) dropped and ``iteration`` 5 in
-every common.pt / rank file. What a Megatron-LM save has besides (optimizer, scheduler and RNG state) the model
+The checkpoints hold a tiny random LLaMA laid out as Megatron-LM's trainer lays out a save
+(megatron/training/checkpointing.py at core_v0.16.1): ``iter_0000005/`` named by a tracker holding ``5``, no
+description or tokenizer directory of ours, no ``args.megatron_patch`` (our own field), ``iteration`` 5. The
+torch_dist one is saved from two tensor-parallel ranks (the model's sharded state under "model", Megatron-LM's
+common state beside it); the legacy one is a TP=2 x PP=2 conversion's ``mp_rank_TT_PPP`` files, so renamed. What a Megatron-LM save has besides (optimizer, scheduler and RNG state) the model
 does not need, and the trainer loads such a checkpoint as --finetune or --no-load-optim.
 """
 
