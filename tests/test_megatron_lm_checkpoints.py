@@ -2,15 +2,14 @@
 and legacy rank files carry ``args`` with every field its loader reads, under its names, and a load logs its
 ``successfully loaded checkpoint from DIR at iteration N`` line."""
 
-import argparse
 import glob
 import json
 import logging
 import os
 
 import pytest
-import torch
 
+from megatron_patch.convert.mcore_io import load_legacy_file
 from megatron_patch.testing import run_on_ranks
 from tests.convert_oracles import cli, make_hf_model, training_sequences
 
@@ -48,9 +47,6 @@ def _expected(hf_config: dict, padded_vocab: int, tp: int = 1, pp: int = 1, fmt:
     )
 
 
-def _load(path: str) -> dict:
-    with torch.serialization.safe_globals([argparse.Namespace]):  # Megatron-LM's args
-        return torch.load(path, weights_only=True)
 
 
 def _check_args(args, expected: dict) -> None:
@@ -80,7 +76,7 @@ def test_conversion_common_pt_carries_megatron_lm_args(llama):
     hf, hf_config, root = llama
     out = str(root / "dist")
     info = _convert(hf, out)
-    common = _load(os.path.join(out, "release", "common.pt"))
+    common = load_legacy_file(os.path.join(out, "release", "common.pt"))
     assert common["checkpoint_version"] == 3.0 and common["iteration"] == 0
     _check_args(common["args"], _expected(hf_config, info["padded_vocab_size"]))
     assert common["args"].tokenizer_type == "HuggingFaceTokenizer"  # the saved tokenizer is a Hugging Face one
@@ -96,7 +92,7 @@ def test_legacy_rank_files_carry_megatron_lm_args(llama):
     assert [os.path.basename(os.path.dirname(f)) for f in files] == [
         "mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
     for path in files:
-        state = _load(path)
+        state = load_legacy_file(path)
         assert state["checkpoint_version"] == 3.0 and state["iteration"] == 0
         _check_args(state["args"], _expected(hf_config, info["padded_vocab_size"], tp=2, pp=2, fmt="torch"))
 
@@ -133,7 +129,7 @@ def test_trainer_checkpoint_carries_megatron_lm_args_and_its_load_is_logged(llam
         info = json.load(f)
     for iteration in (2, 3):
         path = os.path.join(trained, f"iter_{iteration:07d}")
-        common = _load(os.path.join(path, "common.pt"))
+        common = load_legacy_file(os.path.join(path, "common.pt"))
         assert common["checkpoint_version"] == 3.0 and common["iteration"] == iteration
         expected = dict(_expected(hf_config, info["padded_vocab_size"]), seq_length=16,
                         consumed_train_samples=iteration * 4, consumed_valid_samples=0)

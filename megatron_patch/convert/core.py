@@ -296,7 +296,8 @@ def megatron_to_hf(
 ) -> str:
     """Export a Megatron checkpoint (either format, any TP/PP) to a Hugging Face directory; return its path.
 
-    ``model_type`` is needed only for checkpoints without a recorded Hugging Face config (trained from scratch).
+    ``model_type`` is needed only for checkpoints without a recorded Hugging Face config (trained from scratch, or
+    saved by Megatron-LM: their model comes from the ``args`` they carry).
     """
     info = read_info(load_dir)
     hf_config = dict(info.hf_config or {})

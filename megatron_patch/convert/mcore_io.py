@@ -2,7 +2,7 @@
 
 Example::
 
-    info = read_info("ckpt")                          # megatron_patch_args.json: the model, vocabulary, format
+    info = read_info("ckpt")                          # megatron_patch_args.json, else Megatron-LM's own args
     model = build_reference_model(info.model_config, info.padded_vocab_size)
     load_into_reference_model(model, "ckpt", info)    # either format, any TP/PP it was written at
     full = full_state_dict(model)                     # megatron-core names -> unsharded tensors
@@ -15,6 +15,10 @@ Layout of a directory (Megatron-LM's, so its ``--load`` finds the weights)::
     release/mp_rank_TT[_PPP]/model_optim_rng.pt       torch: one file per TP (x PP) rank, with ``args``
     hf_tokenizer/                                     the tokenizer files given at conversion
 
+A checkpoint Megatron-LM's own ``save_checkpoint`` wrote has no ``megatron_patch_args.json`` (nor ``release``: its
+tracker holds the iteration of an ``iter_0000100/``); :func:`read_info` then takes the model from the ``args`` in its
+common.pt or ``mp_rank_00*/model_optim_rng.pt`` (:func:`info_from_megatron_lm`), the format from the files present.
+
 The ``torch_dist`` checkpoint is written from full (TP=1, PP=1) tensors under megatron-core's sharded keys, one
 tensor at a time (:func:`stream_dist`), so ``dist_checkpointing.load(model.sharded_state_dict(), dir)`` reshards
 it to any layout on load.
@@ -25,7 +29,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import glob
 import os
+import pickle
 import re
 from typing import Callable
 
@@ -97,12 +103,48 @@ def write_info(megatron_dir: str, info: CheckpointInfo) -> None:
 
 
 def read_info(megatron_dir: str) -> CheckpointInfo:
-    path = os.path.join(megatron_dir, ARGS_FILE)
-    if not os.path.isfile(path):
+    """The description of ``megatron_dir``'s checkpoint: its ``megatron_patch_args.json`` or, without one (a
+    checkpoint Megatron-LM's ``save_checkpoint`` wrote), the Megatron-LM ``args`` stored with its weights.
+
+    Example::
+
+        read_info("llama-mcore").model_config.hidden_size     # 4096
+    """
+    found = find_info(megatron_dir)
+    if found is None:
         raise FileNotFoundError(
-            f"{megatron_dir} has no {ARGS_FILE}; pass a directory written by `megatron-patch convert hf-to-megatron` "
-            "or by our trainer"
+            f"{megatron_dir} has neither {ARGS_FILE} nor a Megatron-LM checkpoint ({TRACKER_FILE} naming a directory "
+            "with common.pt or mp_rank_*/model_optim_rng.pt); pass a directory written by `megatron-patch convert "
+            "hf-to-megatron`, by our trainer or by Megatron-LM"
         )
+    return found[0]
+
+
+def find_info(megatron_dir: str) -> tuple[CheckpointInfo, str] | None:
+    """``(description, the file it was read from)`` of a Megatron checkpoint, or None when ``megatron_dir`` holds
+    none (nothing saved yet, or a plain/Hugging Face model's trainer checkpoint).
+
+    Example::
+
+        info, source = find_info("megatron-lm-run")
+        source                           # "megatron-lm-run/iter_0000100/mp_rank_00/model_optim_rng.pt"
+    """
+    path = os.path.join(megatron_dir, ARGS_FILE)
+    if os.path.isfile(path):
+        return _read_args_file(path), path
+    if not os.path.isfile(os.path.join(megatron_dir, TRACKER_FILE)):
+        return None
+    weights = weights_dir(megatron_dir)
+    fmt = checkpoint_format(weights)
+    if fmt is None:
+        return None
+    # Every rank file carries the same args; the first one is there at any TP/PP.
+    source = (os.path.join(weights, "common.pt") if fmt == "torch_dist"
+              else sorted(glob.glob(os.path.join(weights, "mp_rank_00*", "model_optim_rng.pt")))[0])
+    return info_from_megatron_lm(load_legacy_file(source), fmt, source), source
+
+
+def _read_args_file(path: str) -> CheckpointInfo:
     # Only a conversion or a trainer's save writes it (write_args_file): restoring it is the fix.
     fix = f"restore {ARGS_FILE} from a copy, or re-run the conversion or training that wrote the checkpoint"
     data = read_json(path, fix)
@@ -111,6 +153,106 @@ def read_info(megatron_dir: str) -> CheckpointInfo:
     except (TypeError, KeyError, ValueError) as error:  # a JSON of another shape, fields unknown or missing
         raise CheckpointMismatch(f"{path}: not a description of a checkpoint ({type(error).__name__}: {error}); "
                                  f"{fix}") from None
+
+
+def checkpoint_format(weights: str) -> str | None:
+    """"torch_dist" (megatron-core's common.pt and metadata.json), "torch" (Megatron-LM's per-rank
+    ``mp_rank_*/model_optim_rng.pt``) or None, from the files in an iteration directory."""
+    if os.path.isfile(os.path.join(weights, "common.pt")) and os.path.isfile(os.path.join(weights, "metadata.json")):
+        return "torch_dist"
+    if glob.glob(os.path.join(weights, "mp_rank_00*", "model_optim_rng.pt")):
+        return "torch"
+    return None
+
+
+# Megatron-LM args (name, value that cannot be built) our model refuses: each is an architecture ModelConfig has
+# no field for, so loading the weights into our model would silently drop or misplace them.
+_UNSUPPORTED_ARGS = {
+    "num_experts": "mixture-of-experts layers",
+    "is_hybrid_model": "Mamba/hybrid layers",
+    "hybrid_override_pattern": "Mamba/hybrid layers",
+    "heterogeneous_layers_config_path": "heterogeneous layers",
+    "heterogeneous_layers_config_encoded_json": "heterogeneous layers",
+    "multi_latent_attention": "multi-latent attention",
+    "qk_layernorm": "layer norms on queries and keys",
+    "squared_relu": "the squared-ReLU activation",
+    "rotary_interleaved": "interleaved RoPE",
+    "mtp_num_layers": "multi-token-prediction layers",
+}
+
+
+def info_from_megatron_lm(state: dict, fmt: str, source: str) -> CheckpointInfo:
+    """Our description of a checkpoint from the ``args`` Megatron-LM stores in it (``state``: common.pt's or a
+    rank file's contents), read as its ``--use-checkpoint-args`` reads them (load_args_from_checkpoint in
+    megatron/training/checkpointing.py at core_v0.16.1). Refuses, naming the field, what our model cannot build.
+
+    Example::
+
+        info_from_megatron_lm(torch.load("ckpt/iter_0000100/common.pt"), "torch_dist", "ckpt/iter_0000100/common.pt")
+
+    The family is GPT: Megatron-LM's args do not say which model script trained them.
+    """
+    args = state.get("args")
+    if not isinstance(args, argparse.Namespace):
+        raise CheckpointMismatch(f"{source} has no Megatron-LM args (saved without them?); re-save it with "
+                                 f"Megatron-LM's save_checkpoint or convert it with `megatron-patch convert`")
+    version = state.get("checkpoint_version", 0)
+    if version < 3.0:  # older versions order q/k/v differently (fix_query_key_value_ordering) and name TP otherwise
+        raise CheckpointMismatch(f"{source}: checkpoint_version {version}; only 3.0 is read: load and re-save it "
+                                 "with a current Megatron-LM first")
+
+    def arg(name, default=None):
+        value = getattr(args, name, default)
+        return default if value is None else value
+
+    for name, what in _UNSUPPORTED_ARGS.items():
+        if arg(name):
+            raise CheckpointMismatch(f"{source}: args.{name}={arg(name)!r} ({what}) is not supported by our model; "
+                                     "only dense GPT checkpoints are read")
+    if fmt == "torch" and arg("virtual_pipeline_model_parallel_size"):
+        raise CheckpointMismatch(f"{source}: args.virtual_pipeline_model_parallel_size="
+                                 f"{arg('virtual_pipeline_model_parallel_size')}: per-rank files of an interleaved "
+                                 "pipeline are not read; save it as torch_dist (--ckpt-format torch_dist) first")
+    activation = "swiglu" if arg("swiglu") else "gelu_tanh" if arg("openai_gelu") else "gelu"
+    # Older Megatron-LM args have only use_rotary_position_embeddings.
+    position = arg("position_embedding_type", "rope" if arg("use_rotary_position_embeddings") else "learned_absolute")
+    choices = {"position_embedding_type": (position, ("learned_absolute", "rope")),
+               "normalization": (arg("normalization", "LayerNorm"), ("LayerNorm", "RMSNorm"))}
+    for name, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise CheckpointMismatch(f"{source}: args.{name}={value!r} is not supported by our model (one of "
+                                     f"{', '.join(allowed)})")
+    padded = arg("padded_vocab_size")
+    if padded is None:
+        raise CheckpointMismatch(f"{source}: args.padded_vocab_size is missing; the embedding's size is unknown")
+    try:
+        model_config = ModelConfig(
+            family="gpt", num_layers=args.num_layers, hidden_size=args.hidden_size,
+            num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
+            ffn_hidden_size=arg("ffn_hidden_size"),
+            num_query_groups=arg("num_query_groups") if arg("group_query_attention") else None,
+            kv_channels=arg("kv_channels"), max_position_embeddings=arg("max_position_embeddings"),
+            position_embedding_type=position, rotary_base=int(arg("rotary_base", 10000)),
+            rotary_percent=float(arg("rotary_percent", 1.0)), normalization=choices["normalization"][0],
+            # --norm-epsilon's dest; checkpoints of older Megatron-LM have only layernorm_epsilon.
+            layernorm_epsilon=arg("norm_epsilon", arg("layernorm_epsilon", 1e-5)), activation=activation,
+            add_bias_linear=arg("add_bias_linear", True), add_qkv_bias=arg("add_qkv_bias", False),
+            untie_embeddings_and_output_weights=arg("untie_embeddings_and_output_weights", False),
+            vocab_size=arg("vocab_size", padded), make_vocab_size_divisible_by=arg("make_vocab_size_divisible_by", 128),
+            hidden_dropout=arg("hidden_dropout", 0.1), attention_dropout=arg("attention_dropout", 0.1),
+            init_method_std=arg("init_method_std", 0.02),
+            layernorm_zero_centered_gamma=arg("apply_layernorm_1p", False),
+        )
+    except AttributeError as error:  # one of the shape fields every Megatron-LM run has
+        raise CheckpointMismatch(f"{source}: args lack {error.name}; not a Megatron-LM GPT checkpoint") from None
+    except ValueError as error:
+        raise CheckpointMismatch(f"{source}: its args describe no model: {error}") from None
+    return CheckpointInfo(
+        format=fmt, model_config=model_config, padded_vocab_size=padded,
+        dtype="bfloat16" if arg("bf16") else "float16" if arg("fp16") else "float32",
+        tensor_model_parallel_size=arg("tensor_model_parallel_size", 1),
+        pipeline_model_parallel_size=arg("pipeline_model_parallel_size", 1),
+    )
 
 
 def weights_dir(megatron_dir: str) -> str:
@@ -208,7 +350,8 @@ def check_dist_checkpoint(model, ckpt_dir: str) -> None:
             problems.append(f"{sharded.key}: checkpoint has shape {tuple(stored[sharded.key].global_shape)}, "
                             f"model expects {tuple(sharded.global_shape)}")
     if problems:
-        raise CheckpointMismatch(f"{ckpt_dir} does not fit the model in {ARGS_FILE}: "
+        raise CheckpointMismatch(f"{ckpt_dir} does not fit the model its description ({ARGS_FILE} or Megatron-LM "
+                                 "args) records: "
                                  f"{first_problems(sorted(set(problems)))}")
 
 
@@ -424,9 +567,22 @@ def save_legacy(model, ckpt_dir: str, info: CheckpointInfo) -> None:
 
 
 def load_legacy_file(path: str) -> dict:
-    """A legacy rank file, unpickled with ``weights_only=True`` (Megatron-LM's ``args`` Namespace allowed)."""
-    with torch.serialization.safe_globals([argparse.Namespace]):
+    """A legacy rank file or a common.pt, unpickled with ``weights_only=True``: besides tensors only the types
+    megatron-core registers as safe (megatron/core/safe_globals.py: Megatron-LM's ``args`` Namespace, its enums,
+    numpy's RNG state in ``rng_state``). Registered again here, not through torch's ``safe_globals`` context
+    manager: on exit that unregisters what it was given, megatron-core's registrations included (its import
+    registers them once), and megatron-core's own ``dist_checkpointing.load`` of a common.pt then fails."""
+    from megatron.core.safe_globals import register_safe_globals
+
+    register_safe_globals()
+    try:
         return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise CheckpointMismatch(f"{path} holds a type no Megatron checkpoint holds ({str(error).splitlines()[-1]}); "
+                                 "load it only if you trust its source, then re-save it") from None
+    except RuntimeError as error:  # torch.load's reader on a truncated or overwritten zip
+        raise CheckpointMismatch(f"{path} does not load ({str(error).split('. ')[0]}): it is truncated or damaged; "
+                                 "copy it again from the run that saved it") from None
 
 
 def merge_legacy(ckpt_dir: str, info: CheckpointInfo, dims: dict[str, int | None]) -> dict[str, torch.Tensor]:
@@ -440,7 +596,7 @@ def merge_legacy(ckpt_dir: str, info: CheckpointInfo, dims: dict[str, int | None
         for tp_rank in range(tp):
             path = os.path.join(ckpt_dir, rank_dir_name(tp_rank, pp_rank, pp), "model_optim_rng.pt")
             if not os.path.isfile(path):
-                raise CheckpointMismatch(f"{path} is missing ({ARGS_FILE} says TP={tp}, PP={pp})")
+                raise CheckpointMismatch(f"{path} is missing (the checkpoint records TP={tp}, PP={pp})")
             shards.append(load_legacy_file(path)["model"])
         for local, value in shards[0].items():
             if not isinstance(value, torch.Tensor):
@@ -477,7 +633,8 @@ def copy_full_tensors(model, full: dict[str, torch.Tensor], source: str) -> None
                  for n, t in target.items() if n in full and full[n].shape != t.shape]
     problems += [f"{n}: in the checkpoint but not a tensor of the model" for n in full if n not in target]
     if problems:
-        raise CheckpointMismatch(f"{source} does not fit the model in {ARGS_FILE}: {first_problems(problems)}")
+        raise CheckpointMismatch(f"{source} does not fit the model its description ({ARGS_FILE} or Megatron-LM "
+                                 f"args) records: {first_problems(problems)}")
     with torch.no_grad():
         for name, tensor in target.items():
             tensor.copy_(full[name])

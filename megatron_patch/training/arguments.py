@@ -10,7 +10,8 @@ Example::
 
 Unknown flags are refused with their names (``allow_abbrev`` is off, so a typo never silently matches a longer
 flag), and every conflict names both flags and the fix. ``--load DIR`` with ``DIR/megatron_patch_args.json`` (a
-conversion's or our trainer's) supplies the model flags not given, as Megatron-LM's ``--use-checkpoint-args``.
+conversion's or our trainer's) or Megatron-LM's own checkpoint (the ``args`` in its common.pt or rank files) supplies
+the model flags not given, as Megatron-LM's ``--use-checkpoint-args``.
 """
 
 from __future__ import annotations
@@ -18,9 +19,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
-import os
 
-from megatron_patch.convert.mcore_io import ARGS_FILE, read_info
+from megatron_patch.convert.mcore_io import find_info
 # The flag tables themselves: which model flags exist and which ModelConfig field each one sets.
 from megatron_patch.model.config import _SWITCH_FLAGS, _VALUE_FLAGS, add_model_arguments, get_model_config
 from megatron_patch.model.parallel import add_parallel_arguments
@@ -399,19 +399,20 @@ _TRAINING_FIELDS = {"seq_length", "hidden_dropout", "attention_dropout", "init_m
 
 
 def _apply_checkpoint_args(args: argparse.Namespace) -> None:
-    """Set ``args.checkpoint_info`` from ``--load``'s ``megatron_patch_args.json`` (None without one) and fill the
-    model flags not given from it; a given flag that contradicts the stored model is refused.
+    """Set ``args.checkpoint_info`` from ``--load``'s ``megatron_patch_args.json`` or, without one, the Megatron-LM
+    ``args`` in its common.pt or rank files (None without a Megatron checkpoint) and fill the model flags not given
+    from it; a given flag that contradicts the stored model is refused.
 
     Example::
 
         args = parse_args(["--load", "llama-mcore", "--seq-length", "16"])   # a converted checkpoint
         args.hidden_size, args.checkpoint_info.padded_vocab_size             # (32, 128): from the file
     """
-    path = os.path.join(args.load, ARGS_FILE) if args.load else None
-    if path is None or not os.path.isfile(path):
+    found = find_info(args.load) if args.load else None
+    if found is None:
         args.checkpoint_info = None
         return
-    info = read_info(args.load)
+    info, path = found
     stored = info.model_config
     if args.model_name is not None:
         _refuse(f"--model-name {args.model_name} conflicts with --load {args.load}: {path} describes the model; "

@@ -7,7 +7,10 @@ Example::
 
 A megatron model whose description is known (``info``) also gets ``SAVE/megatron_patch_args.json``, the file
 ``megatron-patch convert megatron-to-hf`` reads. A tracker holding ``release`` names a converted checkpoint
-(``SAVE/release/``, Megatron-LM's convention): it has weights only, so loading it starts at iteration 0.
+(``SAVE/release/``, Megatron-LM's convention): it has weights only, so loading it starts at iteration 0. A checkpoint
+Megatron-LM's trainer saved loads too (its model described by the ``args`` it carries): torch_dist as ours, its
+legacy per-rank files (``iter_N/mp_rank_*/model_optim_rng.pt``) for the model only, with --finetune or
+--no-load-optim.
 
 megatron-core models go through ``dist_checkpointing`` (torch_dist), which reshards on load; the distributed
 optimizer's state is saved ``fully_reshardable`` so it loads at another TP/PP/DP (the default format refuses
@@ -45,8 +48,8 @@ import numpy
 import torch
 
 from megatron_patch.convert.mcore_io import (
-    RELEASE, TRACKER_FILE as TRACKER, CheckpointInfo, megatron_lm_common_state, read_info, weights_dir,
-    write_args_file,
+    RELEASE, TRACKER_FILE as TRACKER, CheckpointInfo, checkpoint_format, megatron_lm_common_state, read_info,
+    weights_dir, write_args_file,
 )
 from megatron_patch.errors import UserError
 
@@ -577,13 +580,17 @@ def _load(root: str, model, optimizer, scheduler, megatron: bool, load_optim: bo
         raise FileNotFoundError(f"--load {root}: no {TRACKER}; nothing to resume from")
     if iteration == RELEASE:
         return _load_release(root, model, megatron, logger)
+    with_optimizer = load_optim and not finetune
+    if megatron and checkpoint_format(checkpoint_dir(root, iteration)) == "torch":
+        return _load_legacy(root, iteration, model, with_optimizer, finetune, logger)
     iteration = _complete_iteration(root, iteration, megatron, load_fallback, verify_checksums, logger)
     path = checkpoint_dir(root, iteration)
-    with_optimizer = load_optim and not finetune
     if megatron:
         from megatron.core import dist_checkpointing
         from megatron.core.dist_checkpointing.validation import StrictHandling
 
+        if with_optimizer:
+            _require_optimizer_state(root, path)
         state = _megatron_state(model, optimizer, scheduler, is_loading=True, with_optimizer=with_optimizer)
         if finetune:
             # --finetune may put a new head on the loaded weights (a classifier on a pretrained BERT): tensors the
@@ -607,6 +614,16 @@ def _load(root: str, model, optimizer, scheduler, megatron: bool, load_optim: bo
         _load_rng(path, torch.distributed.get_rank(), logger)
     torch.distributed.barrier()
     return 0 if finetune else iteration
+
+
+def _require_optimizer_state(root: str, path: str) -> None:
+    """Refuse, in one line, resuming the optimizer from a torch_dist checkpoint that has none (a model-only save,
+    e.g. Megatron-LM's with --no-save-optim), before megatron-core's loader fails on the missing keys."""
+    from megatron.core import dist_checkpointing
+
+    if not any(key.startswith("optimizer.") for key in dist_checkpointing.load_tensors_metadata(path)):
+        raise UserError(f"--load {root}: {path} has no optimizer state; pass --finetune or --no-load-optim to load "
+                        "its model")
 
 
 def _check_finetune_coverage(path: str, state: dict, absent: set, logger) -> None:
@@ -771,14 +788,33 @@ def _load_release(root: str, model, megatron: bool, logger) -> int:
     if not megatron:
         raise ValueError(f"--load {root}: a converted ({RELEASE}) checkpoint holds a megatron-core model; this "
                          "trainer's model is a plain torch/Hugging Face one")
-    from megatron_patch.convert.verify import load_into_chunks
-
-    # verify's loader reads both formats a conversion writes (torch_dist and the legacy per-rank files).
-    load_into_chunks([_unwrap(chunk) for chunk in model], root, read_info(root))
+    _load_model_only(root, model)
     logger.info(f"--load {root}: converted checkpoint ({weights_dir(root)}) has no optimizer, scheduler or "
                 "RNG state; loaded the model only, starting at iteration 0 (as --finetune)")
-    torch.distributed.barrier()
     return 0
+
+
+def _load_legacy(root: str, iteration: int, model, with_optimizer: bool, finetune: bool, logger) -> int:
+    """The model of a Megatron-LM ``--ckpt-format torch`` save (``iter_N/mp_rank_*/model_optim_rng.pt``); its
+    optimizer state, kept per rank in Megatron-LM's own layout, is not read, so only --finetune or --no-load-optim
+    (as Megatron-LM's own flags, which skip the optimizer and scheduler alike) load it."""
+    path = checkpoint_dir(root, iteration)
+    if with_optimizer:
+        raise UserError(f"--load {root}: {path} holds Megatron-LM per-rank (--ckpt-format torch) files, whose "
+                        "optimizer state is not read; pass --finetune or --no-load-optim to load its model")
+    _load_model_only(root, model)
+    start = 0 if finetune else iteration
+    logger.info(f"--load {root}: loaded the model of {path} (Megatron-LM per-rank files) without optimizer, "
+                f"scheduler or RNG state, starting at iteration {start}")
+    return start
+
+
+def _load_model_only(root: str, model) -> None:
+    from megatron_patch.convert.verify import load_into_chunks
+
+    # verify's loader reads both formats a conversion or Megatron-LM writes (torch_dist, the legacy per-rank files).
+    load_into_chunks([_unwrap(chunk) for chunk in model], root, read_info(root))
+    torch.distributed.barrier()
 
 
 def _load_plain(path: str, model, optimizer, scheduler, with_optimizer: bool) -> None:

@@ -21,7 +21,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from megatron_patch.convert.mcore_io import ARGS_FILE, CheckpointInfo
+from megatron_patch.convert.mcore_io import CheckpointInfo
 from megatron_patch.model import ModelConfig, model_config_from_args, parallel_config_from_args
 from megatron_patch.model.builder import build_model_chunks, build_sequence_classifier, padded_vocab_size
 from megatron_patch.training.checkpointing import trained_model_info
@@ -40,12 +40,12 @@ def _from_flags(args: argparse.Namespace, vocab_size: int, family: str) -> Model
 
 
 def model_config_and_vocab(args: argparse.Namespace, tokenizer, family: str) -> tuple[ModelConfig, int]:
-    """The model to build and its padded vocabulary: ``--load``'s ``megatron_patch_args.json`` when it has one
+    """The model to build and its padded vocabulary: ``--load``'s description when it has one
     (the stored vocabulary: a conversion pads for TP=1, recomputing it may not match), else the flags with the
     tokenizer's vocabulary (``tokenizer`` may be None with ``--load``). Refuses a model of another ``family``."""
     loaded: CheckpointInfo | None = args.checkpoint_info
     if loaded is not None:
-        config, vocab, source = loaded.model_config, loaded.padded_vocab_size, f"--load {args.load} ({ARGS_FILE})"
+        config, vocab, source = loaded.model_config, loaded.padded_vocab_size, f"--load {args.load}"
     else:
         if tokenizer is None:
             raise SystemExit("rapidformer: error: without --load the model needs --tokenizer-type (and its files) "
