@@ -1,6 +1,8 @@
 """The named transforms against hand-built tensors in megatron-core's documented layouts, and the mapping
 tables against what megatron-core's models actually hold."""
 
+import os
+
 import pytest
 import torch
 
@@ -87,3 +89,35 @@ def test_unsupported_options_are_named():
         llama.config_from_hf({**base, "rope_parameters": {"rope_theta": 1e6, "rope_type": "llama3"}})
     with pytest.raises(UnsupportedCheckpoint, match="attention_bias=True"):
         llama.config_from_hf({**base, "attention_bias": True})
+
+
+def test_the_chat_templates_survive_the_round_trip(tmp_path):
+    """hf-to-megatron keeps the tokenizer's chat templates (transformers writes them to chat_template.jinja and
+    additional_chat_templates/), and megatron-to-hf puts them back."""
+    import tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from megatron_patch.testing import run_on_ranks
+    from tests.convert_oracles import cli, make_hf_model
+
+    hf = make_hf_model("qwen2", str(tmp_path / "hf"))
+    vocab = {word: i for i, word in enumerate(["<unk>", "<|im_end|>", "hello", "there"])}
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>")),
+        unk_token="<unk>", eos_token="<|im_end|>")
+    tokenizer.chat_template = {
+        "default": "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}<|im_end|>{% endfor %}",
+        "tool_use": "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{% endfor %}",
+    }
+    tokenizer.save_pretrained(hf)
+    assert os.path.isfile(os.path.join(hf, "chat_template.jinja"))
+    converted, exported = str(tmp_path / "converted"), str(tmp_path / "exported")
+    assert run_on_ranks(cli, 1, args=(["hf-to-megatron", "--hf-dir", hf, "--save-dir", converted, "--no-verify",
+                                       "--no-progress"],)) == [0]
+    assert run_on_ranks(cli, 1, args=(["megatron-to-hf", "--load-dir", converted, "--save-dir", exported,
+                                       "--no-progress"],)) == [0]
+    messages = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "there"}]
+    for name in ("default", "tool_use"):
+        expected = tokenizer.apply_chat_template(messages, chat_template=name, tokenize=False)
+        got = AutoTokenizer.from_pretrained(exported).apply_chat_template(messages, chat_template=name, tokenize=False)
+        assert got == expected, name

@@ -28,10 +28,15 @@ from safetensors.torch import save_file
 from megatron_patch.errors import UserError
 
 # Files a tokenizer may consist of; copied along with a conversion so the exported directory is complete.
+# chat_template.jinja: transformers >= 4.43 saves a tokenizer's chat template there, not in tokenizer_config.json
+# (utils/hub.py CHAT_TEMPLATE_FILE); chat_template.json is the older processors' file.
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-    "vocab.txt", "tokenizer.model", "added_tokens.json", "generation_config.json",
+    "vocab.txt", "tokenizer.model", "added_tokens.json", "generation_config.json", "chat_template.jinja",
+    "chat_template.json",
 )
+# Named templates beside the default one (utils/hub.py CHAT_TEMPLATE_DIR).
+CHAT_TEMPLATE_DIR = "additional_chat_templates"
 
 
 _SAFETENSORS_DTYPES = {
@@ -184,11 +189,15 @@ class ShardedSafetensorsWriter:
 
 
 def copy_tokenizer_files(src_dir: str, dst_dir: str) -> list[str]:
-    """Copy whichever tokenizer files ``src_dir`` has; return their names."""
+    """Copy whichever tokenizer files ``src_dir`` has (chat templates included); return their names."""
     copied = []
     for name in TOKENIZER_FILES:
         if os.path.isfile(os.path.join(src_dir, name)):
             os.makedirs(dst_dir, exist_ok=True)
             shutil.copy2(os.path.join(src_dir, name), os.path.join(dst_dir, name))
             copied.append(name)
+    if os.path.isdir(os.path.join(src_dir, CHAT_TEMPLATE_DIR)):
+        shutil.copytree(os.path.join(src_dir, CHAT_TEMPLATE_DIR), os.path.join(dst_dir, CHAT_TEMPLATE_DIR),
+                        dirs_exist_ok=True)
+        copied.append(CHAT_TEMPLATE_DIR)
     return copied
