@@ -22,6 +22,7 @@ from megatron_patch.data.jsonl import InputError
 from megatron_patch.data.preprocess import PreprocessConfig, main, preprocess
 from megatron_patch.data.progress import Progress
 from megatron_patch.data.sentences import SentenceSplitter
+from megatron_patch.errors import UserError
 from megatron_patch.tokenizer import TokenizerFileError, build_tokenizer, register_tokenizer
 from megatron_patch.tokenizer.null import NullTokenizer
 
@@ -304,7 +305,7 @@ def test_dead_worker_fails_the_run(tmp_path):
     path.write_bytes(GOOD * 10 + json.dumps({"text": "99"}).encode() + b"\n" + GOOD * 10)
     config = _null_config(path, tmp_path / "out")
     config.tokenizer_type = "_DyingTokenizer"
-    with pytest.raises(RuntimeError, match="worker died"):
+    with pytest.raises(UserError, match=r"^worker process \d+ exited with status 9; nothing was written"):
         preprocess(config)
     assert _no_outputs(tmp_path)
 
