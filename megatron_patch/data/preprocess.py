@@ -5,8 +5,8 @@
         --append-eod --workers 8
 
 writes `data/corpus_text_document.bin/.idx` (`_sentence` with `--split-sentences`), byte for byte
-what Megatron-LM writes for the same tokenizer, flags and input (empty documents aside: see
-`--keep-empty`). Differences, all deliberate:
+what Megatron-LM writes for the same tokenizer, flags and input, documents without tokens included
+(written as empty documents and counted; `--reject-empty` refuses them). Differences, all deliberate:
 - Tokenizers run in Rust (HF `tokenizers`, `sentencepiece`; GPT-2 BPE behind a bounded cache of
   pre-tokens, see `tokenizer/gpt2.py`) over batches of lines; the main process only reads raw
   lines and writes token bytes, so memory is bounded by the batches in flight, not by the corpus.
@@ -71,7 +71,9 @@ class PreprocessConfig:
     keep_sequential_samples: bool = False
     log_interval: int = 1000
     skip_invalid: bool = False
-    keep_empty: bool = False
+    reject_empty: bool = False
+    """Treat a document without tokens as bad input (stop, or skip it with `skip_invalid`) instead of
+    writing it as an empty document, as Megatron-LM does."""
     batch_bytes: int = 1 << 18
     """Lines are sent to workers in batches of about this many bytes (or `batch_lines` lines); an
     input too small to give every worker several such batches is cut finer (see `_batch_bytes`).
@@ -85,8 +87,6 @@ class PreprocessConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if not self.json_keys:
             raise ValueError("--json-keys needs at least one key")
-        if self.skip_invalid and self.keep_empty:
-            raise ValueError("--keep-empty and --skip-invalid disagree about empty documents; pass one")
 
     @property
     def level(self) -> str:
@@ -103,6 +103,7 @@ class PreprocessReport:
 
     outputs: list[str]
     documents: int = 0
+    empty_documents: int = 0  # of `documents`, those written without tokens
     sequences: int = 0
     tokens: int = 0
     input_bytes: int = 0
@@ -116,7 +117,7 @@ class PreprocessReport:
         return (
             f"Done: {self.documents} documents, {self.sequences} sequences, {self.tokens} tokens "
             f"from {self.input_bytes / 1e6:.1f} MB in {self.seconds:.1f} s ({rate:.1f} MB/s); "
-            f"skipped {skipped} lines" + (f" ({reasons})" if reasons else "")
+            f"{self.empty_documents} empty documents; skipped {skipped} lines" + (f" ({reasons})" if reasons else "")
             + f"; wrote {', '.join(p + '.bin/.idx' for p in self.outputs)}"
         )
 
@@ -199,6 +200,7 @@ class _KeyResult:
 class _BatchResult:
     keys: dict[str, _KeyResult]
     document_lines: numpy.ndarray  # line offset within the batch of each document written
+    empty_documents: int  # of those, how many have no tokens (in some json key)
     errors: list[tuple[int, str]]  # (line offset, reason), in line order
 
 
@@ -229,6 +231,7 @@ def _encode_lines(lines: list[bytes]) -> _BatchResult:
         parsed = [(o, k) for o, k in parsed if o != bad_line]
 
     eod = tokenizer.eod if config.append_eod else None
+    empty_documents = 0
     documents: list[tuple[int, list[tuple[list[list[int]], list[int]]]]] = []
     it = iter(ids)
     for offset, per_key in parsed:
@@ -241,9 +244,14 @@ def _encode_lines(lines: list[bytes]) -> _BatchResult:
                 pieces.append([eod])
                 lengths[-1] += 1
             docs_for_keys.append((pieces, lengths))
-        if not config.keep_empty and any(not lengths for _, lengths in docs_for_keys):
-            errors[offset] = "empty document: no tokens (--keep-empty writes it as Megatron-LM does)"
+        empty_keys = [key for key, (_, lengths) in zip(config.json_keys, docs_for_keys) if not lengths]
+        if empty_keys and config.reject_empty:
+            errors[offset] = (
+                f"empty document: no tokens in {empty_keys[0]!r} (refused by --reject-empty; without it the "
+                "line is written as an empty document, as Megatron-LM does)"
+            )
             continue
+        empty_documents += bool(empty_keys)
         documents.append((offset, docs_for_keys))
 
     dtype = _WORKER["dtype"]
@@ -261,6 +269,7 @@ def _encode_lines(lines: list[bytes]) -> _BatchResult:
     return _BatchResult(
         keys=keys,
         document_lines=numpy.array([offset for offset, _ in documents], dtype=numpy.int64),
+        empty_documents=empty_documents,
         errors=sorted(errors.items()),
     )
 
@@ -573,6 +582,7 @@ def preprocess(config: PreprocessConfig) -> PreprocessReport:
                         _write(builders[key], key_result, partition_of_doc)
                 first = result.keys[config.json_keys[0]]
                 report.documents += len(result.document_lines)
+                report.empty_documents += result.empty_documents
                 report.sequences += len(first.sequence_lengths)
                 report.tokens += len(first.tokens)
                 progress.update(report.documents, report.input_bytes, report.tokens, batch.position)
@@ -623,11 +633,17 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument(
         "--skip-invalid", action="store_true",
         help="skip (and count) malformed lines, lines without a json key, non-string values, invalid "
-        "UTF-8 and empty documents instead of stopping at the first with file:line",
+        "UTF-8 and, with --reject-empty, empty documents instead of stopping at the first with file:line",
     )
-    group.add_argument(
+    empty = group.add_mutually_exclusive_group()
+    empty.add_argument(
+        "--reject-empty", action="store_true",
+        help="stop at the first document with no tokens, naming its file:line (or skip it with "
+        "--skip-invalid); by default it is written as an empty document, as Megatron-LM does",
+    )
+    empty.add_argument(
         "--keep-empty", action="store_true",
-        help="write documents that have no tokens as empty documents, as Megatron-LM does",
+        help="accepted for old scripts: empty documents are written by default",
     )
     group = parser.add_argument_group(title="output data")
     group.add_argument("--output-prefix", required=True, help="path prefix of the outputs, without suffix")
@@ -673,6 +689,6 @@ def main(argv: list[str] | None = None) -> int:
         keep_sequential_samples=args.keep_sequential_samples,
         log_interval=args.log_interval,
         skip_invalid=args.skip_invalid,
-        keep_empty=args.keep_empty,
+        reject_empty=args.reject_empty,
     ))
     return 0
