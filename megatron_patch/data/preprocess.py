@@ -29,8 +29,8 @@ import multiprocessing
 import os
 import signal
 import sys
-import time
 import threading
+import time
 import traceback
 from collections import Counter, deque
 from contextlib import contextmanager, suppress
@@ -43,9 +43,9 @@ import numpy
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
 from megatron_patch.data.jsonl import InputError, expand_inputs, open_input
-from megatron_patch.errors import UserError, one_line_errors
 from megatron_patch.data.progress import Progress
 from megatron_patch.data.sentences import SentenceSplitter
+from megatron_patch.errors import UserError, one_line_errors
 from megatron_patch.tokenizer import (
     add_tokenizer_args,
     build_tokenizer,
@@ -117,8 +117,8 @@ class PreprocessReport:
         return (
             f"Done: {self.documents} documents, {self.sequences} sequences, {self.tokens} tokens "
             f"from {self.input_bytes / 1e6:.1f} MB in {self.seconds:.1f} s ({rate:.1f} MB/s); "
-            f"{self.empty_documents} empty documents; skipped {skipped} lines" + (f" ({reasons})" if reasons else "")
-            + f"; wrote {', '.join(p + '.bin/.idx' for p in self.outputs)}"
+            f"{self.empty_documents} empty documents; skipped {skipped} lines"
+            + (f" ({reasons})" if reasons else "") + f"; wrote {', '.join(p + '.bin/.idx' for p in self.outputs)}"
         )
 
 
@@ -610,7 +610,6 @@ def preprocess(config: PreprocessConfig) -> PreprocessReport:
     report.seconds = time.perf_counter() - start
     progress.close(report.summary())
     return report
-
 
 
 def build_parser() -> argparse.ArgumentParser:
