@@ -1,5 +1,6 @@
 """preprocess_data: round trips, Megatron-LM's bytes, the file format, and bad input."""
 
+import functools
 import glob
 import gzip
 import io
@@ -22,6 +23,7 @@ from megatron_patch.data.jsonl import InputError
 from megatron_patch.data.preprocess import PreprocessConfig, main, preprocess
 from megatron_patch.data.progress import Progress
 from megatron_patch.data.sentences import SentenceSplitter
+from megatron_patch.errors import UserError
 from megatron_patch.tokenizer import TokenizerFileError, build_tokenizer, register_tokenizer
 from megatron_patch.tokenizer.null import NullTokenizer
 
@@ -66,6 +68,12 @@ def _megatron_lm_reference(tokenizer, texts, prefix, append_eod, partitions, dty
         merged.add_index(part_prefix)
     merged.finalize(prefix + ".idx")
     return prefix
+
+
+def _megatron_lm_sentences(split, text):
+    """The sentences Megatron-LM's `--split-sentences` step writes for `text`: `split`'s, over
+    1,000,000-character chunks; an empty text has no chunk, so no sentence."""
+    return [s for i in range(0, len(text), 1_000_000) for s in split(text[i : i + 1_000_000])]
 
 
 def _read_documents(prefix):
@@ -209,7 +217,7 @@ BAD_LINES = {
     "missing key": json.dumps({"body": "1 2"}).encode() + b"\n",
     "not a string": json.dumps({"text": 12}).encode() + b"\n",
     "invalid UTF-8": b'{"text": "1 \xff 2"}\n',
-    "empty document": json.dumps({"text": ""}).encode() + b"\n",
+    "empty document": json.dumps({"text": ""}).encode() + b"\n",  # bad input with --reject-empty only
 }
 
 
@@ -229,7 +237,7 @@ def test_bad_line_names_file_and_line_and_leaves_no_output(tmp_path, reason):
     path = tmp_path / "in.jsonl"
     path.write_bytes(GOOD * 7 + BAD_LINES[reason] + GOOD * 5)
     with pytest.raises(InputError, match=rf"in.jsonl:8: {reason}"):
-        preprocess(_null_config(path, tmp_path / "out"))
+        preprocess(_null_config(path, tmp_path / "out", reject_empty=True))
     assert _no_outputs(tmp_path)
 
 
@@ -237,17 +245,36 @@ def test_bad_line_names_file_and_line_and_leaves_no_output(tmp_path, reason):
 def test_skip_invalid_skips_and_counts(tmp_path, reason):
     path = tmp_path / "in.jsonl"
     path.write_bytes(GOOD * 7 + BAD_LINES[reason] + GOOD * 5)
-    report = preprocess(_null_config(path, tmp_path / "out", skip_invalid=True))
+    report = preprocess(_null_config(path, tmp_path / "out", skip_invalid=True, reject_empty=True))
     assert report.skipped == {reason: 1} and report.documents == 12
     assert _read_documents(str(tmp_path / "out_text_document")) == [[[1, 2, 3]]] * 12
     assert f"skipped 1 lines (1 {reason})" in report.summary()
 
 
-def test_keep_empty_writes_an_empty_document_like_megatron_lm(tmp_path):
+def test_an_empty_document_is_written_and_counted_like_megatron_lm(tmp_path):
     path = tmp_path / "in.jsonl"
     path.write_bytes(GOOD + BAD_LINES["empty document"] + GOOD)
-    preprocess(_null_config(path, tmp_path / "out", keep_empty=True))
-    assert _read_documents(str(tmp_path / "out_text_document")) == [[[1, 2, 3]], [], [[1, 2, 3]]]
+    report = preprocess(_null_config(path, tmp_path / "out", append_eod=True))
+    # Megatron-LM adds it with no sequence, and no eod: eod only ends a document that has tokens.
+    assert _read_documents(str(tmp_path / "out_text_document")) == [[[1, 2, 3, 100]], [], [[1, 2, 3, 100]]]
+    assert report.documents == 3 and report.empty_documents == 1 and not report.skipped
+    assert "; 1 empty documents;" in report.summary()
+
+
+def test_reject_empty_names_the_line_through_the_command_line(tmp_path, capsys):
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(GOOD + BAD_LINES["empty document"] + GOOD)
+    argv = ["--input", str(path), "--output-prefix", str(tmp_path / "out"), "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "100", "--workers", "2", "--reject-empty"]
+    assert main(argv) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"megatron-patch preprocess-data: error: {path}:2: empty document: no tokens in 'text' (refused by "
+        "--reject-empty; without it the line is written as an empty document, as Megatron-LM does)"
+    )
+    assert _no_outputs(tmp_path)
+    with pytest.raises(SystemExit):
+        main(argv + ["--keep-empty"])
+    assert "--keep-empty: not allowed with argument --reject-empty" in capsys.readouterr().err
 
 
 def test_missing_input_and_bad_vocab_are_clear_errors(assets, tmp_path, capsys):
@@ -304,7 +331,7 @@ def test_dead_worker_fails_the_run(tmp_path):
     path.write_bytes(GOOD * 10 + json.dumps({"text": "99"}).encode() + b"\n" + GOOD * 10)
     config = _null_config(path, tmp_path / "out")
     config.tokenizer_type = "_DyingTokenizer"
-    with pytest.raises(RuntimeError, match="worker died"):
+    with pytest.raises(UserError, match=r"^worker process \d+ exited with status 9; nothing was written"):
         preprocess(config)
     assert _no_outputs(tmp_path)
 
@@ -346,24 +373,36 @@ CLI_CASES = {
 @pytest.mark.parametrize("case", sorted(CLI_CASES))
 def test_command_line_tool_writes_megatron_lm_bytes(assets, tmp_path, case):
     tokenizer_type, flags, split, append_eod, partitions, level = CLI_CASES[case]
+    if level == "sentence":
+        split = functools.partial(_megatron_lm_sentences, split)
     options = assets.options[tokenizer_type]
+    # Real corpora have documents without tokens, which Megatron-LM writes as empty documents and
+    # goes on: an empty text, first and last too, and whitespace (no sentence to split it into).
+    texts = list(assets.texts)
+    for position, text in [(0, ""), (7, ""), (8, ""), (50, " \n\n  "), (len(texts) + 4, "")]:
+        texts.insert(position, text)
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
     prefix = str(tmp_path / "out" / "corpus")
-    command = [sys.executable, os.path.join(ROOT, "toolkits", "preprocess_data.py"), "--input", assets.corpus,
+    command = [sys.executable, os.path.join(ROOT, "toolkits", "preprocess_data.py"), "--input", str(corpus),
                "--output-prefix", prefix, "--tokenizer-type", tokenizer_type, "--json-keys", "text",
                "--workers", "2", *(flag.format(**options) for flag in flags)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     out = f"{prefix}_text_{level}"
-    assert f"Done: {len(assets.texts)} documents" in result.stderr
     assert sorted(os.listdir(tmp_path / "out")) == [f"corpus_text_{level}.bin", f"corpus_text_{level}.idx"]
 
     tokenizer = build_tokenizer(tokenizer_type, **options)
+    documents = [split(t) for t in texts]
     reference = _megatron_lm_reference(
-        tokenizer, [split(t) for t in assets.texts], str(tmp_path / "reference"), append_eod, partitions,
+        tokenizer, documents, str(tmp_path / "reference"), append_eod, partitions,
         DType.optimal_dtype(tokenizer.vocab_size),
     )
     _assert_same_bytes(out, reference)
+    empty = sum(not any(tokenizer.tokenize(s) for s in sentences) for sentences in documents)
+    assert empty >= 4 and f"Done: {len(texts)} documents" in result.stderr
+    assert f"; {empty} empty documents;" in result.stderr
 
 
 def test_keep_newlines_keeps_the_whitespace_between_sentences(assets, tmp_path):

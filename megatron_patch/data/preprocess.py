@@ -5,15 +5,16 @@
         --append-eod --workers 8
 
 writes `data/corpus_text_document.bin/.idx` (`_sentence` with `--split-sentences`), byte for byte
-what Megatron-LM writes for the same tokenizer, flags and input (empty documents aside: see
-`--keep-empty`). Differences, all deliberate:
+what Megatron-LM writes for the same tokenizer, flags and input, documents without tokens included
+(written as empty documents and counted; `--reject-empty` refuses them). Differences, all deliberate:
 - Tokenizers run in Rust (HF `tokenizers`, `sentencepiece`; GPT-2 BPE behind a bounded cache of
   pre-tokens, see `tokenizer/gpt2.py`) over batches of lines; the main process only reads raw
   lines and writes token bytes, so memory is bounded by the batches in flight, not by the corpus.
 - Bad input stops the run with `file:line: reason` (or is skipped and counted with
-  `--skip-invalid`); a dead worker fails the run instead of hanging or exiting 0.
-- Outputs are written under temporary names and renamed when complete: an interrupted run
-  leaves no `.bin/.idx` that look valid.
+  `--skip-invalid`). A worker that dies (out of memory, `kill -9`) fails the run at once with one
+  line saying how it died, instead of hanging; SIGTERM stops the run and its workers.
+- Outputs are written under temporary names and renamed when complete: a failed or interrupted
+  run leaves no `.bin/.idx` that look valid, and earlier outputs under the final names untouched.
 - `--split-sentences` needs no nltk download (see `sentences.py`), works with one partition, and
   every `--json-keys` key gets its `.idx` (Megatron-LM finalizes only the last key's).
 - `--input` may be a glob and `.gz` with any `--partitions`; partitions are handled in one pass
@@ -28,11 +29,14 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 import time
+import traceback
 from collections import Counter, deque
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from queue import SimpleQueue
 from typing import Any, Iterator
 
 import numpy
@@ -41,6 +45,7 @@ from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 from megatron_patch.data.jsonl import InputError, expand_inputs, open_input
 from megatron_patch.data.progress import Progress
 from megatron_patch.data.sentences import SentenceSplitter
+from megatron_patch.errors import UserError, one_line_errors
 from megatron_patch.tokenizer import (
     add_tokenizer_args,
     build_tokenizer,
@@ -66,7 +71,9 @@ class PreprocessConfig:
     keep_sequential_samples: bool = False
     log_interval: int = 1000
     skip_invalid: bool = False
-    keep_empty: bool = False
+    reject_empty: bool = False
+    """Treat a document without tokens as bad input (stop, or skip it with `skip_invalid`) instead of
+    writing it as an empty document, as Megatron-LM does."""
     batch_bytes: int = 1 << 18
     """Lines are sent to workers in batches of about this many bytes (or `batch_lines` lines); an
     input too small to give every worker several such batches is cut finer (see `_batch_bytes`).
@@ -80,8 +87,6 @@ class PreprocessConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if not self.json_keys:
             raise ValueError("--json-keys needs at least one key")
-        if self.skip_invalid and self.keep_empty:
-            raise ValueError("--keep-empty and --skip-invalid disagree about empty documents; pass one")
 
     @property
     def level(self) -> str:
@@ -98,6 +103,7 @@ class PreprocessReport:
 
     outputs: list[str]
     documents: int = 0
+    empty_documents: int = 0  # of `documents`, those written without tokens
     sequences: int = 0
     tokens: int = 0
     input_bytes: int = 0
@@ -111,8 +117,8 @@ class PreprocessReport:
         return (
             f"Done: {self.documents} documents, {self.sequences} sequences, {self.tokens} tokens "
             f"from {self.input_bytes / 1e6:.1f} MB in {self.seconds:.1f} s ({rate:.1f} MB/s); "
-            f"skipped {skipped} lines" + (f" ({reasons})" if reasons else "")
-            + f"; wrote {', '.join(p + '.bin/.idx' for p in self.outputs)}"
+            f"{self.empty_documents} empty documents; skipped {skipped} lines"
+            + (f" ({reasons})" if reasons else "") + f"; wrote {', '.join(p + '.bin/.idx' for p in self.outputs)}"
         )
 
 
@@ -194,6 +200,7 @@ class _KeyResult:
 class _BatchResult:
     keys: dict[str, _KeyResult]
     document_lines: numpy.ndarray  # line offset within the batch of each document written
+    empty_documents: int  # of those, how many have no tokens (in some json key)
     errors: list[tuple[int, str]]  # (line offset, reason), in line order
 
 
@@ -224,6 +231,7 @@ def _encode_lines(lines: list[bytes]) -> _BatchResult:
         parsed = [(o, k) for o, k in parsed if o != bad_line]
 
     eod = tokenizer.eod if config.append_eod else None
+    empty_documents = 0
     documents: list[tuple[int, list[tuple[list[list[int]], list[int]]]]] = []
     it = iter(ids)
     for offset, per_key in parsed:
@@ -236,9 +244,14 @@ def _encode_lines(lines: list[bytes]) -> _BatchResult:
                 pieces.append([eod])
                 lengths[-1] += 1
             docs_for_keys.append((pieces, lengths))
-        if not config.keep_empty and any(not lengths for _, lengths in docs_for_keys):
-            errors[offset] = "empty document: no tokens (--keep-empty writes it as Megatron-LM does)"
+        empty_keys = [key for key, (_, lengths) in zip(config.json_keys, docs_for_keys) if not lengths]
+        if empty_keys and config.reject_empty:
+            errors[offset] = (
+                f"empty document: no tokens in {empty_keys[0]!r} (refused by --reject-empty; without it the "
+                "line is written as an empty document, as Megatron-LM does)"
+            )
             continue
+        empty_documents += bool(empty_keys)
         documents.append((offset, docs_for_keys))
 
     dtype = _WORKER["dtype"]
@@ -256,8 +269,46 @@ def _encode_lines(lines: list[bytes]) -> _BatchResult:
     return _BatchResult(
         keys=keys,
         document_lines=numpy.array([offset for offset, _ in documents], dtype=numpy.int64),
+        empty_documents=empty_documents,
         errors=sorted(errors.items()),
     )
+
+
+@dataclass
+class _WorkerFailure:
+    """An exception a worker raised: a bug, since `_encode_lines` reports bad input line by line."""
+
+    summary: str
+    traceback: str
+
+
+class _WorkerTraceback(Exception):
+    """A worker's traceback, shown as the cause of the error it raised in the main process."""
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+def _work(conn: Connection, inherited: list[Connection], config: PreprocessConfig, dtype: type) -> None:
+    """A worker's loop: batches of lines in through `conn`, results out, until the main process
+    closes its end or dies (both read as EOF)."""
+    # The main process's ends of this worker's pipe and of those forked before: held open here,
+    # they would hide the main process's death from the workers.
+    for other in inherited:
+        other.close()
+    # Ctrl-C reaches the whole process group and SIGTERM may too; the main process alone decides,
+    # and stops its workers. Forked, a worker would otherwise run the main process's SIGTERM handler.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        _init_worker(config, dtype)
+        while True:
+            conn.send(_encode_lines(conn.recv()))
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        return
+    except BaseException as error:
+        with suppress(OSError):
+            conn.send(_WorkerFailure(f"{type(error).__name__}: {error}", traceback.format_exc()))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,6 +355,124 @@ def _read_batches(paths: list[str], config: PreprocessConfig) -> Iterator[_Batch
         done_bytes += os.path.getsize(path)
 
 
+@dataclass
+class _InFlight:
+    batch: _Batch
+    result: _BatchResult | None = None
+
+
+class _Worker:
+    """One forked worker process, the main process's end of its pipe, and a thread sending it batches.
+
+    Batches go through a thread because a send blocks while the worker is busy and the batch is
+    larger than the pipe's buffer: blocked there, the main process would not read the result the
+    worker is sending back, and each would wait for the other.
+    """
+
+    def __init__(self, context, config: PreprocessConfig, dtype: type, earlier: list["_Worker"]):
+        self.conn, child = context.Pipe()
+        self.process = context.Process(
+            target=_work, args=(child, [self.conn] + [w.conn for w in earlier], config, dtype), daemon=True
+        )
+        self.process.start()
+        # The worker now holds the only other end: its death reads as EOF here, and a send to it fails.
+        child.close()
+        self.outbox: SimpleQueue = SimpleQueue()
+        self.sender = threading.Thread(target=self._send_all, daemon=True)
+        self.awaiting: deque[_InFlight] = deque()  # sent, result not yet received, in order
+
+    def _send_all(self) -> None:
+        while (lines := self.outbox.get()) is not None:
+            try:
+                self.conn.send(lines)
+            except OSError:
+                return  # the worker is gone; `receive` says how
+
+    def submit(self, entry: _InFlight) -> None:
+        self.awaiting.append(entry)
+        self.outbox.put(entry.batch.lines)
+
+    def receive(self) -> None:
+        """Receive the oldest awaited result; a dead worker is a UserError saying how it died."""
+        try:
+            message = self.conn.recv()
+        except (EOFError, OSError):
+            raise UserError(
+                f"{self.fate()}; nothing was written: re-run, with fewer --workers if memory ran out"
+            ) from None
+        if isinstance(message, _WorkerFailure):
+            raise RuntimeError(f"worker process {self.process.pid}: {message.summary}") from _WorkerTraceback(
+                message.traceback
+            )
+        self.awaiting.popleft().result = message
+
+    def fate(self) -> str:
+        """How the worker ended, e.g. `worker process 12345 was killed by signal 9 (SIGKILL ...)`."""
+        self.process.join(timeout=10)  # it closed its pipe by exiting: reaped at once
+        code, name = self.process.exitcode, f"worker process {self.process.pid}"
+        if code is None:
+            return f"{name} closed its pipe but is still running"
+        if code >= 0:
+            return f"{name} exited with status {code}"
+        fate = f"{name} was killed by signal {-code} ({signal.Signals(-code).name}"
+        return fate + ("; the kernel's out-of-memory killer sends it, see dmesg)" if -code == signal.SIGKILL else ")")
+
+
+class _Workers:
+    """`config.workers` forked processes that encode batches; leaving the `with` block stops them,
+    at once (SIGKILL) when it is left by an exception.
+
+        with _Workers(config, dtype) as workers:
+            for batch, result in workers.encode(_read_batches(paths, config)):
+                ...
+    """
+
+    def __init__(self, config: PreprocessConfig, dtype: type):
+        # fork: workers start in milliseconds instead of re-importing torch and megatron-core.
+        context = multiprocessing.get_context("fork")
+        self.workers: list[_Worker] = []
+        for _ in range(config.workers):
+            self.workers.append(_Worker(context, config, dtype, self.workers))
+        # Threads start after the last fork: a fork copies the locks other threads hold, never released.
+        for worker in self.workers:
+            worker.sender.start()
+
+    def __enter__(self) -> "_Workers":
+        return self
+
+    def __exit__(self, error_type, *_) -> None:
+        for worker in self.workers:
+            worker.outbox.put(None)
+            if error_type is not None:
+                worker.process.kill()
+        for worker in self.workers:
+            worker.sender.join()
+            worker.conn.close()  # an idle worker reads EOF and exits
+        for worker in self.workers:
+            worker.process.join()
+
+    def encode(self, batches: Iterator[_Batch]) -> Iterator[tuple[_Batch, _BatchResult]]:
+        """Yield each batch with its result, in input order, keeping about 2 per worker in flight,
+        each sent to the worker with the fewest waiting."""
+        in_flight: deque[_InFlight] = deque()
+        for batch in batches:
+            in_flight.append(_InFlight(batch))
+            min(self.workers, key=lambda w: len(w.awaiting)).submit(in_flight[-1])
+            if len(in_flight) > 2 * len(self.workers):
+                yield self._oldest(in_flight)
+        while in_flight:
+            yield self._oldest(in_flight)
+
+    def _oldest(self, in_flight: deque[_InFlight]) -> tuple[_Batch, _BatchResult]:
+        """Receive results as they come until the oldest batch's is in; pop it."""
+        while in_flight[0].result is None:
+            busy = {worker.conn: worker for worker in self.workers if worker.awaiting}
+            for conn in wait(list(busy)):
+                busy[conn].receive()
+        done = in_flight.popleft()
+        return done.batch, done.result
+
+
 def _count_lines(paths: list[str]) -> int:
     total = 0
     for path in paths:
@@ -337,6 +506,17 @@ def _write(builders: list[IndexedDatasetBuilder], result: _KeyResult, partition_
             for d in docs
         ]
         _append(builder, numpy.concatenate(tokens), numpy.concatenate(lengths), result.document_sequences[docs])
+
+
+@contextmanager
+def _naming(path: str) -> Iterator[None]:
+    """Name `path` in an OSError that names no file, as a failed write's (a full disk) does not."""
+    try:
+        yield
+    except OSError as error:
+        if error.filename is None:
+            error.filename = path
+        raise
 
 
 def _remove(*paths: str) -> None:
@@ -383,69 +563,53 @@ def preprocess(config: PreprocessConfig) -> PreprocessReport:
     progress = Progress(sum(os.path.getsize(p) for p in paths), config.log_interval)
     builders: dict[str, list[IndexedDatasetBuilder]] = {}
     try:
+        with _Workers(config, dtype) as workers:
+            # Opened after the fork, so that no worker holds the outputs open.
+            for key, prefixes in part_prefixes.items():
+                builders[key] = [IndexedDatasetBuilder(p + ".bin", dtype=dtype) for p in prefixes]
+            for batch, result in workers.encode(_read_batches(paths, config)):
+                report.input_bytes += batch.nbytes
+                for offset, reason in result.errors:
+                    if not config.skip_invalid:
+                        raise InputError(f"{batch.path}:{batch.first_line + offset}: {reason}")
+                    report.skipped[reason.split(":")[0]] += 1
+                global_lines = batch.global_line + result.document_lines
+                partition_of_doc = (
+                    global_lines // sequential_size if sequential_size else global_lines % config.partitions
+                )
+                for key, key_result in result.keys.items():
+                    with _naming(finals[key] + ".bin"):
+                        _write(builders[key], key_result, partition_of_doc)
+                first = result.keys[config.json_keys[0]]
+                report.documents += len(result.document_lines)
+                report.empty_documents += result.empty_documents
+                report.sequences += len(first.sequence_lengths)
+                report.tokens += len(first.tokens)
+                progress.update(report.documents, report.input_bytes, report.tokens, batch.position)
         for key, prefixes in part_prefixes.items():
-            builders[key] = [IndexedDatasetBuilder(p + ".bin", dtype=dtype) for p in prefixes]
-        for batch, result in _encode_in_pool(_read_batches(paths, config), config, dtype):
-            report.input_bytes += batch.nbytes
-            for offset, reason in result.errors:
-                if not config.skip_invalid:
-                    raise InputError(f"{batch.path}:{batch.first_line + offset}: {reason}")
-                report.skipped[reason.split(":")[0]] += 1
-            global_lines = batch.global_line + result.document_lines
-            partition_of_doc = (
-                global_lines // sequential_size if sequential_size else global_lines % config.partitions
-            )
-            for key, key_result in result.keys.items():
-                _write(builders[key], key_result, partition_of_doc)
-            first = result.keys[config.json_keys[0]]
-            report.documents += len(result.document_lines)
-            report.sequences += len(first.sequence_lengths)
-            report.tokens += len(first.tokens)
-            progress.update(report.documents, report.input_bytes, report.tokens, batch.position)
-        for key, prefixes in part_prefixes.items():
-            for builder, prefix in zip(builders[key], prefixes):
-                builder.finalize(prefix + ".idx")
-            if config.partitions > 1:
-                # Merged in partition order, exactly as Megatron-LM merges its partition files.
-                merged = IndexedDatasetBuilder(finals[key] + tmp + ".bin", dtype=dtype)
-                builders[key].append(merged)
-                for prefix in prefixes:
-                    merged.add_index(prefix)
-                merged.finalize(finals[key] + tmp + ".idx")
+            with _naming(f"{finals[key]}.bin/.idx"):
+                for builder, prefix in zip(builders[key], prefixes):
+                    builder.finalize(prefix + ".idx")
+                if config.partitions > 1:
+                    # Merged in partition order, exactly as Megatron-LM merges its partition files.
+                    merged = IndexedDatasetBuilder(finals[key] + tmp + ".bin", dtype=dtype)
+                    builders[key].append(merged)
+                    for prefix in prefixes:
+                        merged.add_index(prefix)
+                    merged.finalize(finals[key] + tmp + ".idx")
         for final in finals.values():
             _publish(final + tmp, final)
     finally:
         for key, prefixes in part_prefixes.items():
             for builder in builders.get(key, []):
-                builder.data_file.close()
+                # On a full disk closing flushes, and fails, again; the file goes anyway.
+                with suppress(OSError):
+                    builder.data_file.close()
             for prefix in prefixes + [finals[key] + tmp]:
                 _remove(prefix + ".bin", prefix + ".idx")
     report.seconds = time.perf_counter() - start
     progress.close(report.summary())
     return report
-
-
-def _encode_in_pool(batches: Iterator[_Batch], config: PreprocessConfig, dtype) -> Iterator[tuple[_Batch, _BatchResult]]:
-    """Yield each batch with its result, in input order, keeping a bounded number in flight."""
-    # fork: workers start in milliseconds instead of re-importing torch and megatron-core.
-    context = multiprocessing.get_context("fork")
-    pool = ProcessPoolExecutor(config.workers, mp_context=context, initializer=_init_worker, initargs=(config, dtype))
-    pending: deque = deque()
-    try:
-        for batch in batches:
-            pending.append((batch, pool.submit(_encode_lines, batch.lines)))
-            if len(pending) > 2 * config.workers:
-                done, future = pending.popleft()
-                yield done, future.result()
-        while pending:
-            done, future = pending.popleft()
-            yield done, future.result()
-    except BrokenProcessPool:
-        raise RuntimeError(
-            "a preprocessing worker died (killed, or out of memory?); no output was written"
-        ) from None
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -468,11 +632,17 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument(
         "--skip-invalid", action="store_true",
         help="skip (and count) malformed lines, lines without a json key, non-string values, invalid "
-        "UTF-8 and empty documents instead of stopping at the first with file:line",
+        "UTF-8 and, with --reject-empty, empty documents instead of stopping at the first with file:line",
     )
-    group.add_argument(
+    empty = group.add_mutually_exclusive_group()
+    empty.add_argument(
+        "--reject-empty", action="store_true",
+        help="stop at the first document with no tokens, naming its file:line (or skip it with "
+        "--skip-invalid); by default it is written as an empty document, as Megatron-LM does",
+    )
+    empty.add_argument(
         "--keep-empty", action="store_true",
-        help="write documents that have no tokens as empty documents, as Megatron-LM does",
+        help="accepted for old scripts: empty documents are written by default",
     )
     group = parser.add_argument_group(title="output data")
     group.add_argument("--output-prefix", required=True, help="path prefix of the outputs, without suffix")
@@ -495,31 +665,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@one_line_errors("megatron-patch preprocess-data", expected=(UserError, OSError, ValueError))
 def main(argv: list[str] | None = None) -> int:
-    """The `preprocess_data` command; exit status 1 with one `error:` line on bad input."""
+    """The `preprocess_data` command; exit status 1 with one `error:` line on bad input, a dead
+    worker or a full disk (the traceback too with MEGATRON_PATCH_DEBUG=1)."""
     args = build_parser().parse_args(argv)
-    # A SIGTERM (a scheduler's timeout) unwinds like Ctrl-C, so temporary files are removed.
+    # A SIGTERM (a scheduler's timeout) unwinds like Ctrl-C: the workers are stopped and the
+    # temporary files removed.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    try:
-        config = PreprocessConfig(
-            input=args.input,
-            output_prefix=args.output_prefix,
-            tokenizer_type=args.tokenizer_type,
-            tokenizer_options=tokenizer_options(args),
-            json_keys=args.json_keys,
-            append_eod=args.append_eod,
-            split_sentences=args.split_sentences,
-            keep_newlines=args.keep_newlines,
-            lang=args.lang,
-            workers=args.workers,
-            partitions=args.partitions,
-            keep_sequential_samples=args.keep_sequential_samples,
-            log_interval=args.log_interval,
-            skip_invalid=args.skip_invalid,
-            keep_empty=args.keep_empty,
-        )
-        preprocess(config)
-    except (ValueError, RuntimeError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
+    preprocess(PreprocessConfig(
+        input=args.input,
+        output_prefix=args.output_prefix,
+        tokenizer_type=args.tokenizer_type,
+        tokenizer_options=tokenizer_options(args),
+        json_keys=args.json_keys,
+        append_eod=args.append_eod,
+        split_sentences=args.split_sentences,
+        keep_newlines=args.keep_newlines,
+        lang=args.lang,
+        workers=args.workers,
+        partitions=args.partitions,
+        keep_sequential_samples=args.keep_sequential_samples,
+        log_interval=args.log_interval,
+        skip_invalid=args.skip_invalid,
+        reject_empty=args.reject_empty,
+    ))
     return 0
