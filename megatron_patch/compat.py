@@ -14,6 +14,7 @@ happens on a GPU. See ``shared/notes/megatron-core-on-cpu.md`` for the survey be
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import importlib.abc
 import importlib.machinery
@@ -21,6 +22,9 @@ import importlib.metadata
 import importlib.util
 import inspect
 import logging
+import multiprocessing
+import multiprocessing.managers
+import signal
 import sys
 import textwrap
 import types
@@ -380,11 +384,47 @@ def apply() -> None:
     """
     global _fallback_fixes_applied
     apply_cpu_shim()
+    _writer_queue_dies_with_its_process()
     if not _fallback_fixes_applied and not (transformer_engine_available() or apex_available()):
         _skip_step_on_optimizer_load()
         _save_a_zero_optimizer_step()
         _fallback_fixes_applied = True
 
+
+
+def die_with_parent() -> None:
+    """Have the kernel SIGKILL this process when the thread that started it ends (Linux's PR_SET_PDEATHSIG);
+    elsewhere nothing. A parent that died before this call is not noticed.
+
+    Example::
+
+        >>> die_with_parent()    # first thing in a child process that must not outlive its parent
+    """
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1  # <linux/prctl.h>
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL))
+
+
+def _writer_queue_dies_with_its_process() -> None:
+    """Start the process serving dist_checkpointing's results queue with ``die_with_parent`` (checked on
+    megatron-core 0.16.1).
+
+    megatron-core's checkpoint writers report through a queue of a ``multiprocessing`` Manager that it spawns on
+    the first torch_dist save (dist_checkpointing/strategies/filesystem_async.py:51-56, ``ctx.Manager().Queue()``).
+    Nothing ends that server when its process is killed (SIGKILL, the OOM killer, a scheduler's end of the grace
+    period): each killed rank left one behind, about 370 MB, for good. The queue is made here from the thread that
+    saves (the main thread), which the death signal follows.
+    """
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    def get_write_results_queue():
+        if filesystem_async._results_queue is None:
+            manager = multiprocessing.managers.SyncManager(ctx=multiprocessing.get_context("spawn"))
+            manager.start(initializer=die_with_parent)
+            filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
+        return filesystem_async._results_queue
+
+    filesystem_async._get_write_results_queue = get_write_results_queue
 
 
 _elastic_close = None  # torch's PContext.close, before shorten_elastic_shutdown wrapped it

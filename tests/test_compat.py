@@ -118,3 +118,32 @@ def test_shim_does_nothing_when_cuda_is_available():
     result = subprocess.run([sys.executable, "-c", _WITH_CUDA], capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().endswith("untouched")
+
+
+WRITER_QUEUE_USER = """
+import sys, time
+from megatron_patch import compat
+compat.apply()
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+filesystem_async._get_write_results_queue().put("ready")
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_checkpoint_writers_queue_server_dies_with_its_process():
+    """A process killed after a torch_dist save leaves no Manager server behind (megatron-core spawns one)."""
+    import psutil
+
+    process = subprocess.Popen([sys.executable, "-c", WRITER_QUEUE_USER], stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline().strip() == "ready"
+        children = psutil.Process(process.pid).children(recursive=True)
+        assert children, "the results queue is served by a process of its own"
+    finally:
+        process.kill()
+        process.wait()
+    _, alive = psutil.wait_procs(children, timeout=10)
+    for child in alive:
+        child.kill()
+    assert not alive, [child.cmdline() for child in alive]

@@ -14,7 +14,6 @@ rank ends through ``megatron_patch.distributed.exit_rank`` (a normal interpreter
 
 from __future__ import annotations
 
-import ctypes
 import importlib.util
 import os
 import signal
@@ -125,24 +124,15 @@ def _describe_failures(failures: dict) -> str:
     return "; ".join(parts)
 
 
-def _die_with_launcher() -> None:
-    """Have the kernel SIGKILL this rank when the launcher dies (Linux's PR_SET_PDEATHSIG).
-
-    torch's elastic agent starts each rank in a session of its own (elastic/multiprocessing/subprocess_handler/
-    subprocess_handler.py, ``start_new_session``), so a SIGKILL of the launcher's process group (a container's
-    teardown, a scheduler's end of the grace period) would leave the ranks running, holding their devices. A
-    launcher that died before this call leaves the rank to fail at the rendezvous: its store lived in the launcher.
-    """
-    if sys.platform.startswith("linux"):
-        pr_set_pdeathsig = 1  # <linux/prctl.h>
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL))
-
-
 def _run_rank(argv: list[str]) -> int:
     """One rank's work: the user script or the task. Returns the exit status."""
     from megatron_patch import compat
 
-    _die_with_launcher()
+    # torch's elastic agent starts each rank in a session of its own (elastic/multiprocessing/subprocess_handler/
+    # subprocess_handler.py, ``start_new_session``), so a SIGKILL of the launcher's process group (a container's
+    # teardown, a scheduler's end of the grace period) would leave the ranks running, holding their devices. A
+    # launcher that died before this call leaves the rank to fail at the rendezvous: its store lived in the launcher.
+    compat.die_with_parent()
     compat.apply()
     from megatron_patch.training import mpu
 
