@@ -166,10 +166,10 @@ def megatron_patch(*argv, timeout=300):
     return done.returncode, done.stdout, done.stderr, time.monotonic() - start
 
 
-def assert_one_line_error(stderr, *fragments):
+def assert_one_line_error(stderr, *fragments, prog="megatron-patch convert"):
     """stderr ends in the command's one-line error naming every fragment, with no traceback before it."""
     last = stderr.strip().splitlines()[-1]
-    assert last.startswith("megatron-patch convert: error: "), stderr
+    assert last.startswith(f"{prog}: error: "), stderr
     assert all(f in last for f in fragments), last
     assert "Traceback" not in stderr, stderr
 
@@ -219,11 +219,14 @@ def test_a_damaged_checkpoint_description_is_one_line(llama_checkpoint, tmp_path
     for text, fragments in cases:
         with open(args_file, "w") as f:
             f.write(text)
-        for argv in (["megatron-to-hf", "--load-dir", damaged, "--save-dir", out],
-                     ["verify", "--hf-dir", hf, "--megatron-dir", damaged]):
-            status, _, err, _ = megatron_patch("convert", *argv)
+        for argv in (["convert", "megatron-to-hf", "--load-dir", damaged, "--save-dir", out],
+                     ["convert", "verify", "--hf-dir", hf, "--megatron-dir", damaged],
+                     ["train", "--task", "pretraining", "--nproc-per-node", "1", "--load", damaged, "--mock-data",
+                      "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1"]):
+            status, _, err, _ = megatron_patch(*argv)
             assert status == 1
-            assert_one_line_error(err, args_file, *fragments, "restore megatron_patch_args.json")
+            prog = "rapidformer" if argv[0] == "train" else "megatron-patch convert"
+            assert_one_line_error(err, args_file, *fragments, "restore megatron_patch_args.json", prog=prog)
     assert not os.path.exists(out)
 
 

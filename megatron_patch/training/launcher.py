@@ -22,7 +22,7 @@ import traceback
 import types
 
 from megatron_patch.distributed import exit_rank, free_port, report_failure
-from megatron_patch.errors import UserError, debugging, describe
+from megatron_patch.errors import UserError, debugging, describe, one_line_errors
 from megatron_patch.training.arguments import parse_args
 
 _RANK_ENTRY = "--rank-entry"
@@ -173,6 +173,7 @@ def run_user_script(path: str, argv: list[str]) -> None:
     exec(code, module.__dict__)
 
 
+@one_line_errors("rapidformer")
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == [_RANK_ENTRY]:
