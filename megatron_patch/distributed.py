@@ -289,8 +289,8 @@ def report_failure(error: BaseException) -> str | None:
     many as the peer now waiting for it. What tells them apart is that a waiting rank's collective times out and a
     stopped one's does not. The healthy ranks block within about one iteration of each other (every iteration ends
     in collectives all ranks join), so their timeouts fire within that time of the first: the first waits two
-    iterations' time (measured here) and 2 s more for their marks, and the ranks still unmarked are the ones that stopped. The others wait for its report before
-    they exit: the launcher stops every rank once one has exited.
+    iterations' time (measured here) and 2 s more for their marks, and the ranks still unmarked are the ones that
+    stopped. The others wait for its report before they exit: the launcher stops every rank once one has exited.
     """
     if not torch.distributed.is_initialized():
         return None

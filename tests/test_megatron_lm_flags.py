@@ -139,7 +139,8 @@ def compose_example(rank, world_size, argv):
     norms = [m.weight.detach().abs().max().item() for n, m in model[0].named_modules()
              if n.endswith("layernorm") and getattr(m, "weight", None) is not None]
     return dict(embedding=embedding, family=family, train_iters=engine.args.train_iters,
-                warmup=scheduler.lr_warmup_steps, decay=scheduler.lr_decay_steps, overlap_grad_reduce=model[0].ddp_config.overlap_grad_reduce,
+                warmup=scheduler.lr_warmup_steps, decay=scheduler.lr_decay_steps,
+                overlap_grad_reduce=model[0].ddp_config.overlap_grad_reduce,
                 overlap_param_gather=model[0].ddp_config.overlap_param_gather,
                 grad_reduce_in_fp32=model[0].ddp_config.grad_reduce_in_fp32,
                 per_token=config.calculate_per_token_loss, ce_fusion=config.cross_entropy_loss_fusion,

@@ -5,8 +5,9 @@ The checkpoints hold a tiny random LLaMA laid out as Megatron-LM's trainer lays 
 (megatron/training/checkpointing.py at core_v0.16.1): ``iter_0000005/`` named by a tracker holding ``5``, no
 description or tokenizer directory of ours, no ``args.megatron_patch`` (our own field), ``iteration`` 5. The
 torch_dist one is saved from two tensor-parallel ranks (the model's sharded state under "model", Megatron-LM's
-common state beside it); the legacy one is a TP=2 x PP=2 conversion's ``mp_rank_TT_PPP`` files, so renamed. What a Megatron-LM save has besides (optimizer, scheduler and RNG state) the model
-does not need, and the trainer loads such a checkpoint as --finetune or --no-load-optim.
+common state beside it); the legacy one is a TP=2 x PP=2 conversion's ``mp_rank_TT_PPP`` files, so renamed. What
+a Megatron-LM save has besides (optimizer, scheduler and RNG state) the model does not need, and the trainer loads
+such a checkpoint as --finetune or --no-load-optim.
 """
 
 import argparse

@@ -399,8 +399,8 @@ def _write_tracker(root: str, iteration: int) -> None:
 
 
 def _remove_old(root: str, iteration: int, keep_last_k: int | None) -> None:
-    """Remove killed saves' ``*.tmp-*`` directories (up to ``iteration``) and, with ``keep_last_k``, all but the newest K checkpoints
-    (``iteration``, the one the tracker now names, always stays)."""
+    """Remove killed saves' ``*.tmp-*`` directories (up to ``iteration``) and, with ``keep_last_k``, all but the
+    newest K checkpoints (``iteration``, the one the tracker now names, always stays)."""
     for name in os.listdir(root):
         staging = _STAGING.match(name)
         # Later iterations' staging directories may be asynchronous saves still being written.
