@@ -8,6 +8,7 @@ import pytest
 from seed_scripts.assets import rapidformer_assets
 
 from megatron_patch.testing import run_on_ranks
+from megatron_patch.training.checkpointing import _write_tracker
 
 
 def _gpt_flags(assets, *extra):
@@ -21,14 +22,10 @@ def _gpt_flags(assets, *extra):
     ]
 
 
-def train_gpt(rank, world_size, argv, tracker_iteration=None):
+def train_gpt(rank, world_size, argv):
     from megatron_patch.training.engine import Engine
     from megatron_patch.training.tasks import MegatronGPTPretrainer
 
-    load = argv[argv.index("--load") + 1] if "--load" in argv else None
-    if tracker_iteration is not None and rank == 0:  # resume from an earlier checkpoint than the last one
-        with open(os.path.join(load, "latest_checkpointed_iteration.txt"), "w") as f:
-            f.write(str(tracker_iteration))
     trainer = MegatronGPTPretrainer(engine=Engine(argv))
     log = trainer.train()
     inner = trainer.optimizer.optimizer
@@ -68,11 +65,14 @@ def test_resume_at_another_layout_and_data_parallel_size_matches_unbroken_run(as
               "--use-distributed-optimizer"]
     unbroken = run_on_ranks(train_gpt, 2, args=(_gpt_flags(
         assets, *common, "--tensor-model-parallel-size", "2", "--save", save, "--save-interval", "3"),))
+    # Resume from an earlier checkpoint than the last one. Set before the ranks start: every rank reads the
+    # tracker while parsing its flags.
+    _write_tracker(save, 3)
     resumed = run_on_ranks(train_gpt, 2, args=(_gpt_flags(
-        assets, *common, "--pipeline-model-parallel-size", "2", "--load", save), 3))
+        assets, *common, "--pipeline-model-parallel-size", "2", "--load", save),))
     # At DP=2 (TP=PP=1) the same global batch is split over two ranks: the samples and their order stay, only
     # the summation order of the gradient reduction changes (so equal to float rounding, not bitwise).
-    data_parallel = run_on_ranks(train_gpt, 2, args=(_gpt_flags(assets, *common, "--load", save), 3))
+    data_parallel = run_on_ranks(train_gpt, 2, args=(_gpt_flags(assets, *common, "--load", save),))
     full, tail = _last_stage(unbroken)["losses"], _last_stage(resumed)["losses"]
     assert len(full) == 6 and len(tail) == 3
     assert full[-1] < full[0]

@@ -16,6 +16,7 @@ from seed_scripts.assets import rapidformer_assets
 from test_trainer_megatron import _gpt_flags
 
 from megatron_patch.testing import run_on_ranks
+from megatron_patch.training.checkpointing import _write_tracker
 
 VOCAB = 40  # the fine-tuning tests' token ids
 
@@ -117,7 +118,7 @@ class _Recording:
         self.taken: list[tuple[int, int]] = []
 
 
-def _finetune(rank, world_size, argv, resume_from=None):
+def _finetune(rank, world_size, argv):
     """Fine-tune the classifier; returns its losses, step times, printed lines and the input tokens each
     iteration's forward steps took on this rank."""
     from megatron_patch.training.engine import Engine
@@ -138,10 +139,6 @@ def _finetune(rank, world_size, argv, resume_from=None):
         def run_compute_metrics(self, model, eval_dataloader):
             return {"batches": float(len(eval_dataloader))}
 
-    if resume_from is not None and rank == 0:  # resume from an earlier checkpoint than the last one
-        load = argv[argv.index("--load") + 1]
-        with open(os.path.join(load, "latest_checkpointed_iteration.txt"), "w") as f:
-            f.write(str(resume_from))
     return _train_capturing(ClassifierFinetuner(engine=Engine(argv)))
 
 
@@ -183,7 +180,10 @@ def test_resumed_finetune_continues_its_epoch_and_counts_the_tokens_it_took(tmp_
     argv = ["--micro-batch-size", "2", "--global-batch-size", "4", "--epochs", "3", "--lr", "1e-2",
             "--log-interval", "1", "--seed", "3"]
     unbroken = run_on_ranks(_finetune, 2, args=(argv + ["--save", save, "--save-interval", "7"],), timeout=300)
-    resumed = run_on_ranks(_finetune, 2, args=(argv + ["--load", save], 7), timeout=300)
+    # Resume from an earlier checkpoint than the last one. Set before the ranks start: every rank reads the
+    # tracker while parsing its flags.
+    _write_tracker(save, 7)
+    resumed = run_on_ranks(_finetune, 2, args=(argv + ["--load", save],), timeout=300)
     full, tail = unbroken[-1]["losses"], resumed[-1]["losses"]
     assert [i for i, _ in full] == list(range(1, 16)) and [i for i, _ in tail] == list(range(8, 16))
     # Iteration 7 ended in the second epoch (7 // 5 = 1): the resumed run evaluates epochs 1 and 2 only, and
