@@ -255,11 +255,27 @@ def info_from_megatron_lm(state: dict, fmt: str, source: str) -> CheckpointInfo:
     )
 
 
+def read_tracker(root: str) -> int | str | None:
+    """The iteration in ``latest_checkpointed_iteration.txt``, ``"release"`` for a converted checkpoint, or
+    None when there is no checkpoint."""
+    path = os.path.join(root, TRACKER_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        text = f.read().strip()
+    if text == RELEASE:
+        return RELEASE
+    if not text.isdigit():
+        raise CheckpointMismatch(f"{path} holds {text!r}; expected an iteration number or {RELEASE!r}")
+    return int(text)
+
+
 def weights_dir(megatron_dir: str) -> str:
     """The iteration directory the tracker file points at (``release`` or ``iter_0000100``)."""
-    with open(os.path.join(megatron_dir, TRACKER_FILE)) as f:
-        tag = f.read().strip()
-    return os.path.join(megatron_dir, RELEASE if tag == RELEASE else f"iter_{int(tag):07d}")
+    tag = read_tracker(megatron_dir)
+    if tag is None:
+        raise FileNotFoundError(f"{megatron_dir} has no {TRACKER_FILE}")
+    return os.path.join(megatron_dir, RELEASE if tag == RELEASE else f"iter_{tag:07d}")
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -49,7 +49,7 @@ import torch
 
 from megatron_patch.convert.mcore_io import (
     RELEASE, TRACKER_FILE as TRACKER, CheckpointInfo, checkpoint_format, megatron_lm_common_state, read_info,
-    weights_dir, write_args_file,
+    read_tracker, weights_dir, write_args_file,
 )
 from megatron_patch.errors import UserError
 
@@ -87,21 +87,6 @@ def complete_iterations(root: str) -> list[int]:
         return []
     found = (_COMPLETE.fullmatch(name) for name in os.listdir(root))
     return sorted(int(m.group(1)) for m in found if m and os.path.isdir(os.path.join(root, m.group(0))))
-
-
-def read_tracker(root: str) -> int | str | None:
-    """The iteration in ``latest_checkpointed_iteration.txt``, ``"release"`` for a converted checkpoint, or
-    None when there is no checkpoint."""
-    path = os.path.join(root, TRACKER)
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        text = f.read().strip()
-    if text == RELEASE:
-        return RELEASE
-    if not text.isdigit():
-        raise ValueError(f"{path} holds {text!r}; expected an iteration number or {RELEASE!r}")
-    return int(text)
 
 
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
