@@ -262,15 +262,15 @@ def test_pair_sample_layout():
 
 def test_a_script_refuses_a_model_of_the_other_family(assets):
     from megatron_patch.tokenizer import build_tokenizer
-    from megatron_patch.training.arguments import parse_args
+    from megatron_patch.training.arguments import parse_run
     from megatron_patch.training.models import model_config_and_vocab
 
     tokenizer = build_tokenizer("BertWordPieceLowerCase", vocab_file=assets.vocab_file)
     with pytest.raises(SystemExit, match="--model-name tiny-gpt2 describes a gpt model; this trainer trains bert"):
-        model_config_and_vocab(parse_args(["--model-name", "tiny-gpt2"]), tokenizer, "bert")
+        model_config_and_vocab(parse_run(["--model-name", "tiny-gpt2"], 1)[0], tokenizer, "bert")
     # Shape flags alone make Megatron-LM's BERT in a BERT script: two segment types and the binary head.
-    config, vocab = model_config_and_vocab(parse_args(["--num-layers", "2", "--hidden-size", "32",
-                                                       "--num-attention-heads", "4", "--seq-length", "32"]),
+    config, vocab = model_config_and_vocab(parse_run(["--num-layers", "2", "--hidden-size", "32",
+                                                      "--num-attention-heads", "4", "--seq-length", "32"], 1)[0],
                                            tokenizer, "bert")
     assert (config.family, config.num_tokentypes, config.add_binary_head) == ("bert", 2, True)
     assert vocab % 128 == 0 and vocab - 128 < tokenizer.vocab_size <= vocab

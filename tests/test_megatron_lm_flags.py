@@ -125,7 +125,7 @@ def compose_example(rank, world_size, argv):
     from megatron_patch.training.tasks import pretraining_family
 
     engine = Engine(argv)
-    family = pretraining_family(engine.args)
+    family = pretraining_family(engine.config)
     chunks, info = megatron_model(engine, family=family)
     model, optimizer, scheduler = engine.compose(chunks)
     config = get_model_config(model[0])

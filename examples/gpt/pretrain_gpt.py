@@ -27,7 +27,8 @@ class GPTPretrainer(Pretrainer):
         return model, None, None  # None: megatron-core's optimizer and scheduler from the flags
 
     def train_valid_test_datasets_provider(self, train_val_test_num_samples):
-        return gpt_datasets(self.args, self.engine.tokenizer, train_val_test_num_samples)
+        return gpt_datasets(self.config.data, self.engine.tokenizer, train_val_test_num_samples,
+                            self.config.training.seed)
 
     def run_forward_step(self, data_iterator, model):
         return gpt_forward_step(data_iterator, model)

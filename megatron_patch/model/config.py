@@ -316,6 +316,43 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     return parser
 
 
+def model_flag_values(args: argparse.Namespace) -> dict:
+    """The ModelConfig fields ``args`` sets: the value flags given and the switches on.
+
+    Example::
+
+        >>> parser = add_model_arguments(argparse.ArgumentParser())
+        >>> model_flag_values(parser.parse_args(["--num-layers", "2", "--swiglu"]))
+        {'num_layers': 2, 'activation': 'swiglu'}
+    """
+    values = {field: getattr(args, field) for _, field, _ in _VALUE_FLAGS if getattr(args, field) is not None}
+    for flag, field, value in _SWITCH_FLAGS:
+        if getattr(args, f"_switch_{flag[2:].replace('-', '_')}"):
+            values[field] = value
+    return values
+
+
+def model_config_from_flags(values: dict, name: str | None = None, family: str | None = None,
+                            vocab_size: int | None = None) -> ModelConfig:
+    """The configuration ``name`` (or one from ``values`` alone) with the field ``values`` applied.
+
+    Example::
+
+        >>> model_config_from_flags({"rotary_base": 500000}, name="tiny-llama").rotary_base
+        500000
+    """
+    overrides = dict(values)
+    if vocab_size is not None:
+        overrides["vocab_size"] = vocab_size
+    if name is not None:
+        return get_model_config(name, **overrides)
+    missing = [f"--{f.replace('_', '-')}" for f in ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
+               if f not in overrides]
+    if missing:
+        raise ValueError(f"without --model-name the model needs {' '.join(missing)}")
+    return ModelConfig(family=family or "gpt", **overrides)
+
+
 def model_config_from_args(args: argparse.Namespace, vocab_size: int | None = None) -> ModelConfig:
     """The configuration named by ``--model-name`` (or built from the flags alone), with the flags applied.
 
@@ -325,16 +362,4 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int | None = No
         >>> model_config_from_args(parser.parse_args(["--model-name", "tiny-llama", "--rotary-base", "500000"])).rotary_base
         500000
     """
-    overrides = {field: getattr(args, field) for _, field, _ in _VALUE_FLAGS if getattr(args, field) is not None}
-    for flag, field, value in _SWITCH_FLAGS:
-        if getattr(args, f"_switch_{flag[2:].replace('-', '_')}"):
-            overrides[field] = value
-    if vocab_size is not None:
-        overrides["vocab_size"] = vocab_size
-    if args.model_name is not None:
-        return get_model_config(args.model_name, **overrides)
-    missing = [f"--{f.replace('_', '-')}" for f in ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
-               if f not in overrides]
-    if missing:
-        raise ValueError(f"without --model-name the model needs {' '.join(missing)}")
-    return ModelConfig(family=args.model_family or "gpt", **overrides)
+    return model_config_from_flags(model_flag_values(args), args.model_name, args.model_family, vocab_size)

@@ -1,12 +1,17 @@
 """One argument definition for the engine, the trainers and the ``rapidformer`` CLI: Megatron-LM's names plus the
-Rapidformer flags, parsed into typed values and validated once.
+Rapidformer flags, parsed and validated once per process into the typed ``RunConfig`` (training/config.py).
 
 Example::
 
-    args = parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-                       "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
-                       "--mixed-precision", "--zero-1-memory-optimization"])
-    args.fp16, args.memory_optimization        # (True, 'zero-1')
+    config, args = parse_run(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                              "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+                              "--mixed-precision", "--zero-1-memory-optimization"], world_size=2)
+    config.training.fp16, config.training.memory_optimization, config.training.num_microbatches  # True, 'zero-1', 2
+    args.num_microbatches                      # 2: the same run under Megatron-LM's names, for user scripts
+
+``parse_args`` is the validated ``argparse.Namespace`` alone (for tools that need no world size, e.g. the dry-run
+plan). The launcher parses once in its parent (so a bad flag is one line before any rank starts) and once in each
+rank, whose engine takes that parse (``parse_run``'s hand-over) instead of parsing again.
 
 Unknown flags are refused with their names (``allow_abbrev`` is off, so a typo never silently matches a longer
 flag), and every conflict names both flags and the fix. ``--load DIR`` with ``DIR/megatron_patch_args.json`` (a
@@ -19,12 +24,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import os
 
 from megatron_patch.convert.mcore_io import find_info
 # The flag tables themselves: which model flags exist and which ModelConfig field each one sets.
-from megatron_patch.model.config import _SWITCH_FLAGS, _VALUE_FLAGS, add_model_arguments, get_model_config
-from megatron_patch.model.parallel import add_parallel_arguments
-from megatron_patch.tokenizer.registry import add_tokenizer_args
+from megatron_patch.model.config import (
+    _SWITCH_FLAGS, _VALUE_FLAGS, add_model_arguments, get_model_config, model_flag_values,
+)
+from megatron_patch.model.parallel import ParallelConfig, add_parallel_arguments, parallel_config_from_args
+from megatron_patch.tokenizer.registry import add_tokenizer_args, tokenizer_options
+from megatron_patch.training.config import (
+    CheckpointConfig, DataConfig, LoggingConfig, ModelSpec, RunConfig, TrainingConfig, rampup_batch_sizes,
+)
 
 # --zero-*/--fsdp flag -> memory mode; what each does is in MEMORY_HELP (and in --help).
 MEMORY_FLAGS = {
@@ -490,3 +501,118 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         flags = [item for item in unknown if item.startswith("-")] or unknown
         _refuse(f"unrecognized arguments: {' '.join(flags)} (see rapidformer --help)")
     return validate_args(args)
+
+
+def _pick(cls, args: argparse.Namespace, **derived):
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.name not in derived}
+    return cls(**values, **derived)
+
+
+def _tuple(value):
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _train_iters(args: argparse.Namespace, data_parallel_size: int) -> int | None:
+    if args.train_samples is None:
+        return args.train_iters
+    ramp = rampup_batch_sizes(args.global_batch_size, args.micro_batch_size, data_parallel_size,
+                              _tuple(args.rampup_batch_size), args.train_samples)
+    # The constant phase drops a partial last batch, as Megatron-LM does.
+    return len(ramp) + max(0, args.train_samples - sum(ramp)) // args.global_batch_size
+
+
+def _run_config(args: argparse.Namespace, model: ModelSpec, parallel: ParallelConfig, data_parallel_size: int,
+               world_size: int, tokenizer_options: dict) -> RunConfig:
+    """The frozen configuration of validated flags (``args``, with ``global_batch_size`` set)."""
+    training = _pick(
+        TrainingConfig, args, data_parallel_size=data_parallel_size,
+        num_microbatches=args.global_batch_size // (args.micro_batch_size * data_parallel_size),
+        train_iters=_train_iters(args, data_parallel_size), rampup_batch_size=_tuple(args.rampup_batch_size),
+        profile_ranks=tuple(args.profile_ranks))
+    return RunConfig(
+        task=args.task, user_script=args.user_script, pretrained_model_name_or_path=args.pretrained_model_name_or_path,
+        world_size=world_size, training=training,
+        data=_pick(DataConfig, args, data_path=_tuple(args.data_path)),
+        checkpointing=_pick(CheckpointConfig, args), logging=_pick(LoggingConfig, args), model=model,
+        parallel=parallel, tokenizer_type=args.tokenizer_type,
+        tokenizer_options=tuple(sorted((k, v) for k, v in tokenizer_options.items() if v is not None)),
+        flag_notices=tuple(args.flag_notices),
+    )
+
+
+def _world_size_from_environment() -> int:
+    """torchrun's ``WORLD_SIZE`` (1 for a plain ``python script.py``)."""
+    value = os.environ.get("WORLD_SIZE", "1")
+    try:
+        return int(value)
+    except ValueError:
+        raise SystemExit(f"rapidformer: error: environment variable WORLD_SIZE={value!r} must be an integer "
+                         "(torchrun sets it)") from None
+
+
+def _model_spec(args: argparse.Namespace) -> ModelSpec:
+    if args.checkpoint_info is not None:
+        return ModelSpec(name=None, family=args.model_family, fields=(), loaded=args.checkpoint_info)
+    return ModelSpec(name=args.model_name, family=args.model_family, fields=tuple(model_flag_values(args).items()))
+
+
+def _derive_run(args: argparse.Namespace, world_size: int) -> RunConfig:
+    """The typed run of validated ``args`` on ``world_size`` processes; also sets the values Megatron-LM's ``args``
+    carry for user scripts (global batch, microbatches, data-parallel size, ranks, iterations of
+    ``--train-samples``)."""
+    from megatron_patch.distributed import check_layout
+
+    if args.num_layers_per_virtual_pipeline_stage is not None and args.num_layers is None:
+        _refuse("--num-layers-per-virtual-pipeline-stage needs the model's --num-layers")
+    try:
+        parallel = parallel_config_from_args(args, args.num_layers or 0)
+        data_parallel_size = check_layout(world_size, args.tensor_model_parallel_size,
+                                          args.pipeline_model_parallel_size, args.context_parallel_size)
+    except ValueError as error:
+        _refuse(str(error))
+    step = args.micro_batch_size * data_parallel_size
+    if args.global_batch_size is None:
+        args.global_batch_size = step
+    if args.global_batch_size % step:
+        _refuse(f"--global-batch-size {args.global_batch_size} is not a multiple of --micro-batch-size "
+                f"{args.micro_batch_size} x data-parallel size {data_parallel_size}")
+    if args.rampup_batch_size is not None:
+        start, increment, _ = args.rampup_batch_size
+        if start % step or increment % step:
+            _refuse(f"--rampup-batch-size START {start} and INCR {increment} must be multiples of "
+                    f"--micro-batch-size {args.micro_batch_size} x data-parallel size {data_parallel_size}")
+    config = _run_config(args, _model_spec(args), parallel, data_parallel_size, world_size, tokenizer_options(args))
+    # Megatron-LM's args carry these; user scripts read them.
+    args.num_microbatches = config.training.num_microbatches
+    args.train_iters = config.training.train_iters
+    args.data_parallel_size, args.world_size = data_parallel_size, world_size
+    args.rank = int(os.environ.get("RANK", "0"))
+    args.local_rank = int(os.environ.get("LOCAL_RANK", args.local_rank or 0))
+    return config
+
+
+# The launcher's parse in a rank process: (argv, (RunConfig, args)); see parse_run.
+_HANDED_OVER: tuple[tuple[str, ...], tuple[RunConfig, argparse.Namespace]] | None = None
+
+
+def parse_run(argv: list[str], world_size: int | None = None, *, hand_over: bool = False
+              ) -> tuple[RunConfig, argparse.Namespace]:
+    """``(RunConfig, args)`` of ``argv`` on ``world_size`` processes (default: torchrun's ``WORLD_SIZE``).
+
+    Example::
+
+        config, args = parse_run(sys.argv[1:])
+        config.training.global_batch_size == args.global_batch_size    # True
+
+    ``hand_over=True`` (the launcher's rank entry) keeps the result for the engine the task or user script
+    creates with the same ``argv``, so a rank parses its flags once.
+    """
+    global _HANDED_OVER
+    key = tuple(argv)
+    if _HANDED_OVER is not None and _HANDED_OVER[0] == key and world_size is None:
+        return _HANDED_OVER[1]
+    args = parse_args(argv)
+    parsed = (_derive_run(args, _world_size_from_environment() if world_size is None else world_size), args)
+    if hand_over:
+        _HANDED_OVER = (key, parsed)
+    return parsed

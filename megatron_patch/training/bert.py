@@ -8,7 +8,8 @@ Example::
     rapidformer --user-script examples/bert/pretrain_bert.py --data-path data/corpus_text_sentence ...
 
     # hooks of a Pretrainer
-    return bert_datasets(self.args, self.engine.tokenizer, train_val_test_num_samples, model_config)
+    return bert_datasets(self.config.data, self.engine.tokenizer, train_val_test_num_samples, model_config,
+                         self.config.training.seed)
     return bert_forward_step(data_iterator, model, model_config)
 """
 
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 
 from megatron_patch.data.datasets import build_bert_datasets
 from megatron_patch.model import ModelConfig
+from megatron_patch.training.config import DataConfig
 from megatron_patch.training.data import SequenceClassificationMetric
 from megatron_patch.training.models import forward_only, megatron_model
 from megatron_patch.training.step import broadcast_batch
@@ -36,13 +38,14 @@ def _tp_rank_zero() -> bool:
     return parallel_state.get_tensor_model_parallel_rank() == 0
 
 
-def bert_datasets(args, tokenizer, train_val_test_num_samples, model_config: ModelConfig) -> tuple:
+def bert_datasets(data: DataConfig, tokenizer, train_val_test_num_samples, model_config: ModelConfig,
+                  seed: int) -> tuple:
     """(train, valid, test) masked-LM datasets of ``--data-path`` (``preprocess-data --split-sentences``
     output); sentence pairs with a random-next label when the model has the binary head. Built on TP rank 0."""
     return build_bert_datasets(
-        args.data_path, args.split, args.seq_length, tokenizer, train_val_test_num_samples, seed=args.seed,
-        binary_head=model_config.add_binary_head, masked_lm_prob=args.mask_prob, short_seq_prob=args.short_seq_prob,
-        data_cache_path=args.data_cache_path, mmap_bin_files=args.mmap_bin_files, is_built_on_rank=_tp_rank_zero)
+        list(data.data_path or []), data.split, data.seq_length, tokenizer, train_val_test_num_samples, seed=seed,
+        binary_head=model_config.add_binary_head, masked_lm_prob=data.mask_prob, short_seq_prob=data.short_seq_prob,
+        data_cache_path=data.data_cache_path, mmap_bin_files=data.mmap_bin_files, is_built_on_rank=_tp_rank_zero)
 
 
 def bert_loss_func(loss_mask: torch.Tensor, is_random: torch.Tensor, output):
@@ -76,7 +79,7 @@ class BertPretrainer(Pretrainer):
     and examples/bert/pretrain_bert.py run it."""
 
     def model_optimizer_lr_scheduler_provider(self):
-        if self.args.calculate_per_token_loss:
+        if self.config.training.calculate_per_token_loss:
             raise SystemExit("rapidformer: error: --calculate-per-token-loss: BERT's loss averages each microbatch "
                              "(masked-LM mean plus sentence-order loss, as Megatron-LM's pretrain_bert.py); drop it")
         model, self.checkpoint_info = megatron_model(self.engine, family="bert")
@@ -84,8 +87,8 @@ class BertPretrainer(Pretrainer):
 
     def train_valid_test_datasets_provider(self, train_val_test_num_samples):
         # The model is built first: whether it has the binary head decides the samples (sentence pairs or not).
-        return bert_datasets(self.args, self.engine.tokenizer, train_val_test_num_samples,
-                             self.checkpoint_info.model_config)
+        return bert_datasets(self.config.data, self.engine.tokenizer, train_val_test_num_samples,
+                             self.checkpoint_info.model_config, self.config.training.seed)
 
     def run_forward_step(self, data_iterator, model):
         return bert_forward_step(data_iterator, model, self.checkpoint_info.model_config)

@@ -92,19 +92,21 @@ def complete_iterations(root: str) -> list[int]:
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
-def trained_model_info(model_config, padded_vocab_size: int, args, loaded: CheckpointInfo | None) -> CheckpointInfo:
+def trained_model_info(model_config, padded_vocab_size: int, precision: str, parallel,
+                       loaded: CheckpointInfo | None) -> CheckpointInfo:
     """What ``megatron_patch_args.json`` records for the trainer's own checkpoints: the model, the stored weights'
-    dtype and layout, and the Hugging Face description of the checkpoint it was ``loaded`` from (for export).
+    dtype (``precision``: bf16, fp16 or fp32) and ``parallel`` layout, and the Hugging Face description of the
+    checkpoint it was ``loaded`` from (for export).
 
     Example::
 
-        info = trained_model_info(config, 128, args, args.checkpoint_info)   # args: the parsed flags
+        info = trained_model_info(model, 128, "bf16", config.parallel, config.checkpoint_info)
         save_checkpoint("ckpt", 10, model, optimizer, scheduler, True, info)
     """
     return CheckpointInfo(
         format="torch_dist", model_config=model_config, padded_vocab_size=padded_vocab_size,
-        dtype=_DTYPES[args.params_dtype], tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        dtype=_DTYPES[precision], tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         hf_config=loaded.hf_config if loaded else None, hf_architecture=loaded.hf_architecture if loaded else None,
         initialized_tensors=loaded.initialized_tensors if loaded else [],
     )

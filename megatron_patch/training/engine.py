@@ -1,5 +1,5 @@
-"""The engine behind the trainers and the ``rapidformer`` CLI: arguments, distributed start-up, and composing a
-model with its optimizer and learning-rate scheduler.
+"""The engine behind the trainers and the ``rapidformer`` CLI: the run's configuration, distributed start-up, and
+composing a model with its optimizer and learning-rate scheduler through its training backend.
 
 Example::
 
@@ -10,29 +10,27 @@ Example::
     model, optimizer, lr_scheduler = engine.compose(model_obj=model)
     loader = engine.build_data_loader(dataset, collate_fn=collate)   # this DP rank's share, on the device
 
-megatron-core models (any ``MegatronModule``) get megatron-core's DDP (with ``Float16Module`` for fp16/bf16),
-its optimizer (distributed with ``--zero-1/2-memory-optimization`` or ``--use-distributed-optimizer``) and
-``OptimizerParamScheduler`` counted in samples, as in Megatron-LM. Plain torch and Hugging Face models get the
-memory mode of the flags (``MEMORY_WRAPPERS``), AdamW (fused on GPUs, foreach on CPUs) and autocast with a
-dynamic loss scaler for ``--mixed-precision``.
+The engine holds the run's typed configuration (``engine.config``, training/config.py) and, for user scripts,
+the same values under Megatron-LM's names (``engine.args``, ``get_args()``). megatron-core models (any
+``MegatronModule``) are composed by the megatron-core backend (backends/megatron.py: its DDP, optimizer and
+sample-counted scheduler), plain torch and Hugging Face models by the plain one (backends/plain.py: the memory mode
+of the flags, AdamW, autocast with a loss scaler for ``--mixed-precision``).
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import logging
-import math
 import os
 import sys
 import time
-from typing import Callable
 
 import torch
 
 from megatron_patch.distributed import initialize_distributed
-from megatron_patch.training.arguments import parse_args
-from megatron_patch.training.schedule import build_scheduler, configure_batch_schedule
+from megatron_patch.training.arguments import parse_run
+from megatron_patch.training.backends import backend_for
+from megatron_patch.training.schedule import configure_batch_schedule
 
 _ENGINE: "Engine | None" = None
 
@@ -44,7 +42,8 @@ def _current() -> "Engine":
 
 
 def get_args() -> argparse.Namespace:
-    """The parsed flags of the current engine (for user scripts; our own code takes explicit values)."""
+    """The parsed flags of the current engine under Megatron-LM's names (for user scripts; our own code reads
+    ``engine.config``)."""
     return _current().args
 
 
@@ -88,118 +87,6 @@ class Timers:
 
     def __call__(self, name: str, log_level: int | None = None) -> _Timer:
         return self._timers.setdefault(name, _Timer())
-
-
-class PlainOptimizer:
-    """A torch optimizer with loss scaling and gradient clipping, stepping like megatron-core's optimizers.
-
-    ``step()`` returns ``(update_successful, grad_norm, None)``. The loss is unscaled only when it went through
-    ``engine.backward`` (a user script calling ``loss.backward()`` itself is not scaled, so nothing is undone).
-    """
-
-    def __init__(self, optimizer: torch.optim.Optimizer, parameters: list, clip_grad: float,
-                 scaler: torch.amp.GradScaler | None):
-        self.optimizer = optimizer
-        self.parameters = parameters
-        self.clip_grad = clip_grad
-        self.scaler = scaler
-        self.scaled = False
-
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        if self.scaler is None:
-            return loss
-        self.scaled = True
-        return self.scaler.scale(loss)
-
-    def get_loss_scale(self) -> float:
-        return self.scaler.get_scale() if self.scaled else 1.0
-
-    def step(self):
-        if self.scaled:
-            self.scaler.unscale_(self.optimizer)
-        grads = [p for p in self.parameters if p.grad is not None]
-        grad_norm = torch.nn.utils.clip_grad_norm_(grads, self.clip_grad if self.clip_grad > 0 else float("inf"))
-        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor holding the global norm
-            grad_norm = grad_norm.full_tensor()
-        grad_norm = float(grad_norm)
-        if not self.scaled:
-            if not math.isfinite(grad_norm):  # bf16/fp32 have no scaler to skip a NaN/Inf step; skip it here
-                return False, grad_norm, None
-            self.optimizer.step()
-            return True, grad_norm, None
-        scale = self.scaler.get_scale()
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.scaled = False
-        # GradScaler skips the step and lowers the scale when gradients overflowed.
-        return self.scaler.get_scale() >= scale, grad_norm, None
-
-    def zero_grad(self, set_to_none: bool = True):
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self):
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state_dict):
-        self.optimizer.load_state_dict(state_dict)
-
-
-class IterationScheduler:
-    """megatron-core's ``OptimizerParamScheduler`` stepped once per optimiser step (``step()`` takes no count,
-    as torch schedulers do, so user scripts can call it the usual way)."""
-
-    def __init__(self, scheduler):
-        self.scheduler = scheduler
-
-    def step(self, increment: int = 1):
-        self.scheduler.step(increment)
-
-    def get_last_lr(self) -> list[float]:
-        return [group["lr"] for group in self.scheduler.optimizer.param_groups]
-
-    def state_dict(self):
-        return self.scheduler.state_dict()
-
-    def load_state_dict(self, state_dict):
-        self.scheduler.load_state_dict(state_dict)
-
-
-def _layer_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks of a model (elements of every ModuleList): FSDP2's units of sharding."""
-    return [layer for module in model.modules() if isinstance(module, torch.nn.ModuleList) for layer in module]
-
-
-def _wrap_ddp(model: torch.nn.Module) -> torch.nn.Module:
-    if torch.distributed.get_world_size() == 1:
-        return model
-    return torch.nn.parallel.DistributedDataParallel(model)
-
-
-def _wrap_fsdp(model: torch.nn.Module, reshard_after_forward: bool) -> torch.nn.Module:
-    from torch.distributed.fsdp import fully_shard
-
-    for layer in _layer_modules(model):
-        fully_shard(layer, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, reshard_after_forward=reshard_after_forward)
-    return model
-
-
-# memory mode -> how a plain/HF model is wrapped (see arguments.MEMORY_HELP for what each mode promises).
-MEMORY_WRAPPERS: dict[str | None, Callable[[torch.nn.Module], torch.nn.Module]] = {
-    None: _wrap_ddp,
-    "zero-1": _wrap_ddp,
-    "zero-2": functools.partial(_wrap_fsdp, reshard_after_forward=False),
-    "zero-3": functools.partial(_wrap_fsdp, reshard_after_forward=True),
-    "fsdp": functools.partial(_wrap_fsdp, reshard_after_forward=True),
-}
 
 
 # Padding values for tokenized fields; the others pad with 0 ([PAD] in BERT vocabularies, "masked" in masks).
@@ -259,13 +146,6 @@ def _to_device(batch, device: torch.device):
     return batch
 
 
-def is_megatron_model(model_obj) -> bool:
-    from megatron.core.transformer.module import MegatronModule
-
-    chunks = model_obj if isinstance(model_obj, (list, tuple)) else [model_obj]
-    return all(isinstance(chunk, MegatronModule) for chunk in chunks)
-
-
 class Engine:
     """Parses the flags, starts distributed training and composes models; one per process.
 
@@ -280,30 +160,19 @@ class Engine:
 
     def __init__(self, argv: list[str] | None = None):
         global _ENGINE
-        self.args = parse_args(sys.argv[1:] if argv is None else argv)
-        args = self.args
+        self.config, self.args = parse_run(sys.argv[1:] if argv is None else argv)
+        config = self.config
+        parallel = config.parallel
         self.layout = initialize_distributed(
-            tensor_model_parallel_size=args.tensor_model_parallel_size,
-            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-            virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
-            context_parallel_size=args.context_parallel_size,
-            seed=args.seed,
-            timeout_minutes=args.distributed_timeout_minutes,
+            tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+            pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+            context_parallel_size=parallel.context_parallel_size,
+            seed=config.training.seed,
+            timeout_minutes=config.training.distributed_timeout_minutes,
         )
         self.device = self.layout.device
-        dp = self.layout.data_parallel_size
-        if args.global_batch_size is None:
-            args.global_batch_size = args.micro_batch_size * dp
-        if args.global_batch_size % (args.micro_batch_size * dp):
-            raise SystemExit(
-                f"rapidformer: error: --global-batch-size {args.global_batch_size} is not a multiple of "
-                f"--micro-batch-size {args.micro_batch_size} x data-parallel size {dp}"
-            )
-        args.num_microbatches = args.global_batch_size // (args.micro_batch_size * dp)
-        args.data_parallel_size = dp
-        args.rank, args.world_size = self.layout.rank, self.layout.world_size
-        args.local_rank = self.layout.local_rank
-        configure_batch_schedule(args, self.layout.rank, dp)
+        configure_batch_schedule(config.training, self.layout.rank)
         # Megatron-LM's --exit-duration-in-mins counts from start-up (training.py's _TRAIN_START_TIME).
         self.start_time = time.time()
         self.logger = logging.getLogger("rapidformer")
@@ -316,12 +185,12 @@ class Engine:
         last = self.layout.rank == self.layout.world_size - 1
         self.logger.setLevel(logging.INFO if last else logging.WARNING)
         if self.layout.rank == 0:
-            print(format_arguments(args), flush=True)
-            for notice in args.flag_notices:
+            print(format_arguments(self.args), flush=True)
+            for notice in config.flag_notices:
                 print(f"[rapidformer] {notice}", flush=True)
         self.timers = Timers()
         self._tokenizer = None
-        self.optimizer = None
+        self.backend = None
         _ENGINE = self
 
     # ---------------------------------------------------------------------------------------------------
@@ -329,14 +198,13 @@ class Engine:
     def tokenizer(self):
         if self._tokenizer is None:
             from megatron_patch.tokenizer import build_tokenizer
-            from megatron_patch.tokenizer.registry import tokenizer_options
 
-            if self.args.tokenizer_type is None:
+            config = self.config
+            if config.tokenizer_type is None:
                 raise SystemExit("rapidformer: error: this script needs --tokenizer-type (and its files)")
-            options = {k: v for k, v in tokenizer_options(self.args).items() if v is not None}
-            self._tokenizer = build_tokenizer(self.args.tokenizer_type, **options)
-            if self.args.checkpoint_info is not None:
-                _check_tokenizer_fits(self._tokenizer, self.args.checkpoint_info, self.args)
+            self._tokenizer = build_tokenizer(config.tokenizer_type, **dict(config.tokenizer_options))
+            if config.checkpoint_info is not None:
+                _check_tokenizer_fits(self._tokenizer, config)
         return self._tokenizer
 
     @property
@@ -354,11 +222,9 @@ class Engine:
         follows ``--lr --min-lr --lr-decay-style --lr-warmup-*`` over ``train_iters`` (default ``--train-iters``).
         megatron models come back as a list of DDP chunks.
         """
-        compose = _compose_megatron if is_megatron_model(model_obj) else _compose_plain
-        model, optimizer, scheduler = compose(self, model_obj, optimizer, lr_scheduler_fn,
-                                              train_iters or self.args.train_iters or 1)
-        self.optimizer = optimizer
-        return model, optimizer, scheduler
+        self.backend = backend_for(model_obj, self.config, self.device, self.logger)
+        return self.backend.compose(model_obj, optimizer, lr_scheduler_fn,
+                                    train_iters or self.config.training.train_iters or 1)
 
     def build_data_loader(self, dataset, batch_size: int | None = None, collate_fn=None, shuffle: bool = True,
                           drop_last: bool = False):
@@ -375,12 +241,12 @@ class Engine:
 
         sampler = torch.utils.data.DistributedSampler(
             dataset, num_replicas=parallel_state.get_data_parallel_world_size(),
-            rank=parallel_state.get_data_parallel_rank(), shuffle=shuffle, seed=self.args.seed,
+            rank=parallel_state.get_data_parallel_rank(), shuffle=shuffle, seed=self.config.training.seed,
             drop_last=drop_last,
         )
         loader = torch.utils.data.DataLoader(
-            dataset, batch_size=batch_size or self.args.micro_batch_size, sampler=sampler,
-            collate_fn=collate_fn or pad_collate, num_workers=self.args.num_workers, drop_last=drop_last,
+            dataset, batch_size=batch_size or self.config.training.micro_batch_size, sampler=sampler,
+            collate_fn=collate_fn or pad_collate, num_workers=self.config.data.num_workers, drop_last=drop_last,
         )
         return _DeviceLoader(loader, self.device)
 
@@ -396,8 +262,10 @@ class Engine:
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()`` with the loss scaled for fp16 (the optimizer unscales before stepping)."""
-        scaled = self.optimizer.scale_loss(loss) if self.optimizer is not None else loss
-        scaled.backward()
+        if self.backend is None:
+            loss.backward()
+        else:
+            self.backend.backward(loss)
 
     def print_rank_0(self, message: str) -> None:
         self.logger.info(message)
@@ -423,7 +291,7 @@ def format_arguments(args: argparse.Namespace, title: str = "arguments") -> str:
                       f"-------------------- end of {title} ---------------------"])
 
 
-def _check_tokenizer_fits(tokenizer, info, args) -> None:
+def _check_tokenizer_fits(tokenizer, config) -> None:
     """Refuse a tokenizer whose ids the ``--load`` checkpoint cannot embed, before any step.
 
     A Hugging Face model's vocabulary may be larger than its tokenizer's (rows kept for added tokens); one our
@@ -431,131 +299,15 @@ def _check_tokenizer_fits(tokenizer, info, args) -> None:
     """
     from megatron_patch.convert.mcore_io import ARGS_FILE
 
+    info = config.checkpoint_info
     stored = info.model_config.vocab_size
     given = tokenizer.vocab_size
     if given > stored or (info.hf_config is None and given != stored):
         raise SystemExit(
-            f"rapidformer: error: --tokenizer-type {args.tokenizer_type} has {given} tokens but "
-            f"{os.path.join(args.load, ARGS_FILE)} records vocab_size={stored}: the checkpoint was trained with "
-            "another tokenizer; give that tokenizer's files (--vocab-file/--merge-file/--tokenizer-model)"
+            f"rapidformer: error: --tokenizer-type {config.tokenizer_type} has {given} tokens but "
+            f"{os.path.join(config.checkpointing.load, ARGS_FILE)} records vocab_size={stored}: the checkpoint was "
+            "trained with another tokenizer; give that tokenizer's files (--vocab-file/--merge-file/--tokenizer-model)"
         )
-
-
-def _plain_autocast_dtype(args) -> torch.dtype | None:
-    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
-
-
-def _compile(model: torch.nn.Module, backend: str, logger: logging.Logger) -> None:
-    logger.info(f"--onnx-runtime-training: ONNX Runtime training is unmaintained upstream, so the model's "
-                f"forward is compiled with torch.compile(backend={backend!r}) instead")
-    model.compile(backend=backend)
-
-
-def _user_scheduler(lr_scheduler_fn, optimizer, default: Callable[[], object]):
-    """``compose``'s ``lr_scheduler_fn``: None -> ``default()``; a factory such as
-    ``partial(get_linear_schedule_with_warmup, ...)`` -> called with the optimizer; a scheduler -> itself."""
-    if lr_scheduler_fn is None:
-        return default()
-    if callable(lr_scheduler_fn) and not hasattr(lr_scheduler_fn, "step"):
-        return lr_scheduler_fn(optimizer=optimizer)
-    return lr_scheduler_fn
-
-
-# Flags that act on megatron-core's DDP, optimizer, scheduler or pipeline schedules: (flag, whether it is given).
-_MEGATRON_ONLY_FLAGS = [
-    ("--train-samples", lambda a: a.train_samples is not None),
-    ("--rampup-batch-size", lambda a: a.rampup_batch_size is not None),
-    ("--decoupled-lr", lambda a: a.decoupled_lr is not None),
-    ("--calculate-per-token-loss", lambda a: a.calculate_per_token_loss),
-    ("--overlap-grad-reduce", lambda a: a.overlap_grad_reduce),
-    ("--cross-entropy-loss-fusion", lambda a: a.cross_entropy_loss_fusion),
-]
-
-
-def _compose_plain(engine: Engine, model: torch.nn.Module, optimizer, lr_scheduler_fn, train_iters: int):
-    args = engine.args
-    if args.tensor_model_parallel_size > 1 or args.pipeline_model_parallel_size > 1:
-        raise SystemExit("rapidformer: error: --tensor-model-parallel-size/--pipeline-model-parallel-size need a "
-                         "megatron-core model; plain torch/Hugging Face models train data-parallel only")
-    for flag, given in _MEGATRON_ONLY_FLAGS:
-        if given(args):
-            raise SystemExit(f"rapidformer: error: {flag} acts on megatron-core models (their DDP, optimizer and "
-                             "sample-counted scheduler); drop it for plain torch/Hugging Face models")
-    model.to(engine.device)
-    if args.onnx_runtime_training:
-        _compile(model, args.compile_backend, engine.logger)
-    model = MEMORY_WRAPPERS[args.memory_optimization](model)
-    parameters = [p for p in model.parameters() if p.requires_grad]
-    if optimizer is None:
-        options = dict(lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
-                       weight_decay=args.weight_decay)
-        # The fused kernel exists on GPUs; foreach is the fast multi-tensor path on CPUs.
-        options["fused" if engine.device.type == "cuda" else "foreach"] = True
-        if args.memory_optimization == "zero-1" and torch.distributed.get_world_size() > 1:
-            from torch.distributed.optim import ZeroRedundancyOptimizer
-
-            optimizer = ZeroRedundancyOptimizer(parameters, optimizer_class=torch.optim.AdamW, **options)
-        else:
-            optimizer = torch.optim.AdamW(parameters, **options)
-    scaler = torch.amp.GradScaler(engine.device.type, init_scale=min(args.initial_loss_scale, 2.0 ** 16)) \
-        if args.fp16 else None
-    wrapped = PlainOptimizer(optimizer, parameters, args.clip_grad, scaler)
-    autocast = _plain_autocast_dtype(args)
-    if autocast is not None:
-        model.forward = torch.autocast(engine.device.type, dtype=autocast)(model.forward)
-    scheduler = _user_scheduler(lr_scheduler_fn, optimizer,
-                                lambda: IterationScheduler(build_scheduler(args, optimizer, train_iters)))
-    return model, wrapped, scheduler
-
-
-def _compose_megatron(engine: Engine, model_obj, optimizer, lr_scheduler_fn, train_iters: int):
-    from megatron.core.distributed import DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig
-    from megatron.core.utils import get_model_config
-
-    from megatron_patch.training.step import build_optimizer, wrap_model
-
-    args = engine.args
-    if args.memory_optimization in ("zero-3", "fsdp"):
-        raise SystemExit(
-            f"rapidformer: error: --{args.memory_optimization}-memory-optimization shards parameters of plain/HF "
-            "models only; for megatron models use --zero-2-memory-optimization (distributed optimizer) with "
-            "--tensor-model-parallel-size/--pipeline-model-parallel-size"
-        )
-    chunks = list(model_obj) if isinstance(model_obj, (list, tuple)) else [model_obj]
-    config = get_model_config(chunks[0])
-    # The flags decide the precision even when the user's model was configured without it.
-    config.fp16, config.bf16 = args.fp16, args.bf16
-    config.calculate_per_token_loss = args.calculate_per_token_loss
-    config.cross_entropy_loss_fusion = args.cross_entropy_loss_fusion  # read by each forward's loss
-    if args.fp8_format is not None:  # only where Transformer Engine and CUDA exist (arguments.flag_notices)
-        config.fp8, config.fp8_amax_history_len = args.fp8_format, args.fp8_amax_history_len
-        config.fp8_amax_compute_algo = args.fp8_amax_compute_algo
-    if args.fp16 or args.bf16:
-        config.pipeline_dtype = torch.float16 if args.fp16 else torch.bfloat16
-    if args.onnx_runtime_training:
-        for chunk in chunks:
-            _compile(chunk, args.compile_backend, engine.logger)
-    ddp_config = DistributedDataParallelConfig(
-        use_distributed_optimizer=args.use_distributed_optimizer,
-        grad_reduce_in_fp32=args.fp16 or (args.bf16 and not args.grad_reduce_in_bf16),
-        overlap_grad_reduce=args.overlap_grad_reduce,
-        overlap_param_gather=args.overlap_param_gather,
-    )
-    model = wrap_model(chunks, ddp_config)
-    if optimizer is None:
-        optimizer = build_optimizer(model, OptimizerConfig(
-            optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
-            adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-            clip_grad=args.clip_grad, fp16=args.fp16, bf16=args.bf16, params_dtype=config.params_dtype,
-            loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
-            use_distributed_optimizer=args.use_distributed_optimizer,
-            decoupled_lr=args.decoupled_lr, decoupled_min_lr=args.decoupled_min_lr,
-        ))
-    scheduler = _user_scheduler(
-        lr_scheduler_fn, optimizer, lambda: build_scheduler(args, optimizer, train_iters, unit=args.global_batch_size)
-    )
-    return model, optimizer, scheduler
 
 
 RapidformerEngine = Engine

@@ -7,7 +7,8 @@ Example::
     rapidformer --user-script examples/gpt/finetune_gpt.py --load ./llama-mcore --data-path data/sft ...
 
     # hooks of a Pretrainer
-    return gpt_datasets(self.args, self.engine.tokenizer, train_val_test_num_samples)
+    return gpt_datasets(self.config.data, self.engine.tokenizer, train_val_test_num_samples,
+                        self.config.training.seed)
     return gpt_forward_step(data_iterator, model)
 """
 
@@ -20,6 +21,7 @@ import os
 import torch
 
 from megatron_patch.data.datasets import build_gpt_datasets
+from megatron_patch.training.config import DataConfig
 from megatron_patch.training.models import forward_only
 from megatron_patch.training.step import broadcast_batch, lm_loss_func
 
@@ -30,14 +32,14 @@ def _tp_rank_zero() -> bool:
     return parallel_state.get_tensor_model_parallel_rank() == 0
 
 
-def gpt_datasets(args, tokenizer, train_val_test_num_samples) -> tuple:
+def gpt_datasets(data: DataConfig, tokenizer, train_val_test_num_samples, seed: int) -> tuple:
     """(train, valid, test) megatron-core GPT datasets of ``--data-path`` (or ``--mock-data``), built on TP rank 0
     only: the forward step broadcasts each batch to the other TP ranks, as Megatron-LM's ``pretrain_gpt.py``."""
     return build_gpt_datasets(
-        args.data_path, args.split, args.seq_length, tokenizer, train_val_test_num_samples, seed=args.seed,
-        mock=args.mock_data, data_cache_path=args.data_cache_path, mmap_bin_files=args.mmap_bin_files,
-        reset_position_ids=args.reset_position_ids,
-        eod_mask_loss=args.eod_mask_loss, create_attention_mask=False, is_built_on_rank=_tp_rank_zero)
+        list(data.data_path or []), data.split, data.seq_length, tokenizer, train_val_test_num_samples, seed=seed,
+        mock=data.mock_data, data_cache_path=data.data_cache_path, mmap_bin_files=data.mmap_bin_files,
+        reset_position_ids=data.reset_position_ids,
+        eod_mask_loss=data.eod_mask_loss, create_attention_mask=False, is_built_on_rank=_tp_rank_zero)
 
 
 def gpt_forward_step(data_iterator, model):

@@ -23,7 +23,7 @@ import types
 
 from megatron_patch.distributed import exit_rank, free_port, report_failure
 from megatron_patch.errors import UserError, debugging, describe, one_line_errors
-from megatron_patch.training.arguments import parse_args
+from megatron_patch.training.arguments import parse_args, parse_run
 
 _RANK_ENTRY = "--rank-entry"
 
@@ -137,9 +137,10 @@ def _run_rank(argv: list[str]) -> int:
     from megatron_patch.training import mpu
 
     mpu.install()
-    args = parse_args(argv)
-    if args.user_script:
-        run_user_script(args.user_script, argv)
+    # Parsed once here; the engine the task or the user script creates takes this parse (arguments.parse_run).
+    config, _ = parse_run(argv, hand_over=True)
+    if config.user_script:
+        run_user_script(config.user_script, argv)
     else:
         from megatron_patch.training.engine import Engine
         from megatron_patch.training.tasks import run_task

@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 
 from megatron_patch.training.bert import BertPretrainer
+from megatron_patch.training.config import RunConfig
 from megatron_patch.training.data import (
     SequenceClassificationMetric,
     build_train_valid_test_datasets_for_huggingface,
@@ -64,11 +65,11 @@ class SequenceClassificationFinetuner(Finetuner):
     def train_valid_test_datasets_provider(self):
         from transformers import AutoTokenizer
 
-        args = self.args
-        self.tokenizer = AutoTokenizer.from_pretrained(args.pretrained_model_name_or_path)
-        splits = load_sentence_pair_dataset(args.data_path[0], args.data_name)
+        config = self.config
+        self.tokenizer = AutoTokenizer.from_pretrained(config.pretrained_model_name_or_path)
+        splits = load_sentence_pair_dataset(config.data.data_path[0], config.data.data_name)
         self.num_labels = max(r["label"] for r in splits["train"]) + 1
-        built = [HuggingFacePairDataset(splits[s], self.tokenizer, args.seq_length) if s in splits else None
+        built = [HuggingFacePairDataset(splits[s], self.tokenizer, config.data.seq_length) if s in splits else None
                  for s in ("train", "validation", "test")]
 
         def collate(examples):
@@ -80,7 +81,7 @@ class SequenceClassificationFinetuner(Finetuner):
         from transformers import AutoModelForSequenceClassification
 
         model = AutoModelForSequenceClassification.from_pretrained(
-            self.args.pretrained_model_name_or_path, num_labels=self.num_labels)
+            self.config.pretrained_model_name_or_path, num_labels=self.num_labels)
         return model, None, None
 
     def run_forward_step(self, batch, model):
@@ -99,16 +100,17 @@ class HuggingFaceBertPretrainer(Pretrainer):
     """Masked-LM + next-sentence pretraining of a local Hugging Face BERT on mmap sentence data."""
 
     def train_valid_test_datasets_provider(self, train_val_test_num_samples):
-        args = self.args
+        data = self.config.data
         return build_train_valid_test_datasets_for_huggingface(
-            data_prefix=args.data_path, data_impl=args.data_impl, splits_string=args.split,
-            train_valid_test_num_samples=train_val_test_num_samples, max_seq_length=args.seq_length,
-            masked_lm_prob=args.mask_prob, short_seq_prob=args.short_seq_prob, seed=args.seed, binary_head=True)
+            data_prefix=list(data.data_path), data_impl="mmap", splits_string=data.split,
+            train_valid_test_num_samples=train_val_test_num_samples, max_seq_length=data.seq_length,
+            masked_lm_prob=data.mask_prob, short_seq_prob=data.short_seq_prob, seed=self.config.training.seed,
+            binary_head=True)
 
     def model_optimizer_lr_scheduler_provider(self):
         from transformers import AutoModelForPreTraining
 
-        return AutoModelForPreTraining.from_pretrained(self.args.pretrained_model_name_or_path), None, None
+        return AutoModelForPreTraining.from_pretrained(self.config.pretrained_model_name_or_path), None, None
 
     def run_forward_step(self, data_iterator, model):
         return model(**next(data_iterator)).loss
@@ -119,7 +121,8 @@ class MegatronGPTPretrainer(Pretrainer):
     document data (or --mock-data); examples/gpt/pretrain_gpt.py is the same trainer as a user script."""
 
     def train_valid_test_datasets_provider(self, train_val_test_num_samples):
-        return gpt_datasets(self.args, self.engine.tokenizer, train_val_test_num_samples)
+        return gpt_datasets(self.config.data, self.engine.tokenizer, train_val_test_num_samples,
+                            self.config.training.seed)
 
     def model_optimizer_lr_scheduler_provider(self):
         model, self.checkpoint_info = megatron_model(self.engine, family="gpt")
@@ -129,30 +132,35 @@ class MegatronGPTPretrainer(Pretrainer):
         return gpt_forward_step(data_iterator, model)
 
 
-def pretraining_family(args) -> str:
+def pretraining_family(config: RunConfig) -> str:
     """"bert" or "gpt": the megatron model ``--task pretraining`` trains. Megatron-LM picks it by program
     (pretrain_bert.py or pretrain_gpt.py); here the flags say it: ``--model-family``, a ``--model-name`` or
     ``--load`` of that family, ``--bert-no-binary-head``, or a BERT WordPiece ``--tokenizer-type``.
 
     Example::
 
-        >>> pretraining_family(parse_args(["--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", "v.txt"]))
+        >>> config, _ = parse_run(["--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", "v.txt"], 1)
+        >>> pretraining_family(config)
         'bert'
     """
     from megatron_patch.model.config import get_model_config
 
-    if args.model_family is not None:  # given, or set from --load's megatron_patch_args.json
-        return args.model_family
-    if args.model_name is not None:
-        return get_model_config(args.model_name).family
-    bert = args._switch_bert_no_binary_head or (args.tokenizer_type or "").startswith("BertWordPiece")
+    model = config.model
+    if model.loaded is not None:
+        return model.loaded.model_config.family
+    if model.family is not None:
+        return model.family
+    if model.name is not None:
+        return get_model_config(model.name).family
+    no_binary_head = dict(model.fields).get("add_binary_head") is False  # --bert-no-binary-head
+    bert = no_binary_head or (config.tokenizer_type or "").startswith("BertWordPiece")
     return "bert" if bert else "gpt"
 
 
 def _pretraining(engine: Engine):
-    if engine.args.pretrained_model_name_or_path:
+    if engine.config.pretrained_model_name_or_path:
         return HuggingFaceBertPretrainer(engine=engine)
-    family = pretraining_family(engine.args)
+    family = pretraining_family(engine.config)
     engine.logger.info(f"--task pretraining: a megatron-core {'BERT' if family == 'bert' else 'GPT'} "
                        "(from the model flags; --model-family gpt|bert chooses)")
     return (BertPretrainer if family == "bert" else MegatronGPTPretrainer)(engine=engine)
@@ -164,6 +172,6 @@ register_task("pretraining")(_pretraining)
 
 def run_task(engine: Engine):
     """Build the trainer of ``--task`` and train it; returns the trainer."""
-    trainer = TASKS[engine.args.task](engine)
+    trainer = TASKS[engine.config.task](engine)
     trainer.train()
     return trainer

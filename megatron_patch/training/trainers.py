@@ -12,11 +12,12 @@ Example::
 
     MyPretrainer(engine=RapidformerEngine()).train()
 
-megatron-core models train through megatron-core's pipeline schedules (``get_forward_backward_func``), so the
-same hooks run under TP, PP and virtual PP: ``run_forward_step`` returns the loss on the last stage, and on the
-other stages the model's output is taken where the hook calls the model (the rest of the hook is skipped
-there), so one hook serves every stage. It may also return Megatron-LM's ``(output, loss_func)``. Plain torch
-and Hugging Face models train data-parallel under the memory mode of the flags.
+The trainers hold the loop (iterations, evaluation, saves, exits) and the hooks; how a model is composed, stepped,
+evaluated, saved and loaded is its backend's (training/backends/): megatron-core models train through
+megatron-core's pipeline schedules, so the same hooks run under TP, PP and virtual PP (``run_forward_step``
+returns the loss, or Megatron-LM's ``(output, loss_func)``; backends/megatron.py says how a non-last stage runs
+it); plain torch and Hugging Face models train data-parallel under the memory mode of the flags. The loop reads
+the typed run configuration (``self.config``); ``self.args`` is the user hooks' view of the same flags.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from torch.utils.data import default_collate
 
 from megatron_patch.distributed import record_progress, sum_over_data_parallel
 from megatron_patch.training import checkpointing
-from megatron_patch.training.engine import Engine, is_megatron_model
+from megatron_patch.training.engine import Engine
 from megatron_patch.training.metrics import TrainingLog
 from megatron_patch.training.schedule import consumed_samples
 
@@ -46,50 +47,6 @@ class MissingHook(TypeError):
 class TrainingStopped(SystemExit):
     """Training gave up on purpose (NaN/Inf gradients for ``--max-bad-steps`` steps in a row); the message says
     why and which checkpoint is the last good one. The launcher prints it and exits non-zero."""
-
-
-class _StageOutput(Exception):
-    """Raised by the model proxy on a non-last pipeline stage to hand the stage's output to the schedule."""
-
-    def __init__(self, output):
-        super().__init__("pipeline stage output")
-        self.output = output
-
-
-class _StageModel:
-    """The model as a non-last pipeline stage's hook sees it: calling it ends the hook with the output."""
-
-    def __init__(self, model):
-        self._model = model
-
-    def __call__(self, *args, **kwargs):
-        raise _StageOutput(self._model(*args, **kwargs))
-
-    def __getattr__(self, name):
-        return getattr(self._model, name)
-
-
-def _mean_loss_func(loss: torch.Tensor):
-    # megatron-core's legacy two-value form: the schedule divides by the number of microbatches.
-    return loss, {"lm loss": torch.stack([loss.detach().float(), torch.ones((), device=loss.device)])}
-
-
-def _post_process(chunk) -> bool:
-    """Whether ``chunk`` holds the last pipeline stage (where the loss is computed)."""
-    module = chunk
-    while hasattr(module, "module"):
-        module = module.module
-    # A sequence classifier keeps post_process off (no LM head) and marks its last stage with ``classify``.
-    return getattr(module, "classify", getattr(module, "post_process", True))
-
-
-def _ddp_no_sync(model, last: bool):
-    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-        model.set_requires_gradient_sync(last)
-        return contextlib.nullcontext()
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel) and not last:
-        return model.no_sync()
-    return contextlib.nullcontext()
 
 
 def _all_reduce_mean(values: list[float], device) -> float:
@@ -145,9 +102,10 @@ class _Trainer:
 
     def __init__(self, engine: Engine):
         self.engine = engine
-        self.args = engine.args
+        self.args = engine.args  # the flags under Megatron-LM's names, for the user's hooks
+        self.config = engine.config
         self.model = self.optimizer = self.lr_scheduler = None
-        self.megatron = False
+        self.backend = None  # set by _compose: backends.MegatronBackend or backends.PlainBackend
         self.iteration = 0
         self.consumed_samples = 0  # samples of the iterations done (Megatron-LM's consumed_train_samples)
         self._last_saved = None  # the iteration of the last save (so nothing is saved twice)
@@ -188,87 +146,35 @@ class _Trainer:
                 "template calls it); see the Rapidformer API"
             )
 
+    @property
+    def megatron(self) -> bool:
+        """Whether the model is megatron-core's (known once the model provider ran)."""
+        return self.backend is not None and self.backend.megatron
+
     def _compose(self, train_iters: int) -> None:
         model, optimizer, scheduler = self.model_optimizer_lr_scheduler_provider()
-        self.megatron = is_megatron_model(model)
         self.model, self.optimizer, self.lr_scheduler = self.engine.compose(
             model, optimizer, scheduler, train_iters=train_iters)
-        args = self.args
-        if args.async_save:
-            if not self.megatron:
-                raise SystemExit("rapidformer: error: --async-save applies to megatron-core models (dist_checkpointing)"
-                                 "; drop it for plain torch/Hugging Face models")
+        self.backend = self.engine.backend
+        checkpoints = self.config.checkpointing
+        if checkpoints.async_save:
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
             self._async_saves = AsyncCallsQueue()
-        if args.exit_signal_handler:
+        if self.config.training.exit_signal_handler:
             from megatron_patch.training.signals import ExitSignal
 
             self._exit_signal = ExitSignal()
-        if args.load:
-            self.iteration = checkpointing.load_checkpoint(
-                args.load, self.model, self.optimizer, self.lr_scheduler, self.megatron,
-                load_optim=not args.no_load_optim, load_rng=not args.no_load_rng, finetune=args.finetune,
-                load_fallback=args.load_fallback, verify_checksums=not args.no_verify_checksums,
-                logger=self.engine.logger,
-            ) if checkpointing.read_tracker(args.load) is not None or args.exit_on_missing_checkpoint else 0
-        self.consumed_samples = consumed_samples(args, self.iteration)
+        if checkpoints.load and (checkpointing.read_tracker(checkpoints.load) is not None
+                                 or checkpoints.exit_on_missing_checkpoint):
+            self.iteration = self.backend.load(
+                checkpoints.load, load_optim=not checkpoints.no_load_optim, load_rng=not checkpoints.no_load_rng,
+                finetune=checkpoints.finetune, load_fallback=checkpoints.load_fallback,
+                verify_checksums=not checkpoints.no_verify_checksums, logger=self.engine.logger)
+        self.consumed_samples = consumed_samples(self.config.training, self.iteration)
 
     def _chunks(self) -> list:
-        return self.model if isinstance(self.model, list) else [self.model]
-
-    def _adapt(self, forward):
-        """``forward(data_iterator, model) -> loss`` as a megatron-core schedule's forward step."""
-
-        def forward_step(data_iterator, model):
-            if _post_process(model):
-                result = forward(data_iterator, model)
-                if isinstance(result, tuple):
-                    return result
-                if self.args.calculate_per_token_loss:
-                    raise SystemExit("rapidformer: error: --calculate-per-token-loss sums the loss over the global "
-                                     "batch's tokens: run_forward_step must return (output, loss_func) with "
-                                     "loss_func giving (loss_sum, num_tokens, report), not a mean loss")
-                return result, _mean_loss_func
-            try:
-                forward(data_iterator, _StageModel(model))
-            except _StageOutput as stage:
-                return stage.output, _mean_loss_func
-            raise RuntimeError("run_forward_step returned without calling the model on a non-last pipeline stage")
-
-        return forward_step
-
-    def _step(self, forward, data_iterator, counter: _TokenCounter | None, num_microbatches: int
-              ) -> tuple[float | None, float | None, bool, float, int | None, dict[str, float]]:
-        """One optimiser step over ``num_microbatches``; returns (loss, grad norm, skipped, loss scale, input
-        tokens of the global batch, other reported losses); the tokens are counted by ``counter`` (None: not
-        counted)."""
-        args = self.args
-        if self.megatron:
-            from megatron_patch.training.step import train_step
-
-            stats = train_step(self._adapt(forward), data_iterator, self.model, self.optimizer,
-                               num_microbatches, args.seq_length or 1, args.micro_batch_size,
-                               scheduler=self.lr_scheduler,
-                               count_input_tokens=None if counter is None else counter.take,
-                               empty_cache_level=args.empty_unused_memory_level)
-            return (stats.loss, stats.grad_norm, stats.skipped, stats.loss_scale, stats.input_tokens,
-                    stats.other_losses)
-        losses = []
-        for index in range(num_microbatches):
-            with _ddp_no_sync(self.model, last=index == num_microbatches - 1):
-                loss = forward(data_iterator, self.model)
-                self.engine.backward(loss / num_microbatches)
-            losses.append(loss.detach().float())  # kept on the device: one host sync per step, not per microbatch
-        loss_scale = self.optimizer.get_loss_scale()
-        success, grad_norm, _ = self.optimizer.step()
-        if success:
-            self.lr_scheduler.step()
-        self.optimizer.zero_grad()
-        loss_sum, count, tokens = sum_over_data_parallel(
-            [torch.stack(losses).sum(), len(losses), 0 if counter is None else counter.take()], self.engine.device)
-        return (loss_sum / count, grad_norm, not success, float(loss_scale), None if counter is None else int(tokens),
-                {})
+        return self.backend.chunks()
 
     def _run(self, forward, data_iterator, train_iters: int, log: TrainingLog, after_step=None,
              counter: _TokenCounter | None = None) -> bool:
@@ -280,10 +186,10 @@ class _Trainer:
             get_current_global_batch_size, get_num_microbatches, update_num_microbatches,
         )
 
-        args = self.args
+        training, save = self.config.training, self.config.checkpointing.save
         for chunk in self._chunks():
             chunk.train()
-        if args.manual_gc:
+        if training.manual_gc:
             # Collect at the same points on every rank, not when each rank's allocation count says (Megatron-LM's
             # --manual-gc: stragglers from unaligned collections slow every collective).
             gc.disable()
@@ -292,40 +198,40 @@ class _Trainer:
         while self.iteration < train_iters:
             num_microbatches = get_num_microbatches()
             update_num_microbatches(self.consumed_samples, consistency_check=True)
-            if get_num_microbatches() != num_microbatches and args.save:
+            if get_num_microbatches() != num_microbatches and save:
                 self.save()  # Megatron-LM saves where the ramp-up changes the batch
             num_microbatches, batch_size = get_num_microbatches(), get_current_global_batch_size()
             self._profile(start=True)
             start = time.perf_counter()
-            loss, grad_norm, skipped, loss_scale, tokens, other_losses = self._step(
-                forward, data_iterator, counter, num_microbatches)
+            result = self.backend.step(forward, data_iterator, num_microbatches,
+                                       None if counter is None else counter.take)
             self.iteration += 1
             self.consumed_samples += batch_size
             elapsed = time.perf_counter() - start
             record_progress(self.iteration)
             self._profile(start=False)
-            if counter is None:
-                tokens = batch_size * (args.seq_length or 0)
-            log.step(self.iteration, self.consumed_samples, self._lr(), loss, grad_norm, loss_scale, skipped, elapsed,
-                     tokens or 0, batch_size, other_losses)
-            self._count_bad_step(skipped)
+            tokens = batch_size * (self.config.data.seq_length or 0) if counter is None else result.input_tokens
+            log.step(self.iteration, self.consumed_samples, self._lr(), result.loss, result.grad_norm,
+                     result.loss_scale, result.skipped, elapsed, tokens or 0, batch_size, result.other_losses)
+            self._count_bad_step(result.skipped)
             if after_step is not None:
                 after_step(self.iteration)
-            if args.save and args.save_interval and self.iteration % args.save_interval == 0:
+            interval = self.config.checkpointing.save_interval
+            if save and interval and self.iteration % interval == 0:
                 self.save()
             if self._async_saves is not None:
                 self._async_saves.maybe_finalize_async_calls(blocking=False)
-            if args.manual_gc and args.manual_gc_interval and self.iteration % args.manual_gc_interval == 0:
+            if training.manual_gc and training.manual_gc_interval and self.iteration % training.manual_gc_interval == 0:
                 gc.collect()
             if self._exit_signal is not None and self._exit_signal.any_rank_received(self.engine.device):
                 self._finish_saves()
                 self.engine.logger.info(f" exiting on signal {self._exit_signal.signum}: saved iteration "
-                                        f"{self.iteration} to {args.save}")
+                                        f"{self.iteration} to {save}")
                 return True
-            if args.exit_duration_in_mins and self._out_of_time():
+            if training.exit_duration_in_mins and self._out_of_time():
                 self._finish_saves()
-                saved = f", saved to {args.save}" if args.save else ""
-                self.engine.logger.info(f" exiting after --exit-duration-in-mins {args.exit_duration_in_mins} at "
+                saved = f", saved to {save}" if save else ""
+                self.engine.logger.info(f" exiting after --exit-duration-in-mins {training.exit_duration_in_mins} at "
                                         f"iteration {self.iteration}{saved}")
                 return True
         return False
@@ -333,53 +239,38 @@ class _Trainer:
     def _out_of_time(self) -> bool:
         """Whether any rank has run longer than ``--exit-duration-in-mins`` (all ranks agree, so all stop)."""
         minutes = (time.time() - self.engine.start_time) / 60.0
-        done = torch.tensor([int(minutes > self.args.exit_duration_in_mins)], device=self.engine.device)
+        done = torch.tensor([int(minutes > self.config.training.exit_duration_in_mins)], device=self.engine.device)
         torch.distributed.all_reduce(done, op=torch.distributed.ReduceOp.MAX)
         return bool(done.item())
 
     def _profile(self, start: bool) -> None:
         """``--profile`` (GPUs; arguments.flag_notices turns it off elsewhere): CUDA's profiler runs from the
         start of iteration ``--profile-step-start`` to the end of ``--profile-step-end``, on ``--profile-ranks``."""
-        args = self.args
-        if not args.profile or torch.distributed.get_rank() not in args.profile_ranks:
+        training = self.config.training
+        if not training.profile or torch.distributed.get_rank() not in training.profile_ranks:
             return
-        if start and self.iteration == args.profile_step_start:
+        if start and self.iteration == training.profile_step_start:
             torch.cuda.check_error(torch.cuda.cudart().cudaProfilerStart())
-        elif not start and self.iteration == args.profile_step_end:
+        elif not start and self.iteration == training.profile_step_end:
             torch.cuda.check_error(torch.cuda.cudart().cudaProfilerStop())
-
-    @contextlib.contextmanager
-    def _parameters_in_sync(self):
-        """With ``--overlap-param-gather`` the updated parameters arrive during the next forward pass; saving or
-        evaluating needs them now (Megatron-LM's disable_forward_pre_hook around both)."""
-        overlapped = self.megatron and self.args.overlap_param_gather
-        if overlapped:
-            for chunk in self._chunks():
-                chunk.disable_forward_pre_hook(param_sync=True)
-        try:
-            yield
-        finally:
-            if overlapped:
-                for chunk in self._chunks():
-                    chunk.enable_forward_pre_hook()
 
     def _count_bad_step(self, skipped: bool) -> None:
         """fp16 skips overflowing steps as a matter of course (the loss scaler adapts); in bf16/fp32 a skipped
         step had NaN/Inf gradients, and ``--max-bad-steps`` of them in a row stop the run."""
-        args = self.args
-        self._bad_steps = self._bad_steps + 1 if skipped and not args.fp16 else 0
-        if self._bad_steps < args.max_bad_steps:
+        training, save = self.config.training, self.config.checkpointing.save
+        self._bad_steps = self._bad_steps + 1 if skipped and not training.fp16 else 0
+        if self._bad_steps < training.max_bad_steps:
             return
         self._wait_for_saves()
         first = self.iteration - self._bad_steps + 1
-        latest = checkpointing.read_tracker(args.save) if args.save else None
-        kept = (f"the last checkpoint, iteration {latest} under --save {args.save}, is intact: resume from it "
+        latest = checkpointing.read_tracker(save) if save else None
+        kept = (f"the last checkpoint, iteration {latest} under --save {save}, is intact: resume from it "
                 "with --load" if latest is not None else "no checkpoint was saved")
         raise TrainingStopped(
             f"rapidformer: error: iterations {first}-{self.iteration} had NaN/Inf gradients ({self._bad_steps} "
-            f"consecutive steps, --max-bad-steps {args.max_bad_steps}); none of them changed the weights (a save "
+            f"consecutive steps, --max-bad-steps {training.max_bad_steps}); none of them changed the weights (a save "
             f"after one holds the weights from before it); {kept}; lower --lr or check the data around consumed sample "
-            f"{(first - 1) * args.global_batch_size}"
+            f"{consumed_samples(training, first - 1)}"
         )
 
     def _lr(self) -> float:
@@ -387,21 +278,20 @@ class _Trainer:
 
     def save(self) -> str:
         self._last_saved = self.iteration
-        with self._parameters_in_sync():
-            return checkpointing.save_checkpoint(self.args.save, self.iteration, self.model, self.optimizer,
-                                                 self.lr_scheduler, self.megatron, self.checkpoint_info,
-                                                 keep_last_k=self.args.keep_last_k, async_queue=self._async_saves,
-                                                 run_args=self._megatron_lm_run_args())
+        checkpoints = self.config.checkpointing
+        with self.backend.parameters_in_sync():
+            return self.backend.save(checkpoints.save, self.iteration, self.checkpoint_info, checkpoints.keep_last_k,
+                                     self._async_saves, self._megatron_lm_run_args())
 
     def _megatron_lm_run_args(self) -> dict:
         """What Megatron-LM's ``args`` in a save need from the run, not the model (its resume reads
         ``consumed_train_samples``). Validation restarts at its first sample on our resume, so 0 valid samples."""
-        args = self.args
+        training = self.config.training
         return dict(consumed_train_samples=self.consumed_samples, consumed_valid_samples=0,
-                    tokenizer_type=args.tokenizer_type, global_batch_size=args.global_batch_size,
-                    micro_batch_size=args.micro_batch_size,
-                    virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
-                    train_iters=args.train_iters)
+                    tokenizer_type=self.config.tokenizer_type, global_batch_size=training.global_batch_size,
+                    micro_batch_size=training.micro_batch_size,
+                    virtual_pipeline_model_parallel_size=self.config.parallel.virtual_pipeline_model_parallel_size,
+                    train_iters=training.train_iters)
 
     def _wait_for_saves(self) -> None:
         """Publish every asynchronous save still being written (a no-op without --async-save)."""
@@ -410,31 +300,31 @@ class _Trainer:
 
     def _finish_saves(self) -> None:
         """Save the current iteration unless that is done, and wait until every save is published."""
-        if self.args.save and self._last_saved != self.iteration:
+        if self.config.checkpointing.save and self._last_saved != self.iteration:
             self.save()
         self._wait_for_saves()
 
     def _finish(self, log: TrainingLog) -> None:
-        args = self.args
+        logging = self.config.logging
         self._finish_saves()
         if self._exit_signal is not None:
             self._exit_signal.restore()
-        if args.manual_gc:
+        if self.config.training.manual_gc:
             gc.enable()
-        directory = args.log_dir or args.tensorboard_dir or args.save
+        directory = logging.log_dir or logging.tensorboard_dir or self.config.checkpointing.save
         if directory and torch.distributed.get_rank() == torch.distributed.get_world_size() - 1:
             log.plot(os.path.join(directory, "loss_curves.png"))
         log.close()
 
     def _log(self, train_iters: int, flops_per_sample: float | None = None) -> TrainingLog:
-        args = self.args
+        logging = self.config.logging
         # The last rank holds the last pipeline stage, so the loss: it keeps the per-iteration record and writes
         # the TensorBoard scalars (Megatron-LM's get_tensorboard_writer: rank world_size - 1).
         world_size = torch.distributed.get_world_size()
         last = torch.distributed.get_rank() == world_size - 1
-        record = os.path.join(args.log_dir, "iterations.jsonl") if args.log_dir and last else None
-        return TrainingLog(self.engine.logger, args.log_interval, train_iters, flops_per_sample,
-                           args.tensorboard_dir if last else None, record_path=record, world_size=world_size)
+        record = os.path.join(logging.log_dir, "iterations.jsonl") if logging.log_dir and last else None
+        return TrainingLog(self.engine.logger, logging.log_interval, train_iters, flops_per_sample,
+                           logging.tensorboard_dir if last else None, record_path=record, world_size=world_size)
 
 
 def _pretraining_batches(dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
@@ -467,34 +357,35 @@ class Pretrainer(_Trainer):
         if self.megatron and parallel_state.get_tensor_model_parallel_rank() != 0:
             return None if len(self._chunks()) == 1 else [None] * len(self._chunks())
         make = lambda: _pretraining_batches(  # noqa: E731
-            dataset, consumed, self.args.micro_batch_size, parallel_state.get_data_parallel_rank(),
+            dataset, consumed, self.config.training.micro_batch_size, parallel_state.get_data_parallel_rank(),
             parallel_state.get_data_parallel_world_size(), self.engine.device)
         # Each virtual pipeline chunk reads its own copy of the stream, in step with the others.
         return make() if len(self._chunks()) == 1 else [make() for _ in self._chunks()]
 
     def _flops_per_sample(self) -> float | None:
-        args = self.args
-        if not (self.megatron and args.num_layers and args.hidden_size and args.seq_length):
+        seq_length, model = self.config.data.seq_length, self.config.model
+        if not (self.megatron and seq_length and model.described):
             return None
-        from megatron_patch.model import model_config_from_args, num_floating_point_operations
+        from megatron_patch.model import num_floating_point_operations
         from megatron_patch.model.builder import padded_vocab_size
 
         # The formula counts the logit layer over the padded vocabulary (Megatron-LM: args.padded_vocab_size).
         if self.checkpoint_info is not None:
             info = self.checkpoint_info
-            return num_floating_point_operations(info.model_config, 1, args.seq_length, info.padded_vocab_size)
+            return num_floating_point_operations(info.model_config, 1, seq_length, info.padded_vocab_size)
         try:
-            config = model_config_from_args(args)
+            config = model.build(family="gpt")
         except (ValueError, TypeError):
             return None
-        vocab = getattr(self.engine.tokenizer, "vocab_size", None) if args.tokenizer_type else config.vocab_size
-        vocab = padded_vocab_size(vocab or 0, config.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
-        return num_floating_point_operations(config, 1, args.seq_length, vocab)
+        vocab = getattr(self.engine.tokenizer, "vocab_size", None) if self.config.tokenizer_type else config.vocab_size
+        vocab = padded_vocab_size(vocab or 0, config.make_vocab_size_divisible_by,
+                                  self.config.parallel.tensor_model_parallel_size)
+        return num_floating_point_operations(config, 1, seq_length, vocab)
 
     def evaluate(self, data_iterator) -> float | None:
         """Mean validation loss over ``--eval-iters`` global batches (None off the last pipeline stage)."""
-        args = self.args
-        with self._parameters_in_sync(), self._collected_around(args.manual_gc and args.manual_gc_eval):
+        training = self.config.training
+        with self.backend.parameters_in_sync(), self._collected_around(training.manual_gc and training.manual_gc_eval):
             return self._evaluate(data_iterator)
 
     @staticmethod
@@ -509,42 +400,27 @@ class Pretrainer(_Trainer):
             gc.collect()
 
     def _evaluate(self, data_iterator) -> float | None:
-        args = self.args
         for chunk in self._chunks():
             chunk.eval()
-        losses = []
         with torch.no_grad():
-            for _ in range(args.eval_iters):
-                if self.megatron:
-                    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-                    reports = get_forward_backward_func()(
-                        forward_step_func=self._adapt(self.run_forward_step), data_iterator=data_iterator,
-                        model=self.model, num_microbatches=args.num_microbatches, seq_length=args.seq_length,
-                        micro_batch_size=args.micro_batch_size, forward_only=True)
-                    # [loss_sum, count] per microbatch: token sums from (output, loss_func) hooks, a mean and 1
-                    # from hooks that return the loss.
-                    losses += [r["lm loss"][0].item() / max(r["lm loss"][1].item(), 1.0) for r in reports]
-                else:
-                    losses += [self.run_forward_step(data_iterator, self.model).float().item()
-                               for _ in range(args.num_microbatches)]
+            losses = self.backend.evaluation_losses(self.run_forward_step, data_iterator,
+                                                    self.config.logging.eval_iters,
+                                                    self.config.training.num_microbatches)
         for chunk in self._chunks():
             chunk.train()
-        from megatron.core import parallel_state
-
-        if self.megatron and not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-            return None
-        return _all_reduce_mean(losses, self.engine.device)
+        return None if losses is None else _all_reduce_mean(losses, self.engine.device)
 
     def train(self) -> TrainingLog:
         self.check_hooks()
-        args = self.args
-        if not args.train_iters:
+        training, logging = self.config.training, self.config.logging
+        train_iters = training.train_iters
+        if not train_iters:
             raise SystemExit("rapidformer: error: a Pretrainer needs --train-iters")
-        self._compose(args.train_iters)
-        gbs, evals = args.global_batch_size, (args.train_iters // args.eval_interval + 1) if args.eval_interval else 0
+        self._compose(train_iters)
+        gbs = training.global_batch_size
+        evals = (train_iters // logging.eval_interval + 1) if logging.eval_interval else 0
         train_ds, valid_ds, _ = self.train_valid_test_datasets_provider(
-            [args.train_samples or args.train_iters * gbs, evals * args.eval_iters * gbs, args.eval_iters * gbs])
+            [training.train_samples or train_iters * gbs, evals * logging.eval_iters * gbs, logging.eval_iters * gbs])
         if evals:
             # Only the ranks that build datasets know whether the split left validation documents; all must agree,
             # since every rank takes part in each evaluation.
@@ -553,17 +429,17 @@ class Pretrainer(_Trainer):
             evals = evals if has_valid.item() else 0
         train_iterator = self._iterators(train_ds, self.consumed_samples)
         valid_iterator = self._iterators(valid_ds, 0) if evals else None
-        log = self._log(args.train_iters, self._flops_per_sample())
+        log = self._log(train_iters, self._flops_per_sample())
 
         def after_step(iteration: int):
             # Not `valid_iterator is not None`: TP ranks other than 0 have no iterator (rank 0 broadcasts each
             # batch) but must evaluate with it, or rank 0 waits in the broadcast for ever.
-            if evals and iteration % args.eval_interval == 0:
+            if evals and iteration % logging.eval_interval == 0:
                 loss = self.evaluate(valid_iterator)
                 if loss is not None:
                     log.validation(iteration, loss)
 
-        self._run(self.run_forward_step, train_iterator, args.train_iters, log, after_step)
+        self._run(self.run_forward_step, train_iterator, train_iters, log, after_step)
         self._finish(log)
         return log
 
@@ -586,16 +462,16 @@ class Finetuner(_Trainer):
 
     def train(self) -> TrainingLog:
         self.check_hooks()
-        args = self.args
-        if args.train_samples is not None or args.rampup_batch_size is not None:
+        training = self.config.training
+        if training.train_samples is not None or training.rampup_batch_size is not None:
             raise SystemExit("rapidformer: error: --train-samples/--rampup-batch-size schedule pretraining (a "
                              "Pretrainer); fine-tuning counts --epochs or --train-iters")
         train_ds, valid_ds, _, collate_fn = self.train_valid_test_datasets_provider()
         train_loader = self.build_data_loader(train_ds, collate_fn=collate_fn)
         eval_loader = self.build_data_loader(valid_ds, collate_fn=collate_fn, shuffle=False) if valid_ds else None
-        steps_per_epoch = max(1, len(train_loader) // args.num_microbatches)
-        epochs = args.epochs or math.ceil((args.train_iters or steps_per_epoch) / steps_per_epoch)
-        train_iters = args.train_iters or epochs * steps_per_epoch
+        steps_per_epoch = max(1, len(train_loader) // training.num_microbatches)
+        epochs = training.epochs or math.ceil((training.train_iters or steps_per_epoch) / steps_per_epoch)
+        train_iters = training.train_iters or epochs * steps_per_epoch
         self._compose(train_iters)
         log = self._log(train_iters)
         self.metrics: list[dict] = []
@@ -613,7 +489,7 @@ class Finetuner(_Trainer):
                 break
             train_loader.set_epoch(epoch)
             done = self.iteration - epoch * steps_per_epoch
-            batches = itertools.islice(train_loader, done * args.num_microbatches, None)
+            batches = itertools.islice(train_loader, done * training.num_microbatches, None)
             if self._run(forward, batches, min(train_iters, (epoch + 1) * steps_per_epoch), log, counter=counter):
                 break
             if eval_loader is not None:
