@@ -170,6 +170,37 @@ def test_null_tokenizer():
         tok.tokenize("five")
 
 
+
+ALL_SPECIAL_TOKENS = {"cls", "sep", "pad", "eod", "bos", "eos", "mask"}
+# The special-token properties each type answers; the rest raise megatron-core's NotImplementedError, as its
+# MegatronLegacyTokenizer base does, which callers probing for a token (`try: tok.mask`) rely on.
+ANSWERED_SPECIAL_TOKENS = {
+    "GPT2BPETokenizer": {"eod", "eos"},
+    "BertWordPieceLowerCase": ALL_SPECIAL_TOKENS,
+    "BertWordPieceCase": ALL_SPECIAL_TOKENS,
+    "SentencePieceTokenizer": ALL_SPECIAL_TOKENS,
+    "GPTSentencePieceTokenizer": {"pad", "eod", "bos", "eos"},
+    "Llama2Tokenizer": {"pad", "eod", "bos", "eos"},
+    "HuggingFaceTokenizer": {"pad", "eod", "bos", "eos"},
+    "NullTokenizer": {"eod", "eos"},
+}
+
+
+@pytest.mark.parametrize("tokenizer_type", sorted(ANSWERED_SPECIAL_TOKENS))
+def test_special_token_properties_answered_and_refused(assets, tokenizer_type):
+    tok = build_tokenizer(tokenizer_type, **assets.options[tokenizer_type])
+    answered = ANSWERED_SPECIAL_TOKENS[tokenizer_type]
+    for name in sorted(ALL_SPECIAL_TOKENS - answered):
+        with pytest.raises(NotImplementedError, match=rf"^{tokenizer_type} has no attribute '{name}'$"):
+            getattr(tok, name)
+    ids = {name: getattr(tok, name) for name in answered}
+    # eod is eos wherever a type has no end-of-document token of its own; ids are in the vocab (Null's eod is the
+    # one past it); a SentencePiece model trained without a pad piece has pad None (SentencePieceTokenizer adds one).
+    assert ids["eod"] == ids["eos"] or tokenizer_type == "SentencePieceTokenizer"
+    assert all(i is None or 0 <= i < tok.vocab_size for i in ids.values()), ids
+    assert ("pad" in ids and ids["pad"] is None) == (tokenizer_type in ("GPTSentencePieceTokenizer", "Llama2Tokenizer"))
+
+
 def test_padded_vocab_size():
     assert padded_vocab_size(50257, 128, 1) == 50304
     assert padded_vocab_size(50257, 128, 8) == 51200
