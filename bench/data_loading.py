@@ -28,8 +28,8 @@ SEQ, MICRO_BATCH, MICROBATCHES = 256, 4, 2
 def _prepare_data(work: str):
     from megatron_patch.data.corpus import write_stdlib_corpus
     from megatron_patch.data.preprocess import PreprocessConfig, preprocess
+    from megatron_patch.data.train_tokenizer import train_tokenizer
     from megatron_patch.tokenizer import build_tokenizer
-    from megatron_patch.tokenizer.train import train_tokenizer
 
     corpus = os.path.join(work, "corpus.jsonl")
     write_stdlib_corpus(corpus, max_bytes=3_000_000, max_doc_chars=4000)

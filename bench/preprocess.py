@@ -47,8 +47,8 @@ from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder 
 
 from megatron_patch.data.corpus import write_stdlib_corpus  # noqa: E402
 from megatron_patch.data.preprocess import main as preprocess_main  # noqa: E402
+from megatron_patch.data.train_tokenizer import train_tokenizer  # noqa: E402
 from megatron_patch.tokenizer import build_tokenizer  # noqa: E402
-from megatron_patch.tokenizer.train import train_tokenizer  # noqa: E402
 
 CEILING_BATCH = 4096  # texts per tokenizer call in the ceiling: large batches are the backend's fastest path
 

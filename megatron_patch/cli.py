@@ -46,7 +46,8 @@ def _forward(module: str):
 # name -> (module whose main() takes the arguments, help)
 TOOLS = {
     "make-corpus": ("megatron_patch.data.corpus", "write the Python standard library's sources as a JSONL corpus"),
-    "train-tokenizer": ("megatron_patch.tokenizer.train", "train a GPT-2 BPE, WordPiece or SentencePiece tokenizer"),
+    "train-tokenizer": ("megatron_patch.data.train_tokenizer",
+                        "train a GPT-2 BPE, WordPiece or SentencePiece tokenizer"),
     "preprocess-data": ("megatron_patch.data.preprocess", "tokenize JSONL into Megatron .bin/.idx files"),
     "convert": ("megatron_patch.convert.cli", "Hugging Face <-> Megatron checkpoints, verified"),
     "train": ("megatron_patch.training.launcher", "the rapidformer launcher: --task or --user-script on N processes"),

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import regex
 
 from megatron_patch.data.corpus import write_stdlib_corpus
-from megatron_patch.tokenizer.train import train_tokenizer
+from megatron_patch.data.train_tokenizer import train_tokenizer
 
 # Hand-written documents that the stdlib lacks: accents, CJK, emoji, control characters,
 # sentences, a literal special token, and long runs of whitespace.

@@ -1,6 +1,9 @@
-"""Tokenizers against independent references, the registry, padding and bad tokenizer files."""
+"""Tokenizers against independent references, the registry, padding, bad tokenizer files, and the package's
+place below data/, training/ and convert/."""
 
+import ast
 import json
+import pathlib
 import random
 
 import pytest
@@ -9,6 +12,7 @@ from conftest_data import ReferenceGPT2BPE, data_assets
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers
 
+import megatron_patch.tokenizer
 from megatron_patch.tokenizer import TOKENIZERS, TokenizerFileError, build_tokenizer, gpt2, padded_vocab_size
 
 
@@ -166,6 +170,37 @@ def test_null_tokenizer():
         tok.tokenize("five")
 
 
+
+ALL_SPECIAL_TOKENS = {"cls", "sep", "pad", "eod", "bos", "eos", "mask"}
+# The special-token properties each type answers; the rest raise megatron-core's NotImplementedError, as its
+# MegatronLegacyTokenizer base does, which callers probing for a token (`try: tok.mask`) rely on.
+ANSWERED_SPECIAL_TOKENS = {
+    "GPT2BPETokenizer": {"eod", "eos"},
+    "BertWordPieceLowerCase": ALL_SPECIAL_TOKENS,
+    "BertWordPieceCase": ALL_SPECIAL_TOKENS,
+    "SentencePieceTokenizer": ALL_SPECIAL_TOKENS,
+    "GPTSentencePieceTokenizer": {"pad", "eod", "bos", "eos"},
+    "Llama2Tokenizer": {"pad", "eod", "bos", "eos"},
+    "HuggingFaceTokenizer": {"pad", "eod", "bos", "eos"},
+    "NullTokenizer": {"eod", "eos"},
+}
+
+
+@pytest.mark.parametrize("tokenizer_type", sorted(ANSWERED_SPECIAL_TOKENS))
+def test_special_token_properties_answered_and_refused(assets, tokenizer_type):
+    tok = build_tokenizer(tokenizer_type, **assets.options[tokenizer_type])
+    answered = ANSWERED_SPECIAL_TOKENS[tokenizer_type]
+    for name in sorted(ALL_SPECIAL_TOKENS - answered):
+        with pytest.raises(NotImplementedError, match=rf"^{tokenizer_type} has no attribute '{name}'$"):
+            getattr(tok, name)
+    ids = {name: getattr(tok, name) for name in answered}
+    # eod is eos wherever a type has no end-of-document token of its own; ids are in the vocab (Null's eod is the
+    # one past it); a SentencePiece model trained without a pad piece has pad None (SentencePieceTokenizer adds one).
+    assert ids["eod"] == ids["eos"] or tokenizer_type == "SentencePieceTokenizer"
+    assert all(i is None or 0 <= i < tok.vocab_size for i in ids.values()), ids
+    assert ("pad" in ids and ids["pad"] is None) == (tokenizer_type in ("GPTSentencePieceTokenizer", "Llama2Tokenizer"))
+
+
 def test_padded_vocab_size():
     assert padded_vocab_size(50257, 128, 1) == 50304
     assert padded_vocab_size(50257, 128, 8) == 51200
@@ -211,3 +246,37 @@ def test_missing_and_wrong_format_tokenizer_files(assets, tmp_path):
         build_tokenizer("SentencePieceTokenizer", tokenizer_model=gpt2["vocab_file"])
     with pytest.raises(TokenizerFileError, match="not a directory"):
         build_tokenizer("HuggingFaceTokenizer", tokenizer_model="gpt2")
+
+
+def _imported_modules(path: pathlib.Path, package: str) -> set[str]:
+    """Every module an `import` or `from ... import` in `path` names, relative imports resolved against `package`
+    (`from megatron_patch import data` names `megatron_patch` and `megatron_patch.data`)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            parts = package.split(".")
+            base = ".".join(parts[: len(parts) - node.level + 1] if node.level else [])
+            base = ".".join(filter(None, (base, node.module)))
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+    return names
+
+
+def test_tokenizer_package_imports_nothing_above_it():
+    # data/, training/ and convert/ build on tokenizer/; an import back up would be a cycle, and would load the
+    # data tools (or the trainer) into every process that only needs a tokenizer.
+    root = pathlib.Path(megatron_patch.tokenizer.__file__).parent
+    above = ("megatron_patch.data", "megatron_patch.training", "megatron_patch.convert")
+    modules = sorted(root.rglob("*.py"))
+    assert {"registry.py", "gpt2.py"} <= {m.name for m in modules}
+    upward = []
+    for module in modules:
+        package = ".".join(("megatron_patch", *module.relative_to(root.parent).parent.parts))
+        upward += [
+            f"{module.relative_to(root.parent)} imports {name}"
+            for name in sorted(_imported_modules(module, package))
+            if any(name == a or name.startswith(a + ".") for a in above)
+        ]
+    assert not upward, f"the tokenizer package imports a package that builds on it: {upward}"

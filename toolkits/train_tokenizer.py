@@ -5,7 +5,7 @@
 
 import sys
 
-from megatron_patch.tokenizer.train import main
+from megatron_patch.data.train_tokenizer import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -20,6 +20,11 @@ from megatron_patch.tokenizer.registry import (
 )
 
 REQUIRED_TOKENS = ("[CLS]", "[SEP]", "[PAD]", "[MASK]", "[UNK]")
+# Megatron's special-token properties -> the token each returns; [BOS] and [EOS] are appended to the vocab
+# when absent, and [EOS] also ends documents, as in Megatron-LM.
+SPECIAL_TOKENS = {
+    "cls": "[CLS]", "sep": "[SEP]", "pad": "[PAD]", "mask": "[MASK]", "bos": "[BOS]", "eos": "[EOS]", "eod": "[EOS]",
+}
 # The original BERT WordpieceTokenizer's `max_input_chars_per_word` (HF's default is 100).
 MAX_INPUT_CHARS_PER_WORD = 200
 
@@ -63,6 +68,7 @@ class BertWordPieceTokenizer(BackendTokenizer):
         for token in ["[BOS]", "[EOS]"] + [f"<extra_id_{i}>" for i in range(vocab_extra_ids)]:
             self._vocab.setdefault(token, len(self._vocab))
         self._inv_vocab = {i: t for t, i in self._vocab.items()}
+        self._special_ids = {name: self._vocab[token] for name, token in SPECIAL_TOKENS.items()}
         self.additional_special_tokens_ids = [
             self._vocab[f"<extra_id_{i}>"] for i in range(vocab_extra_ids)
         ]
@@ -76,34 +82,6 @@ class BertWordPieceTokenizer(BackendTokenizer):
         )
         self._backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
         self._backend.decoder = decoders.WordPiece(prefix="##")
-
-    @property
-    def cls(self) -> int:
-        return self._vocab["[CLS]"]
-
-    @property
-    def sep(self) -> int:
-        return self._vocab["[SEP]"]
-
-    @property
-    def pad(self) -> int:
-        return self._vocab["[PAD]"]
-
-    @property
-    def mask(self) -> int:
-        return self._vocab["[MASK]"]
-
-    @property
-    def bos(self) -> int:
-        return self._vocab["[BOS]"]
-
-    @property
-    def eos(self) -> int:
-        return self._vocab["[EOS]"]
-
-    @property
-    def eod(self) -> int:
-        return self._vocab["[EOS]"]
 
 
 register_tokenizer("BertWordPieceLowerCase", lower_case=True)(BertWordPieceTokenizer)

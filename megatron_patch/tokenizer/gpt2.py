@@ -102,7 +102,7 @@ class GPT2BPETokenizer(BackendTokenizer):
             raise TokenizerFileError(f"{vocab_file}: has no {EOD_TOKEN} token, which GPT-2 uses as eod")
         merges = read_gpt2_merges(merge_file, self._vocab)
         self._inv_vocab = {i: t for t, i in self._vocab.items()}
-        self._eod = self._vocab[EOD_TOKEN]
+        self._special_ids = {"eod": self._vocab[EOD_TOKEN], "eos": self._vocab[EOD_TOKEN]}
         # The backend gets one pre-token at a time, so its ByteLevel step only maps bytes to symbols.
         self._backend = HFTokenizer(models.BPE(vocab=self._vocab, merges=merges))
         self._backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -136,11 +136,3 @@ class GPT2BPETokenizer(BackendTokenizer):
         except UnicodeEncodeError as error:
             bad = error.object[error.start]
             raise ValueError(f"text holds the lone surrogate {bad!r}, which has no UTF-8 encoding") from None
-
-    @property
-    def eod(self) -> int:
-        return self._eod
-
-    @property
-    def eos(self) -> int:
-        return self._eod

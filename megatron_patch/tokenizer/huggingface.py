@@ -32,6 +32,10 @@ class HuggingFaceTokenizer(Tokenizer):
             raise TokenizerFileError(f"{tokenizer_model}: not a HuggingFace tokenizer directory ({error})") from None
         self._vocab = self._hf.get_vocab()
         self._inv_vocab = {i: t for t, i in self._vocab.items()}
+        self._special_ids = {
+            "eod": self._hf.eos_token_id, "eos": self._hf.eos_token_id,
+            "bos": self._hf.bos_token_id, "pad": self._hf.pad_token_id,
+        }
         # The Rust backend encodes a batch without building a BatchEncoding per call; it is the
         # same pipeline `__call__` runs (tests compare the two).
         self._backend = getattr(self._hf, "backend_tokenizer", None)
@@ -39,22 +43,6 @@ class HuggingFaceTokenizer(Tokenizer):
     @property
     def vocab_size(self) -> int:
         return len(self._hf)
-
-    @property
-    def eod(self) -> int | None:
-        return self._hf.eos_token_id
-
-    @property
-    def eos(self) -> int | None:
-        return self._hf.eos_token_id
-
-    @property
-    def bos(self) -> int | None:
-        return self._hf.bos_token_id
-
-    @property
-    def pad(self) -> int | None:
-        return self._hf.pad_token_id
 
     def tokenize(self, text: str) -> list[int]:
         return self._hf(text).input_ids

@@ -17,6 +17,7 @@ class NullTokenizer(Tokenizer):
             raise ValueError(f"NullTokenizer needs --vocab-size >= 1, got {vocab_size}")
         super().__init__(None, vocab_size=vocab_size)
         self._vocab_size_without_eod = int(vocab_size)
+        self._special_ids = {"eod": self._vocab_size_without_eod, "eos": self._vocab_size_without_eod}
 
     @property
     def vocab_size(self) -> int:
@@ -29,14 +30,6 @@ class NullTokenizer(Tokenizer):
     @property
     def inv_vocab(self):
         raise NotImplementedError("NullTokenizer has no vocab")
-
-    @property
-    def eod(self) -> int:
-        return self._vocab_size_without_eod
-
-    @property
-    def eos(self) -> int:
-        return self._vocab_size_without_eod
 
     def tokenize(self, text: str) -> list[int]:
         # Megatron-LM splits on single spaces and fails on "" or double spaces; any whitespace

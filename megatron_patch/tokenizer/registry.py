@@ -22,18 +22,48 @@ class TokenizerFileError(ValueError):
     """
 
 
+def special_token_property(name: str) -> property:
+    """megatron-core's `name` property (`cls`, `eod`, ...) answered from the tokenizer's `_special_ids` table.
+
+        eod = special_token_property("eod")   # tok.eod == tok._special_ids["eod"]
+
+    A name the table lacks runs megatron-core's own property, which raises its NotImplementedError
+    (`GPT2BPETokenizer has no attribute 'cls'`), the error Megatron-LM's tokenizers give.
+    """
+    upstream = getattr(MegatronLegacyTokenizer, name)
+
+    def special_id(self: "Tokenizer") -> int | None:
+        if name in self._special_ids:
+            return self._special_ids[name]
+        return upstream.fget(self)
+
+    return property(special_id, doc=upstream.__doc__)
+
+
 class Tokenizer(MegatronLegacyTokenizer):
     """Base of our tokenizers: megatron-core's tokenizer interface plus a batch encoder.
 
         ids_per_text = tok.tokenize_batch(["first document", "second one"])
 
     Subclassing megatron-core's base gives `unique_identifiers`, which its datasets hash into
-    their cache names, and the `cls/sep/pad/eod/mask` properties its datasets read. Subclasses
-    fill `_vocab` (token -> id) and `_inv_vocab`.
+    their cache names. Subclasses fill `_vocab` (token -> id), `_inv_vocab` and `_special_ids`,
+    the one table behind the special-token properties below.
     """
 
     _vocab: dict[str, int]
     _inv_vocab: dict[int, str]
+    _special_ids: dict[str, int | None] = {}
+    """Megatron's special-token property name -> id, e.g. `{"eod": 50256, "eos": 50256}` for GPT-2. None: the
+    tokenizer's model has no such token; a name missing: the property raises."""
+
+    # The ids megatron-core's datasets, Megatron-LM's scripts and ours read (`tok.eod`, `tok.pad`, ...).
+    cls = special_token_property("cls")
+    sep = special_token_property("sep")
+    pad = special_token_property("pad")
+    eod = special_token_property("eod")
+    bos = special_token_property("bos")
+    eos = special_token_property("eos")
+    mask = special_token_property("mask")
 
     @property
     def vocab(self) -> dict[str, int]:

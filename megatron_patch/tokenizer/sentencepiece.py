@@ -30,7 +30,7 @@ def load_sentencepiece(path: str):
 
 
 class _SentencePieceBase(Tokenizer):
-    """The model's pieces as vocab; subclasses decide specials and eod."""
+    """The model's pieces as vocab, its bos/eos/pad as special tokens and eos as eod."""
 
     def __init__(self, tokenizer_model: str | None = None, **options):
         path = require_file(
@@ -40,22 +40,14 @@ class _SentencePieceBase(Tokenizer):
         self._sp = load_sentencepiece(path)
         self._vocab = {self._sp.id_to_piece(i): i for i in range(len(self._sp))}
         self._inv_vocab = {i: t for t, i in self._vocab.items()}
+        eos = self._piece_id(self._sp.eos_id())
+        self._special_ids = {
+            "bos": self._piece_id(self._sp.bos_id()), "eos": eos, "eod": eos, "pad": self._piece_id(self._sp.pad_id()),
+        }
 
     def _piece_id(self, special_id: int) -> int | None:
         """The model's bos/eos/pad id, or None where the model has none (SentencePiece gives -1)."""
         return special_id if 0 <= special_id < len(self._sp) else None
-
-    @property
-    def bos(self) -> int | None:
-        return self._piece_id(self._sp.bos_id())
-
-    @property
-    def eos(self) -> int | None:
-        return self._piece_id(self._sp.eos_id())
-
-    @property
-    def pad(self) -> int | None:
-        return self._piece_id(self._sp.pad_id())
 
     def tokenize(self, text: str) -> list[int]:
         return self.tokenize_batch([text])[0]
@@ -69,16 +61,12 @@ class _SentencePieceBase(Tokenizer):
 
 @register_tokenizer("GPTSentencePieceTokenizer")
 class GPTSentencePieceTokenizer(_SentencePieceBase):
-    @property
-    def eod(self) -> int | None:
-        return self.eos
+    """Megatron-LM's `_GPTSentencePieceTokenizer`: the model alone."""
 
 
 @register_tokenizer("Llama2Tokenizer")
 class Llama2Tokenizer(_SentencePieceBase):
-    @property
-    def eod(self) -> int | None:
-        return self.eos
+    """Megatron-LM's `_Llama2Tokenizer`: bos before every text."""
 
     def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
         return [[self.bos, *ids] for ids in super().tokenize_batch(texts)]
@@ -90,49 +78,24 @@ class SentencePieceTokenizer(_SentencePieceBase):
 
     def __init__(self, tokenizer_model: str | None = None, vocab_extra_ids: int = 0):
         super().__init__(tokenizer_model, vocab_extra_ids=vocab_extra_ids)
-        # Order matters twice: new tokens get ids in this order, and when two special tokens
-        # start at the same character the earlier one here wins (as in Megatron-LM).
-        names = ["<CLS>", "<SEP>", "<EOD>", "<MASK>"]
-        for special_id, fallback in ((self._sp.pad_id(), "<PAD>"), (self._sp.bos_id(), "<BOS>"), (self._sp.eos_id(), "<EOS>")):
-            names.append(self._sp.id_to_piece(special_id) if self._piece_id(special_id) is not None else fallback)
+        # Megatron's special-token property -> its token: pad, bos and eos are the model's pieces where it has
+        # them. Order matters twice: new tokens get ids in this order, and when two special tokens start at the
+        # same character the earlier one here wins (as in Megatron-LM).
+        tokens = {"cls": "<CLS>", "sep": "<SEP>", "eod": "<EOD>", "mask": "<MASK>"}
+        model_pieces = (("pad", self._sp.pad_id(), "<PAD>"), ("bos", self._sp.bos_id(), "<BOS>"),
+                        ("eos", self._sp.eos_id(), "<EOS>"))
+        for name, special_id, fallback in model_pieces:
+            tokens[name] = self._sp.id_to_piece(special_id) if self._piece_id(special_id) is not None else fallback
         self._t5_tokens = [f"<extra_id_{i}>" for i in range(vocab_extra_ids)]
         self._special_tokens: dict[str, int] = {}
-        for name in names + self._t5_tokens:
-            if name not in self._vocab:
-                self._vocab[name] = len(self._vocab)
-                self._inv_vocab[self._vocab[name]] = name
-            self._special_tokens[name] = self._vocab[name]
+        for token in [*tokens.values(), *self._t5_tokens]:
+            if token not in self._vocab:
+                self._vocab[token] = len(self._vocab)
+                self._inv_vocab[self._vocab[token]] = token
+            self._special_tokens[token] = self._vocab[token]
         self._inv_special_tokens = {i: t for t, i in self._special_tokens.items()}
         self.additional_special_tokens_ids = [self._vocab[t] for t in self._t5_tokens]
-        self._pad, self._bos, self._eos = (self._special_tokens[n] for n in names[4:7])
-
-    @property
-    def cls(self) -> int:
-        return self._special_tokens["<CLS>"]
-
-    @property
-    def sep(self) -> int:
-        return self._special_tokens["<SEP>"]
-
-    @property
-    def eod(self) -> int:
-        return self._special_tokens["<EOD>"]
-
-    @property
-    def mask(self) -> int:
-        return self._special_tokens["<MASK>"]
-
-    @property
-    def pad(self) -> int:
-        return self._pad
-
-    @property
-    def bos(self) -> int:
-        return self._bos
-
-    @property
-    def eos(self) -> int:
-        return self._eos
+        self._special_ids = {name: self._vocab[token] for name, token in tokens.items()}
 
     def _split_specials(self, text: str) -> list[str | int]:
         """`"a<SEP>b"` -> `["a", sep_id, "b"]`: plain segments (possibly empty) and special ids."""

@@ -1,6 +1,10 @@
 """Train a tokenizer from a JSONL corpus, so that nothing has to be downloaded.
 
-    python toolkits/train_tokenizer.py --kind gpt2-bpe --input stdlib.jsonl --output-dir tok --vocab-size 8000
+    megatron-patch train-tokenizer --kind gpt2-bpe --input stdlib.jsonl --output-dir tok --vocab-size 8000
+
+(`python toolkits/train_tokenizer.py` takes the same flags.) It lives in `data/`, beside `corpus` and `preprocess`,
+because it reads JSONL through `data.jsonl`: `data/` builds on `tokenizer/`, and the runtime tokenizers import
+nothing from `data/`.
 
 Kinds and what they write into `--output-dir` (and the `--tokenizer-type` that reads it):
 - `gpt2-bpe`: `vocab.json` + `merges.txt`, byte-level BPE with `<|endoftext|>` (GPT2BPETokenizer)
