@@ -9,7 +9,7 @@ Example::
 Everything version-specific lives here. The CPU shim was checked against megatron-core 0.16.1 and
 torch 2.13.0+cpu; every patch names the upstream call sites it works around and only replaces behaviour
 that would raise on a CPU-only build ("Torch not compiled with CUDA enabled"), so it can never change what
-happens on a GPU. See ``shared/notes/megatron-core-on-cpu.md`` for the survey behind each patch.
+happens on a GPU. ``docs/megatron-core-on-cpu.md`` says what runs on CPU as-is and what each patch is for.
 """
 
 from __future__ import annotations

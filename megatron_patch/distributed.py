@@ -222,7 +222,7 @@ def exit_rank(status: int) -> None:
         exit_rank(run_my_rank())     # never returns
 
     After gloo collectives a normal interpreter exit sometimes aborts with "terminate called without an active
-    exception" (SIGABRT; shared/notes/megatron-core-on-cpu.md, "Torch-native sharding"), which torchrun reports
+    exception" (SIGABRT; docs/megatron-core-on-cpu.md, item 11), which torchrun reports
     as a failed rank. ``os._exit`` skips multiprocessing's atexit hook, which would stop dist_checkpointing's
     spawned Manager; left alone it outlives the rank, holding the launcher's stdout open (a caller reading it
     waits forever), so its children are stopped here.
