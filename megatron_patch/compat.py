@@ -408,7 +408,7 @@ def destroy_model_parallel_and_free_groups() -> None:
 
     Example::
 
-        >>> destroy_model_parallel_and_free_groups()    # before initialize_model_parallel with other sizes
+        destroy_model_parallel_and_free_groups()    # before initialize_model_parallel with other sizes
 
     ``parallel_state.destroy_model_parallel()`` only drops its references: it sets its group globals to None and
     destroys just the gloo data-parallel groups (megatron/core/parallel_state.py:2085-2234, the destroys at
