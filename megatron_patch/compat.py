@@ -6,14 +6,21 @@ Example::
     compat.apply_cpu_shim()          # no-op when torch.cuda.is_available()
     spec_backend = "te" if compat.transformer_engine_available() else "local"
 
-Everything version-specific lives here. The CPU shim was checked against megatron-core 0.16.1 and
-torch 2.13.0+cpu; every patch names the upstream call sites it works around and only replaces behaviour
-that would raise on a CPU-only build ("Torch not compiled with CUDA enabled"), so it can never change what
-happens on a GPU. See ``shared/notes/megatron-core-on-cpu.md`` for the survey behind each patch.
+Everything version-specific lives here, each workaround naming the upstream lines it works around:
+
+- the megatron-core version gate;
+- the CPU shim (``apply_cpu_shim``), checked against megatron-core 0.16.1 and torch 2.13.0+cpu. It only replaces
+  behaviour that would raise on a CPU-only build ("Torch not compiled with CUDA enabled"), so it can never change
+  what happens on a GPU. ``docs/megatron-core-on-cpu.md`` says what runs on CPU as-is and what each patch is for;
+- fixes for running without TE/apex, applied with the shim by ``apply``;
+- workarounds the package calls where it builds process groups and models, on every machine
+  (``destroy_model_parallel_and_free_groups``, ``pipeline_p2p_flags``, ``bert_lm_head_norm``);
+- fixes to process lifetimes (checkpoint writers, torchrun's shutdown).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import importlib.abc
@@ -390,6 +397,78 @@ def apply() -> None:
         _save_a_zero_optimizer_step()
         _fallback_fixes_applied = True
 
+
+# ----------------------------------------------------------------------------------------------------------
+# Workarounds the package calls where it builds process groups and models (on every machine, GPU or not)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def destroy_model_parallel_and_free_groups() -> None:
+    """Tear down megatron-core's groups *and* free them (checked on megatron-core 0.16.1 and torch 2.13).
+
+    Example::
+
+        destroy_model_parallel_and_free_groups()    # before initialize_model_parallel with other sizes
+
+    ``parallel_state.destroy_model_parallel()`` only drops its references: it sets its group globals to None and
+    destroys just the gloo data-parallel groups (megatron/core/parallel_state.py:2085-2234, the destroys at
+    :2159,2170,2209,2223). torch keeps every other group registered, each with its own communication threads, so
+    re-initialising in a long-lived process (the test harness's workers) would leak ~30 groups a time. torch has
+    no public list of live groups; ``distributed_c10d._world.pg_map`` (torch/distributed/distributed_c10d.py:703,
+    the singleton at :805) is the registry that ``destroy_process_group`` itself reads (:2383) and prunes (:2436).
+    """
+    import torch
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    c10d = torch.distributed.distributed_c10d
+    default = c10d._get_default_group()
+    for group in list(c10d._world.pg_map):
+        if group is not default:
+            torch.distributed.destroy_process_group(group)
+
+
+def pipeline_p2p_flags(interleaved: bool) -> dict[str, bool]:
+    """``TransformerConfig`` arguments for the pipeline's point-to-point exchange (checked on megatron-core 0.16.1
+    with gloo).
+
+    Example::
+
+        >>> pipeline_p2p_flags(interleaved=True)
+        {'overlap_p2p_comm': True, 'batch_p2p_comm': False}
+
+    megatron-core defaults to ``batch_p2p_comm=True`` (megatron/core/model_parallel_config.py:302): each exchange
+    is one ``torch.distributed.batch_isend_irecv`` (pipeline_parallel/p2p_communication.py:48, chosen at :353).
+    Under the interleaved (virtual pipeline) schedule on gloo that pairs the wrong messages and training silently
+    diverges (docs/megatron-core-on-cpu.md, item 6); megatron-core only rejects batching together with overlap
+    (pipeline_parallel/schedules.py:921). So the interleaved schedule overlaps plain isend/irecv, and the others
+    keep megatron-core's default.
+    """
+    return {"overlap_p2p_comm": interleaved, "batch_p2p_comm": not interleaved}
+
+
+@contextlib.contextmanager
+def bert_lm_head_norm(norm: type):
+    """Inside this block, megatron-core's ``BertLMHead`` builds its LayerNorm from ``norm`` (checked on
+    megatron-core 0.16.1).
+
+    Example::
+
+        with bert_lm_head_norm(TorchNorm):
+            super().__init__(config, **kwargs)     # megatron-core's BertModel.__init__ builds the LM head
+
+    ``BertLMHead`` takes no norm argument: it builds its LayerNorm (megatron/core/models/bert/bert_lm_head.py:38)
+    from the module global ``LNImpl``, fixed at import (:10-16): apex's ``FusedLayerNorm`` or, without apex,
+    ``WrappedTorchNorm``, which asserts that sequence parallelism is off (transformer/torch_norm.py:32).
+    """
+    from megatron.core.models.bert import bert_lm_head
+
+    imported = bert_lm_head.LNImpl
+    bert_lm_head.LNImpl = norm
+    try:
+        yield
+    finally:
+        bert_lm_head.LNImpl = imported
 
 
 def die_with_parent() -> None:

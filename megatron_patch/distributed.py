@@ -147,7 +147,7 @@ def initialize_distributed(
         )
 
     if parallel_state.model_parallel_is_initialized():
-        _destroy_model_parallel_groups()
+        compat.destroy_model_parallel_and_free_groups()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
@@ -168,23 +168,6 @@ def initialize_distributed(
         data_parallel_size=data_parallel_size,
         device=device,
     )
-
-
-def _destroy_model_parallel_groups() -> None:
-    """Forget megatron-core's groups *and* free them.
-
-    ``parallel_state.destroy_model_parallel()`` only drops its references (``parallel_state.py:2085-2234``
-    destroys just the gloo data-parallel groups); torch keeps every other group registered, each with its own
-    communication threads, so re-initialising in a long-lived process would leak ~30 groups a time.
-    """
-    from megatron.core import parallel_state
-
-    parallel_state.destroy_model_parallel()
-    c10d = torch.distributed.distributed_c10d
-    default = c10d._get_default_group()
-    for group in list(c10d._world.pg_map):
-        if group is not default:
-            torch.distributed.destroy_process_group(group)
 
 
 def destroy_distributed() -> None:
@@ -222,7 +205,7 @@ def exit_rank(status: int) -> None:
         exit_rank(run_my_rank())     # never returns
 
     After gloo collectives a normal interpreter exit sometimes aborts with "terminate called without an active
-    exception" (SIGABRT; shared/notes/megatron-core-on-cpu.md, "Torch-native sharding"), which torchrun reports
+    exception" (SIGABRT; docs/megatron-core-on-cpu.md, item 11), which torchrun reports
     as a failed rank. ``os._exit`` skips multiprocessing's atexit hook, which would stop dist_checkpointing's
     spawned Manager; left alone it outlives the rank, holding the launcher's stdout open (a caller reading it
     waits forever), so its children are stopped here.

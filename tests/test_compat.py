@@ -1,20 +1,35 @@
-"""The megatron-core version gate, the CPU shim's scope, and the package's install metadata."""
+"""The megatron-core version gate, the CPU shim's scope, each upstream workaround against what it must do, the
+package's install metadata, and that the docs the code cites exist."""
 
+import importlib.metadata
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from megatron_patch import compat
+from megatron_patch.testing import run_on_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_supported_version_passes():
-    assert compat.check_megatron_core_version("0.16.1") == "0.16.1"
+def test_installed_megatron_core_is_the_supported_one():
+    assert compat.check_megatron_core_version() == importlib.metadata.version("megatron-core")
+    assert importlib.metadata.version("megatron-core") == compat.SUPPORTED_MEGATRON_CORE
+
+
+def test_missing_megatron_core_names_the_install_command(monkeypatch):
+    def version(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(compat.importlib.metadata, "version", version)
+    with pytest.raises(compat.UnsupportedMegatronCore,
+                       match=r"megatron-core is not installed.*pip install megatron-core==0\.16\.1"):
+        compat.check_megatron_core_version()
 
 
 def test_wrong_version_names_the_supported_one():
@@ -35,15 +50,11 @@ def test_import_with_wrong_megatron_core_fails_clearly(tmp_path):
     assert "pip install megatron-core==0.16.1" in result.stderr
 
 
-def test_setup_pins_the_supported_stack():
-    setup_py = (ROOT / "setup.py").read_text()
-    assert f'"megatron-core=={compat.SUPPORTED_MEGATRON_CORE}"' in setup_py
-    assert '"torch==2.13.0"' in setup_py
-
-
-def test_package_installs_into_a_new_venv(tmp_path):
-    """pip builds and installs the package (no dependencies fetched: the venv sees this one's packages)."""
-    venv = tmp_path / "venv"
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    """This checkout installed by pip into a new venv (no dependencies fetched: the venv sees this one's packages);
+    returns the venv and its site-packages."""
+    venv = tmp_path_factory.mktemp("install") / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
                    check=True, timeout=120)
     site = subprocess.run([venv / "bin" / "python", "-c", "import site; print(site.getsitepackages()[0])"],
@@ -56,14 +67,36 @@ def test_package_installs_into_a_new_venv(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--quiet",
                     "--ignore-installed", "--prefix", str(venv), str(ROOT)], check=True, timeout=300,
                    env=dict(os.environ, PIP_NO_INPUT="1"))
+    return venv, site
+
+
+def test_package_installs_into_a_new_venv(installed):
+    venv, site = installed
     script = venv / "bin" / "megatron-patch"
     assert script.exists(), "the megatron-patch console script is installed"
+    # without PYTHONPATH, which may point at a checkout that would shadow the installed package
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     where = subprocess.run([venv / "bin" / "python", "-c", "import megatron_patch; print(megatron_patch.__file__)"],
-                           cwd=tmp_path, check=True, capture_output=True, text=True, timeout=120).stdout
+                           cwd=venv.parent, env=env, check=True, capture_output=True, text=True, timeout=120).stdout
     assert where.startswith(site)
     help_text = subprocess.run([venv / "bin" / "python", script, "--help"], capture_output=True, text=True,
-                               cwd=tmp_path, timeout=120, check=True).stdout
+                               cwd=venv.parent, env=env, timeout=120, check=True).stdout
     assert "quickstart" in help_text
+
+
+def test_installed_package_pins_the_stack_it_runs_on(installed):
+    """pip installs megatron-core and torch at exactly the versions the shim was checked against, and this
+    environment satisfies every requirement the package declares."""
+    from packaging.requirements import Requirement
+
+    _, site = installed
+    [dist] = [d for d in importlib.metadata.distributions(path=[site]) if d.metadata["Name"] == "megatron_patch"]
+    requirements = {r.name: r for r in map(Requirement, dist.requires) if r.marker is None}  # not the extras
+    assert str(requirements["megatron-core"].specifier) == f"=={compat.SUPPORTED_MEGATRON_CORE}"
+    assert str(requirements["torch"].specifier) == "==2.13.0"
+    unmet = {name: (str(r.specifier), importlib.metadata.version(name)) for name, r in requirements.items()
+             if not r.specifier.contains(importlib.metadata.version(name), prereleases=True)}
+    assert not unmet, unmet
 
 
 def shim_scope(rank, world_size):
@@ -84,8 +117,6 @@ def shim_scope(rank, world_size):
 
 
 def test_shim_applies_to_megatron_core_only():
-    from megatron_patch.testing import run_on_ranks
-
     assert run_on_ranks(shim_scope, 1) == [("cpu", True)]
 
 
@@ -147,3 +178,84 @@ def test_the_checkpoint_writers_queue_server_dies_with_its_process():
     for child in alive:
         child.kill()
     assert not alive, [child.cmdline() for child in alive]
+
+
+def free_megatron_core_groups(rank, world_size):
+    import torch
+
+    from megatron_patch.distributed import initialize_distributed
+
+    initialize_distributed(tensor_model_parallel_size=world_size)
+    c10d = torch.distributed.distributed_c10d
+    built = len(c10d._world.pg_map)
+    compat.destroy_model_parallel_and_free_groups()
+    return built, list(c10d._world.pg_map) == [c10d._get_default_group()]
+
+
+def test_destroying_megatron_core_groups_frees_them():
+    """Only the default group outlives megatron-core's: destroy_model_parallel alone leaves ~30 registered."""
+    [(built, only_default_left)] = run_on_ranks(free_megatron_core_groups, 1)
+    assert built > 1, "megatron-core built its groups"
+    assert only_default_left
+
+
+def test_bert_lm_head_is_built_with_the_given_norm():
+    """megatron-core's own choice without apex (WrappedTorchNorm) would refuse sequence parallelism here."""
+    from megatron.core.models.bert import bert_lm_head
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_patch.model.layers import TorchNorm
+
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, use_cpu_initialization=True)
+    config.sequence_parallel = True  # after validation, which wants TP > 1 for it
+    imported = bert_lm_head.LNImpl
+    with compat.bert_lm_head_norm(TorchNorm):
+        head = bert_lm_head.BertLMHead(8, config)
+    assert bert_lm_head.LNImpl is imported, "the module global is restored"
+    assert head.layer_norm.weight.sequence_parallel, "TorchNorm marks its parameters for the TP all-reduce"
+
+
+def test_interleaved_pipeline_on_gloo_matches_one_process():
+    """PP=2 x VPP=2 gives the single-process loss and gradients; with megatron-core's default batch_p2p_comm it
+    pairs the wrong messages (gradients off by a factor of ~300) and raises nothing."""
+    from tests.model_oracles import loss_and_grads
+
+    [reference] = run_on_ranks(loss_and_grads, 1, args=("tiny-gpt2", {}, [("single", {})]))
+    interleaved = dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+    results = run_on_ranks(loss_and_grads, 2, args=("tiny-gpt2", {}, [("pp2xvpp2", interleaved)]), timeout=300)[0]
+    (expected_loss, expected_grads), (loss, grads) = reference["single"], results["pp2xvpp2"]
+    assert loss == pytest.approx(expected_loss, rel=1e-5)
+    for key, expected in expected_grads.items():
+        assert np.linalg.norm(grads[key] - expected) <= 1e-5 * np.linalg.norm(expected), key
+
+
+# A markdown file under the docs folder, optionally followed by ", item N" or "#N"; not part of a longer path or URL.
+_DOC_CITATION = re.compile(r"(?<![\w./-])(docs/[\w./-]+?\.md)(?:#(\d+)|,? items? (\d+))?")
+_SHARED_CITATION = re.compile(r"\bshared[/]")  # written so that this file does not cite it
+
+
+def _repository_texts():
+    """(path relative to the checkout, text) of every .py, .sh and .md file outside hidden and build folders."""
+    for folder, subfolders, files in os.walk(ROOT):
+        subfolders[:] = sorted(d for d in subfolders
+                               if not d.startswith(".") and not d.endswith(".egg-info") and d not in ("build", "dist"))
+        for name in sorted(files):
+            if name.endswith((".py", ".sh", ".md")):
+                path = Path(folder, name)
+                yield path.relative_to(ROOT), path.read_text(errors="replace")
+
+
+def test_every_cited_doc_and_item_exists():
+    cited, missing = 0, []
+    for relative, text in _repository_texts():
+        for match in _DOC_CITATION.finditer(text):
+            cited += 1
+            doc, item = ROOT / match[1], match[2] or match[3]
+            if not doc.is_file():
+                missing.append(f"{relative}: {match[1]} does not exist")
+            elif item and not re.search(rf"^## {item}\. ", doc.read_text(), re.MULTILINE):
+                missing.append(f"{relative}: {match[1]} has no item {item}")
+        if _SHARED_CITATION.search(text):
+            missing.append(f"{relative} cites the workspace's shared folder, which a clone does not have")
+    assert cited, "the code cites docs/ (compat.py does), so finding none means the pattern broke"
+    assert not missing, "\n".join(missing)

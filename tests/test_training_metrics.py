@@ -47,7 +47,7 @@ def test_tflops_mfu_tokens_and_peak_memory_follow_their_definitions(monkeypatch)
     from megatron_patch.training import metrics
 
     # GPT-2 124M at sequence length 1024 (padded vocabulary 50304), Megatron-LM's FLOP formula for a vanilla GPT
-    # by hand (shared/notes/what-users-expect.md): 72 B s L h^2 (1 + s/(6h) + V/(12 L h)) for B = 1.
+    # by hand (docs/flops-and-mfu.md, item 1): 72 B s L h^2 (1 + s/(6h) + V/(12 L h)) for B = 1.
     s, layers, h, vocab = 1024, 12, 768, 50304
     flops_per_sample = 72 * s * layers * h * h * (1 + s / (6 * h) + vocab / (12 * layers * h))
     monkeypatch.setattr(metrics, "_peak_tflops", lambda: 989.0)  # an H100's dense bf16 peak, as on a GPU

@@ -12,12 +12,11 @@ heads on top of the pooled first token.
 
 from __future__ import annotations
 
-from unittest import mock
-
 import torch
-from megatron.core.models.bert import bert_lm_head
 from megatron.core.models.bert.bert_model import BertModel as MCoreBertModel
 from megatron.core.transformer.utils import get_linear_layer
+
+from megatron_patch import compat
 
 
 class BertModel(MCoreBertModel):
@@ -31,9 +30,9 @@ class BertModel(MCoreBertModel):
     """
 
     def __init__(self, config, *, norm: type, embedding_layernorm: bool, **kwargs):
-        # BertLMHead builds its LayerNorm from the module global LNImpl (bert_lm_head.py:10-15): without apex that
-        # is WrappedTorchNorm, which refuses sequence parallelism. Build it from the layer spec's norm instead.
-        with mock.patch.object(bert_lm_head, "LNImpl", norm):
+        # The LM head's norm is the layer spec's, like every other norm of the model (megatron-core's own choice
+        # refuses sequence parallelism without apex).
+        with compat.bert_lm_head_norm(norm):
             super().__init__(config, **kwargs)
         if embedding_layernorm and self.pre_process:
             add_embedding_layernorm(self.embedding, norm(config=config, hidden_size=config.hidden_size,
@@ -42,7 +41,7 @@ class BertModel(MCoreBertModel):
     def _sanity_check_attention_and_get_attn_mask_dimension(self) -> str:
         # Our SDPA core attention and TE >= 1.10 (the versions megatron-core 0.16 supports) both take a
         # [b, 1, 1, s] mask over keys only, which is what Hugging Face BERT computes. The upstream check
-        # (bert_model.py:162) would ask TE for its version even when TE is not installed.
+        # (bert_model.py:205) would ask TE for its version even when TE is not installed.
         return "b11s"
 
 

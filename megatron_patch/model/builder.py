@@ -24,6 +24,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_patch import compat
 from megatron_patch.model.bert import BertForSequenceClassification, BertModel
 from megatron_patch.model.config import ModelConfig
 from megatron_patch.model.parallel import ParallelConfig
@@ -38,8 +39,6 @@ _ACTIVATIONS = {
     "gelu_tanh": (functools.partial(F.gelu, approximate="tanh"), False, True),
     "swiglu": (F.silu, True, True),
 }
-
-
 
 
 def to_transformer_config(model_config: ModelConfig, parallel_config: ParallelConfig) -> TransformerConfig:
@@ -84,10 +83,7 @@ def to_transformer_config(model_config: ModelConfig, parallel_config: ParallelCo
         params_dtype=p.params_dtype,
         pipeline_dtype=p.params_dtype,
         use_cpu_initialization=not torch.cuda.is_available(),
-        # Interleaved 1F1B with batched p2p pairs the wrong messages on gloo and silently diverges
-        # (shared/notes/megatron-core-on-cpu.md, item 6); Megatron-LM's own default is overlap without batching.
-        overlap_p2p_comm=interleaved,
-        batch_p2p_comm=not interleaved,
+        **compat.pipeline_p2p_flags(interleaved),
         bias_activation_fusion=p.fused_kernels and fusable,
         masked_softmax_fusion=False,  # our SDPA core attention does the softmax
         bias_dropout_fusion=p.fused_kernels,

@@ -53,7 +53,7 @@ from megatron_patch.convert.mcore_io import (
 )
 from megatron_patch.errors import UserError
 
-# Reshardable across TP/PP/DP at load time (shared/notes/megatron-core-on-cpu.md, item 9).
+# Reshardable across TP/PP/DP at load time (docs/megatron-core-on-cpu.md, item 9).
 _OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
@@ -147,7 +147,7 @@ def _has_adam_state(optimizer) -> bool:
 
 def _initialise_adam_state(optimizer) -> None:
     """A fresh torch Adam has no state; megatron-core's loader needs it, with a ``step`` (without TE/apex the
-    optimizer's ``state_dict`` reads ``step``; shared/notes/megatron-core-on-cpu.md item 9)."""
+    optimizer's ``state_dict`` reads ``step``; docs/megatron-core-on-cpu.md, item 9)."""
     for part, inner in _optimizer_parts(optimizer):
         if inner is None or getattr(part, "init_state_fn", None) is None:
             continue

@@ -31,7 +31,7 @@ import resource
 
 import torch
 
-# Dense bf16/fp16 peak of the GPUs we quote MFU against (shared/notes/what-users-expect.md: H100/H200 989).
+# Dense bf16/fp16 peak of the GPUs we quote MFU against (docs/flops-and-mfu.md, item 2).
 _PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 
 
