@@ -447,6 +447,22 @@ def pipeline_p2p_flags(interleaved: bool) -> dict[str, bool]:
     return {"overlap_p2p_comm": interleaved, "batch_p2p_comm": not interleaved}
 
 
+def default_store():
+    """The key-value store ``init_process_group`` rendezvoused through (checked on torch 2.13).
+
+    Example::
+
+        default_store().set("rank_3_progress", "8")   # readable by every rank, and by the launcher's agent
+
+    torch has no public accessor for it; ``distributed_c10d._get_default_store``
+    (torch/distributed/distributed_c10d.py:1433) reads it from the group registry. The hang report needs this
+    store rather than a collective: it must work when a rank is dead or stuck.
+    """
+    import torch
+
+    return torch.distributed.distributed_c10d._get_default_store()
+
+
 @contextlib.contextmanager
 def bert_lm_head_norm(norm: type):
     """Inside this block, megatron-core's ``BertLMHead`` builds its LayerNorm from ``norm`` (checked on

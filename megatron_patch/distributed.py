@@ -239,11 +239,7 @@ def record_progress(finished_iterations: int | None = None) -> None:
         _finished_iterations = finished_iterations
         _iteration_ends[:] = [*_iteration_ends[-1:], time.monotonic()]
     milestone = 2 * _finished_iterations + (finished_iterations is None)
-    _store().set(_PROGRESS_KEY.format(torch.distributed.get_rank()), str(milestone))
-
-
-def _store():
-    return torch.distributed.distributed_c10d._get_default_store()
+    compat.default_store().set(_PROGRESS_KEY.format(torch.distributed.get_rank()), str(milestone))
 
 
 def _describe_milestone(milestone: int) -> str:
@@ -279,7 +275,7 @@ def report_failure(error: BaseException) -> str | None:
         return None
     rank = torch.distributed.get_rank()
     try:
-        store = _store()
+        store = compat.default_store()
         waited = _timed_out(error)
         store.set(_FAILED_KEY.format(rank), "waited" if waited else "failed")
         if not waited:
@@ -310,7 +306,7 @@ def progress_report() -> str:
         # 'rank 1: finished 1 iteration(s); rank 0: computed the gradients of iteration 2, timed out waiting
         #  -> rank 1 fell behind (stopped making progress: no collective timed out there)'
     """
-    store = _store()
+    store = compat.default_store()
     states: dict[tuple[int, str], list[int]] = {}
     for rank in range(torch.distributed.get_world_size()):
         progress, failed = _PROGRESS_KEY.format(rank), _FAILED_KEY.format(rank)
