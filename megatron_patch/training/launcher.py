@@ -6,14 +6,17 @@ Example::
     rapidformer --user-script my_trainer.py --micro-batch-size 16 --mixed-precision
     python -m megatron_patch.training.launcher --task pretraining --nproc-per-node 2 ...   # on CPUs
 
-The elastic agent (torchrun) runs inside the launcher (``run_torchrun``), so the launcher is the one process that
-a signal has to reach. Each rank runs ``python -m megatron_patch.training.launcher --rank-entry ...``: the user
-script (as ``__main__``, with ``from megatron import mpu`` available; see ``run_user_script``) or the ``--task``. A
-rank ends through ``megatron_patch.distributed.exit_rank`` (a normal interpreter exit after gloo sometimes aborts).
+The flags and the parallel layout (``check_launch_layout``) are checked in the launcher's process, so a run that
+cannot start ends in one ``rapidformer: error: ...`` line before any rank does. The elastic agent
+(torchrun) runs inside the launcher (``run_torchrun``), so the launcher is the one process that a signal has to
+reach. Each rank runs ``python -m megatron_patch.training.launcher --rank-entry ...``: the user script (as
+``__main__``, with ``from megatron import mpu`` available; see ``run_user_script``) or the ``--task``. A rank ends
+through ``megatron_patch.distributed.exit_rank`` (a normal interpreter exit after gloo sometimes aborts).
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import os
 import signal
@@ -23,6 +26,8 @@ import types
 
 from megatron_patch.distributed import exit_rank, free_port, report_failure
 from megatron_patch.errors import UserError, debugging, describe, one_line_errors
+from megatron_patch.layout import check_layout
+from megatron_patch.model import model_config_from_args, parallel_config_from_args
 from megatron_patch.training.arguments import parse_args
 
 _RANK_ENTRY = "--rank-entry"
@@ -59,17 +64,70 @@ def _without(argv: list[str], flag: str) -> list[str]:
     return result
 
 
+def _model_sizes(args: argparse.Namespace) -> dict:
+    """The model's sizes that the layout divides, as far as the flags tell them: ``--load``'s stored model,
+    ``--model-name``'s configuration with the flags applied, or the shape flags alone (None where not given: a
+    Hugging Face model or a user script's own brings its shape with it)."""
+    if args.checkpoint_info is not None:
+        model = args.checkpoint_info.model_config
+    elif args.model_name is not None:
+        try:
+            model = model_config_from_args(args)
+        except ValueError as error:  # the ranks would refuse the same model when they build it
+            raise UserError(str(error)) from None
+    else:
+        return {"num_layers": args.num_layers, "num_attention_heads": args.num_attention_heads,
+                "num_query_groups": args.num_query_groups, "ffn_hidden_size": args.ffn_hidden_size,
+                "seq_length": args.seq_length}
+    return {"num_layers": model.num_layers, "num_attention_heads": model.num_attention_heads,
+            "num_query_groups": model.query_groups, "ffn_hidden_size": model.ffn_size,
+            "seq_length": model.seq_length}
+
+
+def check_launch_layout(args: argparse.Namespace, nproc_per_node: int) -> int | None:
+    """``megatron_patch.layout.check_layout`` in the launcher, before any rank starts: the world is
+    ``nproc_per_node`` x NNODES, the model what ``_model_sizes`` finds. Returns the data-parallel size.
+
+    Example::
+
+        check_launch_layout(parse_args(["--model-name", "gpt2-124m", "--tensor-model-parallel-size", "8"]), 8)
+        # LayoutError: --num-attention-heads 12 is not divisible by --tensor-model-parallel-size 8; ...
+    """
+    nnodes = os.environ.get("NNODES", "1")
+    # torchrun also takes an elastic MIN:MAX, which leaves the world size open until the nodes meet.
+    world = nproc_per_node * int(nnodes) if nnodes.isdigit() else None
+    sizes = _model_sizes(args)
+    vpp = args.virtual_pipeline_model_parallel_size
+    if args.num_layers_per_virtual_pipeline_stage is not None and sizes["num_layers"] is not None:
+        try:
+            vpp = parallel_config_from_args(args, sizes["num_layers"]).virtual_pipeline_model_parallel_size
+        except ValueError as error:  # the flags name the stages two ways, or in layers a stage does not divide
+            raise UserError(str(error)) from None
+    loaded = args.checkpoint_info
+    return check_layout(
+        world, tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size, virtual_pipeline_model_parallel_size=vpp,
+        sequence_parallel=args.sequence_parallel, micro_batch_size=args.micro_batch_size,
+        global_batch_size=args.global_batch_size,
+        padded_vocab_size=loaded.padded_vocab_size if loaded is not None else None, **sizes,
+    )
+
+
 def launch_command(argv: list[str]) -> list[str]:
-    """The torch.distributed.run command line for ``argv`` (validated first: errors name the flag)."""
+    """The torch.distributed.run command line for ``argv``, validated first: errors name the flag, and a layout the
+    processes cannot hold is refused here, before any starts."""
     args = parse_args(argv)
     if not args.task and not args.user_script:
         raise SystemExit("rapidformer: error: give --task (black-box) or --user-script FILE (white-box)")
     if args.user_script and not os.path.isfile(args.user_script):
         raise SystemExit(f"rapidformer: error: --user-script {args.user_script}: no such file")
+    nproc_per_node = processes_per_node(args.nproc_per_node)
+    check_launch_layout(args, nproc_per_node)
     env = os.environ
     return [
         sys.executable, "-m", "torch.distributed.run",
-        f"--nproc-per-node={processes_per_node(args.nproc_per_node)}",
+        f"--nproc-per-node={nproc_per_node}",
         f"--nnodes={env.get('NNODES', '1')}", f"--node-rank={env.get('NODE_RANK', '0')}",
         f"--master-addr={env.get('MASTER_ADDR', '127.0.0.1')}",
         f"--master-port={env.get('MASTER_PORT') or free_port()}",
