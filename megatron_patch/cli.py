@@ -10,20 +10,16 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import sys
 
 from megatron_patch.errors import DEBUG_ENV
 
 
 def launch(module: str, nproc_per_node: int, module_args: list[str]) -> int:
-    """Run ``python -m module`` on ``nproc_per_node`` local processes with torch's elastic launcher (in this
+    """Run ``python -m module`` on ``nproc_per_node`` processes of this host with torch's elastic launcher (in this
     process, as ``rapidformer`` does: SIGTERM and failures are handled alike)."""
-    from megatron_patch.distributed import free_port  # here: the data tools need no torch import
-    from megatron_patch.training.launcher import TORCHRUN_SETTINGS, run_torchrun
+    from megatron_patch.training.launcher import run_torchrun, torchrun_command  # here: the data tools need no torch
 
-    port = os.environ.get("MASTER_PORT") or str(free_port())
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}",
-               f"--master-port={port}", *TORCHRUN_SETTINGS, "-m", module, *module_args]
+    command = torchrun_command(module, module_args, nproc_per_node, this_host_only=True)
     print("+ " + " ".join(command), flush=True)
     return run_torchrun(command)
 

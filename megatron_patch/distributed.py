@@ -26,6 +26,7 @@ import time
 import torch
 
 from megatron_patch import compat
+from megatron_patch.layout import check_layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,33 +67,6 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name}={value!r} must be an integer (torchrun sets it)") from None
 
 
-def check_layout(
-    world_size: int,
-    tensor_model_parallel_size: int,
-    pipeline_model_parallel_size: int,
-    context_parallel_size: int = 1,
-) -> int:
-    """Return the data-parallel size, or raise naming the flags when the sizes do not tile the world.
-
-    Example::
-
-        >>> check_layout(8, tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
-        2
-    """
-    model_parallel = tensor_model_parallel_size * pipeline_model_parallel_size * context_parallel_size
-    if min(tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size) < 1:
-        raise ValueError("--tensor-model-parallel-size, --pipeline-model-parallel-size and "
-                         "--context-parallel-size must be at least 1")
-    if world_size % model_parallel:
-        raise ValueError(
-            f"world size {world_size} is not divisible by --tensor-model-parallel-size "
-            f"({tensor_model_parallel_size}) x --pipeline-model-parallel-size ({pipeline_model_parallel_size}) x "
-            f"--context-parallel-size ({context_parallel_size}) = {model_parallel}; change the sizes or the "
-            f"number of processes"
-        )
-    return world_size // model_parallel
-
-
 def initialize_distributed(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
@@ -120,7 +94,9 @@ def initialize_distributed(
     world_size = _env_int("WORLD_SIZE", 1)
     local_rank = _env_int("LOCAL_RANK", 0)
     data_parallel_size = check_layout(
-        world_size, tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
+        world_size, tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size, context_parallel_size=context_parallel_size,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
     )
 
     if torch.cuda.is_available():

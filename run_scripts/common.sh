@@ -145,6 +145,8 @@ parse_flags() {
     shift 2
   done
 
+  # The form of the recipe's own flags only: whether the sizes fit the processes, the model and the batch is
+  # megatron_patch/layout.py's to say, which the launcher asks before torchrun starts (and the plan for --dry-run).
   for var in TP PP CP MICRO_BATCH_SIZE; do _positive "--$(_flag_of $var)" "${!var}"; done
   for var in VPP GLOBAL_BATCH_SIZE SEQ_LENGTH TRAIN_ITERS TRAIN_TOKENS SAVE_INTERVAL NPROC_PER_NODE EPOCHS; do
     [[ -z ${!var} ]] || _positive "--$(_flag_of $var)" "${!var}"

@@ -109,6 +109,6 @@ def test_the_configuration_is_frozen_and_derived_once():
 def test_a_bad_batch_is_refused_before_any_process_group():
     from megatron_patch.training.arguments import parse_run
 
-    with pytest.raises(SystemExit, match="--global-batch-size 6 is not a multiple of --micro-batch-size 2 x "
+    with pytest.raises(SystemExit, match="--global-batch-size 6 is not divisible by --micro-batch-size 2 x "
                                          "data-parallel size 2"):
         parse_run(["--micro-batch-size", "2", "--global-batch-size", "6"], world_size=2)

@@ -9,7 +9,9 @@ Example::
     parallel.validate(model_config, world_size=4)    # ValueError naming the flags, before anything is built
 
 Every combination megatron-core would reject deep inside model construction (or, worse, accept and compute
-wrongly) is refused here with a message that names the flags to change.
+wrongly) is refused here with a message that names the flags to change: the arithmetic of the layout by
+``megatron_patch.layout.check_layout`` (which the launcher also runs before any rank starts), the rest (Transformer
+Engine for context parallelism, precision, recompute) by ``validate`` itself.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Literal
 import torch
 
 from megatron_patch import compat
+from megatron_patch.layout import check_layout
 from megatron_patch.model.config import ModelConfig
 
 
@@ -70,66 +73,48 @@ class ParallelConfig:
     def params_dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
 
-    @property
-    def model_parallel_size(self) -> int:
-        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+    def check_layout(self, model_config: ModelConfig, world_size: int | None = None,
+                     micro_batch_size: int | None = None, global_batch_size: int | None = None) -> int | None:
+        """``megatron_patch.layout.check_layout`` of this layout for ``model_config``: the data-parallel size (None
+        without ``world_size``), or LayoutError naming the flags.
+
+        Example::
+
+            >>> ParallelConfig(tensor_model_parallel_size=2).check_layout(get_model_config("gpt2-124m"), world_size=8)
+            4
+        """
+        m = model_config
+        return check_layout(
+            world_size, tensor_model_parallel_size=self.tensor_model_parallel_size,
+            pipeline_model_parallel_size=self.pipeline_model_parallel_size,
+            context_parallel_size=self.context_parallel_size,
+            virtual_pipeline_model_parallel_size=self.virtual_pipeline_model_parallel_size,
+            sequence_parallel=self.sequence_parallel, micro_batch_size=micro_batch_size,
+            global_batch_size=global_batch_size, num_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
+            num_query_groups=m.query_groups, ffn_hidden_size=m.ffn_size, seq_length=m.seq_length,
+        )
 
     def validate(self, model_config: ModelConfig, world_size: int | None = None) -> None:
-        """Raise ValueError, naming the flags, when this layout cannot run ``model_config``.
+        """Raise ValueError, naming the flags, when this layout cannot run ``model_config`` on this machine.
 
         Example::
 
             >>> ParallelConfig(tensor_model_parallel_size=5).validate(get_model_config("gpt2-124m"))
             Traceback (most recent call last):
-            ValueError: --num-attention-heads 12 is not divisible by --tensor-model-parallel-size 5
+            LayoutError: --num-attention-heads 12 is not divisible by --tensor-model-parallel-size 5; ...
         """
-        tp, pp, cp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size, self.context_parallel_size
-        vpp = self.virtual_pipeline_model_parallel_size or 1
-        for flag, value in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
-                            ("--context-parallel-size", cp), ("--virtual-pipeline-model-parallel-size", vpp)):
-            if value < 1:
-                raise ValueError(f"{flag} must be at least 1, got {value}")
-        if world_size is not None and world_size % self.model_parallel_size:
-            raise ValueError(
-                f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
-                f"--pipeline-model-parallel-size {pp} x --context-parallel-size {cp}"
-            )
-        m = model_config
-        if m.num_attention_heads % tp:
-            raise ValueError(
-                f"--num-attention-heads {m.num_attention_heads} is not divisible by --tensor-model-parallel-size {tp}"
-            )
-        if m.query_groups % tp:
-            raise ValueError(
-                f"--num-query-groups {m.query_groups} is not divisible by --tensor-model-parallel-size {tp}"
-            )
-        if m.ffn_size % tp:
-            raise ValueError(f"--ffn-hidden-size {m.ffn_size} is not divisible by --tensor-model-parallel-size {tp}")
-        if vpp > 1 and pp < 2:
-            raise ValueError(
-                "--virtual-pipeline-model-parallel-size (or --num-layers-per-virtual-pipeline-stage) needs "
-                f"--pipeline-model-parallel-size of at least 2, got {pp}"
-            )
-        if m.num_layers % (pp * vpp):
-            raise ValueError(
-                f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size {pp} x "
-                f"--virtual-pipeline-model-parallel-size {vpp} = {pp * vpp}"
-            )
-        if self.sequence_parallel and tp == 1:
-            raise ValueError("--sequence-parallel needs --tensor-model-parallel-size greater than 1")
-        if self.sequence_parallel and m.seq_length % tp:
-            raise ValueError(
-                f"--sequence-parallel needs --seq-length {m.seq_length} divisible by --tensor-model-parallel-size {tp}"
-            )
-        if cp > 1 and not compat.transformer_engine_available():
+        self.check_layout(model_config, world_size)
+        if self.context_parallel_size > 1 and not compat.transformer_engine_available():
             raise ValueError("--context-parallel-size greater than 1 needs Transformer Engine, which is not installed")
-        if cp > 1 and m.seq_length % (2 * cp):
-            raise ValueError(
-                f"--context-parallel-size {cp} needs --seq-length {m.seq_length} divisible by 2 x {cp}"
-            )
+        self.check_options(model_config)
+
+    def check_options(self, model_config: ModelConfig) -> None:
+        """Raise ValueError, naming the flags, when the precision or recompute options contradict each other or
+        the layers of a model chunk (the layout itself is ``check_layout``'s)."""
         if self.bf16 and self.fp16:
             raise ValueError("--bf16 and --fp16 are mutually exclusive")
-        self._validate_recompute(m, layers_per_chunk=m.num_layers // (pp * vpp))
+        m, vpp = model_config, self.virtual_pipeline_model_parallel_size or 1
+        self._validate_recompute(m, layers_per_chunk=m.num_layers // (self.pipeline_model_parallel_size * vpp))
 
     def _validate_recompute(self, m: ModelConfig, layers_per_chunk: int) -> None:
         if self.recompute_granularity not in (None, "full", "selective"):

@@ -28,6 +28,7 @@ import os
 
 from megatron_patch.convert.mcore_io import find_info
 # The flag tables themselves: which model flags exist and which ModelConfig field each one sets.
+from megatron_patch.layout import check_layout
 from megatron_patch.model.config import (
     _SWITCH_FLAGS, _VALUE_FLAGS, add_model_arguments, get_model_config, model_flag_values,
 )
@@ -278,9 +279,6 @@ _CHECKS = [
     (lambda a: a.fp16 and a.bf16, "--fp16 and --bf16 conflict; give one (or --mixed-precision [--bf16])"),
     (lambda a: a.lr_warmup_fraction is not None and a.lr_warmup_iters,
      "--lr-warmup-iters and --lr-warmup-fraction conflict; give one"),
-    (lambda a: a.micro_batch_size < 1, "--micro-batch-size must be at least 1"),
-    (lambda a: a.global_batch_size is not None and a.global_batch_size % a.micro_batch_size,
-     "--global-batch-size must be a multiple of --micro-batch-size"),
     (lambda a: a.finetune and a.load is None, "--finetune needs --load DIR"),
     (lambda a: a.save_interval is not None and a.save is None, "--save-interval needs --save DIR"),
     (lambda a: a.keep_last_k is not None and a.save is None, "--keep-last-k needs --save DIR"),
@@ -446,9 +444,6 @@ def _apply_checkpoint_args(args: argparse.Namespace) -> None:
             _refuse(f"{flag} (sets {field}={value!r}) contradicts {field}={getattr(stored, field)!r} in {path}")
         setattr(args, dest, getattr(stored, field) == value)
     args.model_family = stored.family
-    if info.padded_vocab_size % args.tensor_model_parallel_size:
-        _refuse(f"--tensor-model-parallel-size {args.tensor_model_parallel_size} does not divide the padded "
-                f"vocabulary {info.padded_vocab_size} in {path}")
     args.checkpoint_info = dataclasses.replace(info, model_config=dataclasses.replace(stored, **training))
 
 
@@ -556,32 +551,64 @@ def _model_spec(args: argparse.Namespace) -> ModelSpec:
     return ModelSpec(name=args.model_name, family=args.model_family, fields=tuple(model_flag_values(args).items()))
 
 
+def _check_layout(args: argparse.Namespace, spec: ModelSpec, world_size: int | None
+                  ) -> tuple[ParallelConfig, int | None]:
+    """The layout (``megatron_patch.layout.check_layout``) with everything the flags tell: the model of
+    ``--load``'s record, ``--model-name`` or the shape flags (none for a Hugging Face model or a user script's own),
+    the world (None: not known yet). Returns the ParallelConfig and the data-parallel size."""
+    model = None
+    if spec.described:
+        try:
+            model = spec.build(spec.family or "gpt")
+        except ValueError as error:  # the ranks would refuse the same model when they build it
+            _refuse(str(error))
+    if args.num_layers_per_virtual_pipeline_stage is not None and model is None:
+        _refuse("--num-layers-per-virtual-pipeline-stage needs the model's --num-layers")
+    loaded = spec.loaded
+    try:
+        parallel = parallel_config_from_args(args, model.num_layers if model else 0)
+        data_parallel_size = check_layout(
+            world_size, tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+            pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+            context_parallel_size=parallel.context_parallel_size,
+            virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+            sequence_parallel=parallel.sequence_parallel, micro_batch_size=args.micro_batch_size,
+            global_batch_size=args.global_batch_size,
+            num_layers=model and model.num_layers, num_attention_heads=model and model.num_attention_heads,
+            num_query_groups=model and model.query_groups, ffn_hidden_size=model and model.ffn_size,
+            seq_length=model and model.seq_length, padded_vocab_size=loaded and loaded.padded_vocab_size)
+    except ValueError as error:
+        _refuse(str(error))
+    return parallel, data_parallel_size
+
+
+def check_launch_layout(args: argparse.Namespace, world_size: int | None) -> None:
+    """The launcher's check, in its own process before any rank starts: the layout of parsed ``args`` on
+    ``world_size`` processes (None: an elastic world, not known yet), a wrong one refused in one line.
+
+    Example::
+
+        check_launch_layout(parse_args(["--model-name", "gpt2-124m", "--tensor-model-parallel-size", "8"]), 8)
+        # SystemExit: rapidformer: error: --num-attention-heads 12 is not divisible by --tensor-model-parallel-size 8...
+    """
+    _check_layout(args, _model_spec(args), world_size)
+
+
 def _derive_run(args: argparse.Namespace, world_size: int) -> RunConfig:
     """The typed run of validated ``args`` on ``world_size`` processes; also sets the values Megatron-LM's ``args``
     carry for user scripts (global batch, microbatches, data-parallel size, ranks, iterations of
     ``--train-samples``)."""
-    from megatron_patch.distributed import check_layout
-
-    if args.num_layers_per_virtual_pipeline_stage is not None and args.num_layers is None:
-        _refuse("--num-layers-per-virtual-pipeline-stage needs the model's --num-layers")
-    try:
-        parallel = parallel_config_from_args(args, args.num_layers or 0)
-        data_parallel_size = check_layout(world_size, args.tensor_model_parallel_size,
-                                          args.pipeline_model_parallel_size, args.context_parallel_size)
-    except ValueError as error:
-        _refuse(str(error))
+    spec = _model_spec(args)
+    parallel, data_parallel_size = _check_layout(args, spec, world_size)
     step = args.micro_batch_size * data_parallel_size
     if args.global_batch_size is None:
         args.global_batch_size = step
-    if args.global_batch_size % step:
-        _refuse(f"--global-batch-size {args.global_batch_size} is not a multiple of --micro-batch-size "
-                f"{args.micro_batch_size} x data-parallel size {data_parallel_size}")
     if args.rampup_batch_size is not None:
         start, increment, _ = args.rampup_batch_size
         if start % step or increment % step:
             _refuse(f"--rampup-batch-size START {start} and INCR {increment} must be multiples of "
                     f"--micro-batch-size {args.micro_batch_size} x data-parallel size {data_parallel_size}")
-    config = _run_config(args, _model_spec(args), parallel, data_parallel_size, world_size, tokenizer_options(args))
+    config = _run_config(args, spec, parallel, data_parallel_size, world_size, tokenizer_options(args))
     # Megatron-LM's args carry these; user scripts read them.
     args.num_microbatches = config.training.num_microbatches
     args.train_iters = config.training.train_iters

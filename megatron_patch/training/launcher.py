@@ -6,10 +6,13 @@ Example::
     rapidformer --user-script my_trainer.py --micro-batch-size 16 --mixed-precision
     python -m megatron_patch.training.launcher --task pretraining --nproc-per-node 2 ...   # on CPUs
 
-The elastic agent (torchrun) runs inside the launcher (``run_torchrun``), so the launcher is the one process that
-a signal has to reach. Each rank runs ``python -m megatron_patch.training.launcher --rank-entry ...``: the user
-script (as ``__main__``, with ``from megatron import mpu`` available; see ``run_user_script``) or the ``--task``. A
-rank ends through ``megatron_patch.distributed.exit_rank`` (a normal interpreter exit after gloo sometimes aborts).
+The flags and the parallel layout (``check_launch_layout``) are checked in the launcher's process, so a run that
+cannot start ends in one ``rapidformer: error: ...`` line before any rank does. ``torchrun_command`` is the one
+builder of torchrun command lines (``megatron-patch convert``'s verification uses it too). The elastic agent
+(torchrun) runs inside the launcher (``run_torchrun``), so the launcher is the one process that a signal has to
+reach. Each rank runs ``python -m megatron_patch.training.launcher --rank-entry ...``: the user script (as
+``__main__``, with ``from megatron import mpu`` available; see ``run_user_script``) or the ``--task``. A rank ends
+through ``megatron_patch.distributed.exit_rank`` (a normal interpreter exit after gloo sometimes aborts).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import types
 
 from megatron_patch.distributed import exit_rank, free_port, report_failure
 from megatron_patch.errors import UserError, debugging, describe, one_line_errors
-from megatron_patch.training.arguments import parse_args, parse_run
+from megatron_patch.training.arguments import check_launch_layout, parse_args, parse_run
 
 _RANK_ENTRY = "--rank-entry"
 
@@ -59,23 +62,43 @@ def _without(argv: list[str], flag: str) -> list[str]:
     return result
 
 
+def torchrun_command(module: str, module_args: list[str], nproc_per_node: int,
+                     this_host_only: bool = False) -> list[str]:
+    """The ``python -m torch.distributed.run`` command line (for ``run_torchrun``) that runs ``python -m module
+    module_args`` in ``nproc_per_node`` processes on each node.
+
+    Example::
+
+        torchrun_command("megatron_patch.convert.cli", ["verify", "--hf-dir", "hf", ...], 2, this_host_only=True)
+
+    The nodes meet as the seed's scripts say: NNODES, NODE_RANK, MASTER_ADDR and MASTER_PORT (default one node,
+    127.0.0.1 and a free port). ``this_host_only`` keeps a job that is one step of a local command (a conversion's
+    verification) on this host whatever NNODES says; MASTER_PORT still applies.
+    """
+    nodes = {} if this_host_only else os.environ
+    return [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}",
+        f"--nnodes={nodes.get('NNODES', '1')}", f"--node-rank={nodes.get('NODE_RANK', '0')}",
+        f"--master-addr={nodes.get('MASTER_ADDR', '127.0.0.1')}",
+        f"--master-port={os.environ.get('MASTER_PORT') or free_port()}",
+        *TORCHRUN_SETTINGS, "-m", module, *module_args,
+    ]
+
+
 def launch_command(argv: list[str]) -> list[str]:
-    """The torch.distributed.run command line for ``argv`` (validated first: errors name the flag)."""
+    """The torch.distributed.run command line for ``argv``, validated first: errors name the flag, and a layout the
+    processes cannot hold is refused here, before any starts."""
     args = parse_args(argv)
     if not args.task and not args.user_script:
         raise SystemExit("rapidformer: error: give --task (black-box) or --user-script FILE (white-box)")
     if args.user_script and not os.path.isfile(args.user_script):
         raise SystemExit(f"rapidformer: error: --user-script {args.user_script}: no such file")
-    env = os.environ
-    return [
-        sys.executable, "-m", "torch.distributed.run",
-        f"--nproc-per-node={processes_per_node(args.nproc_per_node)}",
-        f"--nnodes={env.get('NNODES', '1')}", f"--node-rank={env.get('NODE_RANK', '0')}",
-        f"--master-addr={env.get('MASTER_ADDR', '127.0.0.1')}",
-        f"--master-port={env.get('MASTER_PORT') or free_port()}",
-        *TORCHRUN_SETTINGS, "-m", "megatron_patch.training.launcher", _RANK_ENTRY,
-        *_without(argv, "--nproc-per-node"),
-    ]
+    nproc_per_node = processes_per_node(args.nproc_per_node)
+    nnodes = os.environ.get("NNODES", "1")
+    # torchrun also takes an elastic MIN:MAX, which leaves the world size open until the nodes meet.
+    check_launch_layout(args, nproc_per_node * int(nnodes) if nnodes.isdigit() else None)
+    return torchrun_command("megatron_patch.training.launcher", [_RANK_ENTRY, *_without(argv, "--nproc-per-node")],
+                            nproc_per_node)
 
 
 def run_torchrun(command: list[str]) -> int:
@@ -83,8 +106,7 @@ def run_torchrun(command: list[str]) -> int:
 
     Example::
 
-        run_torchrun([sys.executable, "-m", "torch.distributed.run", *TORCHRUN_SETTINGS, "--nproc-per-node=2",
-                      "-m", "my_module", "--flag", "1"])
+        run_torchrun(torchrun_command("my_module", ["--flag", "1"], nproc_per_node=2))
 
     The first SIGTERM goes on to the ranks and the job ends as they do (0 after their save with
     ``--exit-signal-handler``); a second one stops them (status 143). A failed job is summed up in one line; torchrun's

@@ -25,7 +25,6 @@ import math
 import os
 import sys
 
-from megatron_patch.distributed import check_layout
 from megatron_patch.model import ModelConfig, model_config_from_args, num_parameters, parallel_config_from_args
 from megatron_patch.model.flops import layer_parameters
 from megatron_patch.tokenizer.registry import build_tokenizer, padded_vocab_size, tokenizer_options
@@ -220,25 +219,6 @@ def _stages(model: ModelConfig, vocab: int, pp: int, vpp: int, stage_ranks: list
     return stages
 
 
-def _check(args: argparse.Namespace, model: ModelConfig, world: int, vpp: int) -> int:
-    """Refuse, naming the flag, what would fail after the processes start; returns the data-parallel size."""
-    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
-    dp = check_layout(world, tp, pp, cp)
-    if model.num_layers % pp:
-        raise ValueError(f"--num-layers {model.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
-    if (model.num_layers // pp) % vpp:
-        raise ValueError(f"the {model.num_layers // pp} layers of a pipeline stage are not divisible by "
-                         f"--virtual-pipeline-model-parallel-size {vpp}")
-    if model.num_attention_heads % tp:
-        raise ValueError(f"--num-attention-heads {model.num_attention_heads} is not divisible by "
-                         f"--tensor-model-parallel-size {tp}")
-    micro, gbs = args.micro_batch_size, args.global_batch_size
-    if gbs is not None and gbs % (micro * dp):
-        raise ValueError(f"--global-batch-size {gbs} is not divisible by --micro-batch-size {micro} x "
-                         f"data-parallel size {dp} (world {world} / (TP {tp} x PP {pp} x CP {cp}))")
-    return dp
-
-
 def build_plan(argv: list[str], nnodes: int = 1, train_tokens: int | None = None) -> Plan:
     """The plan of ``rapidformer argv`` on ``nnodes`` nodes; ValueError/SystemExit name the flag at fault.
 
@@ -256,10 +236,9 @@ def build_plan(argv: list[str], nnodes: int = 1, train_tokens: int | None = None
     nproc = processes_per_node(args.nproc_per_node)
     if nnodes < 1:
         raise ValueError(f"NNODES (--nnodes) must be at least 1, got {nnodes}")
-    dp = _check(args, model, nnodes * nproc, vpp)
-    # The remaining layout rules (query groups, ffn width, SP, recompute) are the model builder's own checks; CP
-    # is checked above without asking for Transformer Engine, which the machine planning a GPU run may lack.
-    dataclasses.replace(parallel, context_parallel_size=1).validate(model)
+    dp = parallel.check_layout(model, nnodes * nproc, args.micro_batch_size, args.global_batch_size)
+    # The model builder's other checks but Transformer Engine for CP, which the machine planning a GPU run may lack.
+    parallel.check_options(model)
     if train_tokens is not None and args.train_iters is not None:
         raise ValueError("give --train-iters or --train-tokens, not both")
     gbs = args.global_batch_size or args.micro_batch_size * dp
