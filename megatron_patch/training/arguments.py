@@ -20,7 +20,7 @@ import argparse
 import dataclasses
 import importlib.util
 
-from megatron_patch.convert.mcore_io import find_info
+from megatron_patch.checkpoint.format import find_info
 # The flag tables themselves: which model flags exist and which ModelConfig field each one sets.
 from megatron_patch.model.config import _SWITCH_FLAGS, _VALUE_FLAGS, add_model_arguments, get_model_config
 from megatron_patch.model.parallel import add_parallel_arguments

@@ -21,7 +21,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from megatron_patch.convert.mcore_io import CheckpointInfo
+from megatron_patch.checkpoint.format import CheckpointInfo
 from megatron_patch.model import ModelConfig, model_config_from_args, parallel_config_from_args
 from megatron_patch.model.builder import build_model_chunks, build_sequence_classifier, padded_vocab_size
 from megatron_patch.training.checkpointing import trained_model_info
