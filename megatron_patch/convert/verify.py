@@ -9,7 +9,7 @@ Example::
 
 Before anything is built, the two directories' config files must describe the same model (``core.check_pair``).
 The oracle is transformers' own forward pass; the Megatron model is loaded at the TP x PP asked for
-(``checkpoint.load.load_into_chunks``) and run through megatron-core's pipeline schedule.
+(``checkpoint.load.load_into_chunks``) and run through megatron-core's schedule (``model.forward.forward_only``).
 Compared are the LM logits (the padded vocabulary rows trimmed), BERT's sentence-relation logits where the
 checkpoint has that head, and for encoder-only BERT the last hidden states, padded positions included (attention
 masks exercised). The run fails, and the command exits non-zero, when the relative difference or the cosine
@@ -25,6 +25,7 @@ import torch
 from megatron_patch.checkpoint.format import DTYPES, CheckpointInfo
 from megatron_patch.checkpoint.load import load_into_chunks
 from megatron_patch.convert.core import check_pair
+from megatron_patch.model.forward import forward_only
 
 # (max relative difference, min cosine similarity, min top-1 agreement) per dtype the models run in.
 THRESHOLDS = {
@@ -121,10 +122,11 @@ def hf_outputs(hf_dir: str, architecture: str, inputs: dict, dtype: str = "float
     return {name: getattr(out, attr).float() for name, attr in _HF_OUTPUTS[architecture].items()}
 
 
-def _forward_step(family: str, inputs: dict, wanted: set[str]):
+def _forward_step(family: str, wanted: set[str]):
     from megatron.core import tensor_parallel
 
     def forward_step(data_iterator, model):
+        inputs = next(data_iterator)
         captured = {}
         if "hidden_states" in wanted and getattr(model, "post_process", False):
             model.encoder.register_forward_hook(lambda mod, args, out: captured.setdefault("hidden", out))
@@ -150,18 +152,10 @@ def _forward_step(family: str, inputs: dict, wanted: set[str]):
 
 def megatron_outputs(chunks, info: CheckpointInfo, inputs: dict, wanted: set[str]) -> dict | None:
     """Forward through this rank's chunks with megatron-core's pipeline schedule; outputs on the last stage."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     for chunk in chunks:
         chunk.eval()
-    b, s = inputs["tokens"].shape
-    with torch.no_grad():
-        collected = get_forward_backward_func()(
-            forward_step_func=_forward_step(info.model_config.family, inputs, wanted),
-            data_iterator=[iter([None]) for _ in chunks] if len(chunks) > 1 else iter([None]),
-            model=chunks, num_microbatches=1, seq_length=s, micro_batch_size=b, forward_only=True,
-            collect_non_loss_data=True,
-        )
+    collected = forward_only(chunks, [inputs], _forward_step(info.model_config.family, wanted),
+                             seq_length=inputs["tokens"].shape[1], collect_non_loss_data=True)
     return collected[0] if collected else None
 
 
