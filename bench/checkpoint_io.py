@@ -9,8 +9,8 @@ Trains a GPT one step in one process (so the Adam state exists), then times our 
 the floor, one ``write`` + ``fsync`` and one ``readinto`` of as many bytes as the checkpoint holds. Alternates
 them several times and keeps the best of each. Prints ``RESULT {json}`` lines with ratio = ours / plain (lower is
 better; 1.0 is the disk's own speed), and what the checksums cost: the save against the same save with its CRC-32
-pass over the files (``_checksum_files``) stubbed out, that pass's own share of the save, and the load against
-``verify_checksums=False``.
+pass over the files (``checkpoint.integrity.checksum_files``) stubbed out, that pass's own share of the save, and
+the load against ``verify_checksums=False``.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_patch.model.config import get_model_config
     from megatron_patch.model.parallel import ParallelConfig
     from megatron_patch.testing import counting_batches
-    from megatron_patch.training import checkpointing
+    from megatron_patch.checkpoint import integrity
     from megatron_patch.training.checkpointing import load_checkpoint, save_checkpoint
     from megatron_patch.training.step import build_optimizer, lm_forward_step, train_step, wrap_model
 
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         fn(*fn_args, **fn_kwargs)
         best[what] = min(best[what], time.perf_counter() - start)
 
-    checksum_files, crc_seconds = checkpointing._checksum_files, [0.0]
+    checksum_files, crc_seconds = integrity.checksum_files, [0.0]
 
     def timed_checksum_files(paths):
         start = time.perf_counter()
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def save_checked_then_load(attempt):
         crc_seconds[0] = 0.0
-        with mock.patch.object(checkpointing, "_checksum_files", timed_checksum_files):
+        with mock.patch.object(integrity, "checksum_files", timed_checksum_files):
             timed("save", save_checkpoint, root, 1, chunks, optimizer, scheduler, megatron=True)
         best["crc pass"] = min(best["crc pass"], crc_seconds[0])
         loads = [("load", True), ("load unverified", False)]
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         return size
 
     def save_unchecked():
-        with mock.patch.object(checkpointing, "_checksum_files", lambda paths: [unchecked] * len(paths)):
+        with mock.patch.object(integrity, "checksum_files", lambda paths: [unchecked] * len(paths)):
             timed("save unchecked", save_checkpoint, root, 1, chunks, optimizer, scheduler, megatron=True)
         shutil.rmtree(root)
 

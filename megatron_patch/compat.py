@@ -547,3 +547,86 @@ def shorten_elastic_shutdown(seconds: int) -> None:
         _elastic_close(self, death_sig, timeout)
 
     PContext.close = close
+
+
+# -- checkpoint format workarounds --
+
+# megatron-core's default sharding of the distributed optimizer's state, "fully_sharded_model_space"
+# (optimizer/distrib_optimizer.py:1224-1226, checked on 0.16.1), does not load at another TP/PP/DP: the load fails
+# with "ShardedTensor.flattened_range is not supported" (shared/notes/megatron-core-on-cpu.md, item 9).
+# "fully_reshardable" (distrib_optimizer.py:1192-1196) saves one state tensor per model parameter, which every rank
+# slices for itself on load, at any layout.
+DISTRIB_OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def _optimizer_parts(optimizer):
+    """(megatron optimizer, its torch optimizer or None) for each part of a possibly chained optimizer."""
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        yield part, getattr(part, "optimizer", None)
+
+
+def initialise_adam_state(optimizer, is_loading: bool) -> None:
+    """Give torch Adam a state with a ``step`` before megatron-core's ``optimizer.sharded_state_dict`` (checked
+    on megatron-core 0.16.1).
+
+    Example::
+
+        initialise_adam_state(optimizer, is_loading=True)
+        optimizer.sharded_state_dict(model_state, True, metadata=DISTRIB_OPTIMIZER_METADATA)
+
+    Without TE/apex the optimizer is torch's Adam, which has no state before its first step, and the distributed
+    optimizer's ``state_dict`` reads each parameter's ``step`` (``optimizer/distrib_optimizer.py:640-642`` asserts
+    there is exactly one). So a fresh optimizer about to be loaded gets one, and so does an optimizer saved before
+    any step was taken (fp16 may skip every step so far); one that has stepped is left alone.
+    """
+    import torch
+
+    parts = list(_optimizer_parts(optimizer))
+    if not is_loading and all(inner is None or inner.state for _, inner in parts):
+        return
+    for part, inner in parts:
+        if inner is None or getattr(part, "init_state_fn", None) is None:
+            continue
+        part.init_state_fn(inner, part.config)
+        for state in inner.state.values():
+            state.setdefault("step", torch.tensor(0.0))
+
+
+def restore_adam_step(optimizer) -> None:
+    """Put torch Adam's ``step`` back on each parameter after megatron-core loaded the optimizer (checked on
+    megatron-core 0.16.1).
+
+    Example::
+
+        optimizer.load_state_dict(loaded["optimizer"])
+        restore_adam_step(optimizer)
+
+    Without TE/apex megatron-core saves torch Adam's step per param group (``optimizer/distrib_optimizer.py:
+    672-674``, ``param_group["step"] = step``) but torch Adam reads it per parameter; without this its bias
+    correction restarts after a resume.
+    """
+    import torch
+
+    for _, inner in _optimizer_parts(optimizer):
+        for group in getattr(inner, "param_groups", []):
+            if group.get("step") is not None:
+                for param in group["params"]:
+                    inner.state[param]["step"] = torch.tensor(float(group["step"]))
+
+
+def by_sharded_key(sharded_state_dict) -> dict:
+    """megatron-core's sharded state dict flattened and grouped by checkpoint key, main replicas only: what its
+    torch_dist save strategy hands PyTorch DCP (``TorchDistSaveShardedStrategy.async_save``,
+    dist_checkpointing/strategies/torch.py:655-658, checked on megatron-core 0.16.1).
+
+    Example::
+
+        dcp_save(mcore_to_pyt_state_dict(by_sharded_key(sharded_state_dict), is_loading=False), planner=planner)
+
+    The grouping is megatron-core's private ``_replace_state_dict_keys_with_sharded_keys`` (torch.py:363); a save
+    strategy that replaces only the writing (``checkpoint.torch_dist.stream_dist``) has to repeat it.
+    """
+    from megatron.core.dist_checkpointing.strategies.torch import _replace_state_dict_keys_with_sharded_keys
+
+    state, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, keep_only_main_replica=True)
+    return state

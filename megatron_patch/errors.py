@@ -11,12 +11,16 @@ Example::
 prints ``megatron-patch convert: error: ckpt/args.json: not valid JSON ...`` and returns 1. With
 ``MEGATRON_PATCH_DEBUG=1`` in the environment (``megatron-patch --debug ...`` sets it, and torchrun's ranks inherit
 it) the traceback is printed first.
+
+Below it, two helpers for such messages: ``first_problems`` (a long list cut to one line) and ``read_json`` (a
+damaged JSON file as a UserError naming it).
 """
 
 from __future__ import annotations
 
 import errno
 import functools
+import json
 import os
 import sys
 import traceback
@@ -60,3 +64,30 @@ def one_line_errors(prog: str, expected: tuple[type[BaseException], ...] = (User
         return run
 
     return wrap
+
+
+def first_problems(problems: list[str], shown: int = 4) -> str:
+    """Problems for a one-line message: the first ``shown``, then how many more.
+
+    Example::
+
+        >>> first_problems(["missing tensor a", "missing tensor b", "missing tensor c"], shown=2)
+        'missing tensor a; missing tensor b; and 1 more'
+    """
+    more = f"; and {len(problems) - shown} more" if len(problems) > shown else ""
+    return "; ".join(problems[:shown]) + more
+
+
+def read_json(path: str, fix: str):
+    """The JSON in ``path``; a damaged file is a UserError naming it, where the parser stopped, and ``fix``.
+
+    Example::
+
+        read_json("llama-hf/config.json", "restore the model's config.json")
+    """
+    with open(path) as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as error:
+            raise UserError(f"{path}: not valid JSON ({error.msg}: line {error.lineno} column {error.colno}); "
+                            f"{fix}") from None

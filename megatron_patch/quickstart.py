@@ -197,7 +197,7 @@ def _check_gpus(gpus: int) -> None:
 
 def run_quickstart(output_dir: str, gpus: int = 0) -> list[str]:
     """Every step, in order, into ``output_dir``; returns the generated texts."""
-    from megatron_patch.training.checkpointing import checkpoint_dir, read_tracker
+    from megatron_patch.checkpoint.format import checkpoint_dir, read_tracker
 
     start = time.perf_counter()
     layout = Layout.for_devices(gpus)

@@ -95,7 +95,7 @@ def resave(megatron_dir, out_dir, tp, pp):
     import torch
     from megatron.core import dist_checkpointing
 
-    from megatron_patch.convert.mcore_io import ARGS_FILE, TRACKER_FILE, read_info
+    from megatron_patch.checkpoint.format import ARGS_FILE, TRACKER_FILE, read_info
     from megatron_patch.convert.verify import build_and_load
 
     info = read_info(megatron_dir)

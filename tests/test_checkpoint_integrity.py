@@ -17,7 +17,7 @@ from test_reliability import _records, _run
 from test_trainer_megatron import _gpt_flags, train_gpt
 
 from megatron_patch.testing import run_on_ranks
-from megatron_patch.training.checkpointing import CorruptCheckpointError, verify_checkpoint
+from megatron_patch.checkpoint.integrity import CorruptCheckpointError, verify_checkpoint
 
 TRACKER = "latest_checkpointed_iteration.txt"
 ITERS = 4

@@ -9,7 +9,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
-from megatron_patch.convert import direct_io
+from megatron_patch.checkpoint import direct_io
 
 
 def _chunks(seed: int) -> list[bytes]:

@@ -115,9 +115,10 @@ def corrupt_checkpoint(rank, world_size, megatron_dir, out_dir, pre_ln):
     import torch
 
     from megatron_patch import compat
-    from megatron_patch.convert.mcore_io import (
-        build_reference_model, full_state_dict, load_into_reference_model, read_info, save_dist, write_info,
-    )
+    from megatron_patch.checkpoint.format import full_state_dict, read_info, write_info
+    from megatron_patch.checkpoint.load import load_into_reference_model
+    from megatron_patch.checkpoint.torch_dist import save_dist
+    from megatron_patch.convert.core import build_reference_model
 
     compat.apply()
     info = read_info(megatron_dir)

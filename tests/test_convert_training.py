@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from megatron_patch.convert.mcore_io import read_info
+from megatron_patch.checkpoint.format import read_info
 from megatron_patch.testing import run_on_ranks
 from tests.convert_oracles import (
     cli, hf_reference, hf_tensors, make_hf_model, train_converted, training_sequences,

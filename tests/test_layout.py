@@ -162,7 +162,7 @@ def test_the_world_counts_every_node():
 
 def test_the_launcher_checks_the_model_of_the_checkpoint_to_load(tmp_path):
     """--load's megatron_patch_args.json describes the model: tiny-llama's 2 query groups do not split over TP 4."""
-    from megatron_patch.convert.mcore_io import CheckpointInfo, write_args_file
+    from megatron_patch.checkpoint.format import CheckpointInfo, write_args_file
     from megatron_patch.model import get_model_config
 
     write_args_file(str(tmp_path), CheckpointInfo("torch_dist", get_model_config("tiny-llama"), 128))

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from megatron_patch.convert.mcore_io import load_legacy_file
+from megatron_patch.checkpoint.format import load_megatron_file
 from megatron_patch.testing import run_on_ranks
 from tests.convert_oracles import cli, make_hf_model, training_sequences
 
@@ -77,7 +77,7 @@ def test_conversion_common_pt_carries_megatron_lm_args(llama):
     hf, hf_config, root = llama
     out = str(root / "dist")
     info = _convert(hf, out)
-    common = load_legacy_file(os.path.join(out, "release", "common.pt"))
+    common = load_megatron_file(os.path.join(out, "release", "common.pt"))
     assert common["checkpoint_version"] == 3.0 and common["iteration"] == 0
     _check_args(common["args"], _expected(hf_config, info["padded_vocab_size"]))
     assert common["args"].tokenizer_type == "HuggingFaceTokenizer"  # the saved tokenizer is a Hugging Face one
@@ -93,7 +93,7 @@ def test_legacy_rank_files_carry_megatron_lm_args(llama):
     assert [os.path.basename(os.path.dirname(f)) for f in files] == [
         "mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
     for path in files:
-        state = load_legacy_file(path)
+        state = load_megatron_file(path)
         assert state["checkpoint_version"] == 3.0 and state["iteration"] == 0
         _check_args(state["args"], _expected(hf_config, info["padded_vocab_size"], tp=2, pp=2, fmt="torch"))
 
@@ -130,7 +130,7 @@ def test_trainer_checkpoint_carries_megatron_lm_args_and_its_load_is_logged(llam
         info = json.load(f)
     for iteration in (2, 3):
         path = os.path.join(trained, f"iter_{iteration:07d}")
-        common = load_legacy_file(os.path.join(path, "common.pt"))
+        common = load_megatron_file(os.path.join(path, "common.pt"))
         assert common["checkpoint_version"] == 3.0 and common["iteration"] == iteration
         expected = dict(_expected(hf_config, info["padded_vocab_size"]), seq_length=16,
                         consumed_train_samples=iteration * 4, consumed_valid_samples=0)

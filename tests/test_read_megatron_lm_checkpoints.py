@@ -20,7 +20,7 @@ import numpy
 import pytest
 import torch
 
-from megatron_patch.convert.mcore_io import CheckpointMismatch, info_from_megatron_lm, load_legacy_file, read_info
+from megatron_patch.checkpoint.format import CheckpointMismatch, info_from_megatron_lm, load_megatron_file, read_info
 from megatron_patch.testing import run_on_ranks
 from tests.convert_oracles import _fixed_data_pretrainer, cli, hf_reference, make_hf_model, training_sequences
 
@@ -35,7 +35,7 @@ def save_as_megatron_lm(rank, world_size, converted: str, out: str) -> None:
 
     from megatron.core import dist_checkpointing
 
-    from megatron_patch.convert.mcore_io import megatron_lm_common_state
+    from megatron_patch.checkpoint.format import megatron_lm_common_state
     from megatron_patch.convert.verify import build_and_load
 
     info = dataclasses.replace(read_info(converted), tensor_model_parallel_size=world_size)
@@ -62,7 +62,7 @@ def as_megatron_lm(converted: str, out: str) -> str:
     files = glob.glob(os.path.join(out, "iter_*", "mp_rank_*", "model_optim_rng.pt"))
     assert len(files) == 4
     for path in files:
-        state = load_legacy_file(path)
+        state = load_megatron_file(path)
         del state["args"].megatron_patch
         torch.save({**state, "iteration": ITERATION}, path)
     return out
@@ -200,5 +200,5 @@ def test_rank_file_with_megatron_lm_types_loads_and_leaves_the_safe_globals(tmp_
     path = str(tmp_path / "model_optim_rng.pt")
     torch.save({**_state(model_type=ModelType.encoder_or_decoder),
                 "rng_state": [{"np_rng_state": numpy.random.get_state()}]}, path)
-    assert load_legacy_file(path)["args"].model_type == ModelType.encoder_or_decoder
+    assert load_megatron_file(path)["args"].model_type == ModelType.encoder_or_decoder
     assert argparse.Namespace in torch.serialization.get_safe_globals()

@@ -265,13 +265,13 @@ def test_mixed_precision_resume_restores_the_loss_scaler(assets, tmp_path, preci
     from test_trainer_megatron import train_gpt
 
     from megatron_patch.testing import run_on_ranks
-    from megatron_patch.training.checkpointing import _write_tracker
+    from megatron_patch.checkpoint.format import write_tracker
 
     save = str(tmp_path / "ckpt")
     argv = _flags(assets, precision, "--initial-loss-scale", str(2.0 ** 32), "--train-iters", "8")
     run_on_ranks(train_gpt, 1, args=(argv + ["--save", save, "--save-interval", "4", "--log-dir",
                                              str(tmp_path / "unbroken")],), timeout=300)
-    _write_tracker(save, 4)  # resume from the middle: iteration 4, not the last save
+    write_tracker(save, 4)  # resume from the middle: iteration 4, not the last save
     run_on_ranks(train_gpt, 1, args=(argv + ["--load", save, "--log-dir", str(tmp_path / "resumed")],),
                  timeout=300)
     unbroken, resumed = _records(tmp_path / "unbroken"), _records(tmp_path / "resumed")

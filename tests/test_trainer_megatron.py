@@ -8,7 +8,7 @@ import pytest
 from seed_scripts.assets import rapidformer_assets
 
 from megatron_patch.testing import run_on_ranks
-from megatron_patch.training.checkpointing import _write_tracker
+from megatron_patch.checkpoint.format import write_tracker
 
 
 def _gpt_flags(assets, *extra):
@@ -67,7 +67,7 @@ def test_resume_at_another_layout_and_data_parallel_size_matches_unbroken_run(as
         assets, *common, "--tensor-model-parallel-size", "2", "--save", save, "--save-interval", "3"),))
     # Resume from an earlier checkpoint than the last one. Set before the ranks start: every rank reads the
     # tracker while parsing its flags.
-    _write_tracker(save, 3)
+    write_tracker(save, 3)
     resumed = run_on_ranks(train_gpt, 2, args=(_gpt_flags(
         assets, *common, "--pipeline-model-parallel-size", "2", "--load", save),))
     # At DP=2 (TP=PP=1) the same global batch is split over two ranks: the samples and their order stay, only

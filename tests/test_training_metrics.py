@@ -16,7 +16,7 @@ from seed_scripts.assets import rapidformer_assets
 from test_trainer_megatron import _gpt_flags
 
 from megatron_patch.testing import run_on_ranks
-from megatron_patch.training.checkpointing import _write_tracker
+from megatron_patch.checkpoint.format import write_tracker
 
 VOCAB = 40  # the fine-tuning tests' token ids
 
@@ -182,7 +182,7 @@ def test_resumed_finetune_continues_its_epoch_and_counts_the_tokens_it_took(tmp_
     unbroken = run_on_ranks(_finetune, 2, args=(argv + ["--save", save, "--save-interval", "7"],), timeout=300)
     # Resume from an earlier checkpoint than the last one. Set before the ranks start: every rank reads the
     # tracker while parsing its flags.
-    _write_tracker(save, 7)
+    write_tracker(save, 7)
     resumed = run_on_ranks(_finetune, 2, args=(argv + ["--load", save],), timeout=300)
     full, tail = unbroken[-1]["losses"], resumed[-1]["losses"]
     assert [i for i, _ in full] == list(range(1, 16)) and [i for i, _ in tail] == list(range(8, 16))

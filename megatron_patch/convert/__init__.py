@@ -7,5 +7,7 @@ Example::
     megatron-patch convert megatron-to-hf --load-dir llama-mcore --save-dir llama-hf-again
 
 ``families`` holds the mapping tables (registry by ``model_type``), ``transforms`` the named layout transforms,
-``hf_io``/``mcore_io`` the file formats, ``core`` the conversions, ``verify`` the numerical check.
+``hf_io`` the Hugging Face files, ``core`` the conversions, ``verify`` the numerical check. The Megatron side's
+files (torch_dist, Megatron-LM's per-rank files, their description) are :mod:`megatron_patch.checkpoint`'s, which
+the trainer reads and writes too.
 """

@@ -11,6 +11,10 @@ Before any data is read, the names and shapes in the Hugging Face files are chec
 implies (missing, extra, mis-shaped tensors are errors naming the tensor and both shapes). Output goes to a
 ``<dir>.partial-<pid>`` sibling that is renamed into place only when everything is written, so a failed run
 leaves nothing under the final name.
+
+Tensors pass through megatron-core's own model at TP=1, PP=1 (:func:`build_reference_model`, on the meta device
+when only its names, shapes and sharding are needed); the Megatron files themselves, either format, are written
+and read by :mod:`megatron_patch.checkpoint`.
 """
 
 from __future__ import annotations
@@ -25,19 +29,19 @@ from typing import Callable
 
 import torch
 
-from megatron_patch.convert.families import (
-    Family, Rule, Table, UnsupportedCheckpoint, architecture_of, family_for, first_problems,
+from megatron_patch.checkpoint.format import (
+    ARGS_FILE, DTYPES, TOKENIZER_DIR, CheckpointInfo, CheckpointMismatch, dtype_name, full_state_dict, read_info,
+    write_info,
 )
+from megatron_patch.checkpoint.legacy import save_legacy
+from megatron_patch.checkpoint.load import load_into_reference_model
+from megatron_patch.checkpoint.torch_dist import stream_dist
+from megatron_patch.convert.families import Family, Rule, Table, UnsupportedCheckpoint, architecture_of, family_for
 from megatron_patch.convert.hf_io import HFReader, ShardedSafetensorsWriter, copy_tokenizer_files, read_hf_config
-from megatron_patch.convert.mcore_io import (
-    ARGS_FILE, TOKENIZER_DIR, CheckpointInfo, CheckpointMismatch, build_reference_model, full_state_dict,
-    load_into_reference_model, read_info, save_legacy, stream_dist, write_info,
-)
 from megatron_patch.convert.transforms import Shapes, apply_to_hf, apply_to_mcore
-from megatron_patch.errors import UserError
+from megatron_patch.distributed import free_port, initialize_distributed
+from megatron_patch.errors import UserError, first_problems
 from megatron_patch.model.config import ModelConfig
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class ConversionError(UserError, ValueError):
@@ -89,6 +93,36 @@ class _Progress:
 
     def close(self) -> None:
         self.bar.close()
+
+
+def build_reference_model(model_config: ModelConfig, padded_vocab_size: int, dtype: torch.dtype = torch.float32,
+                          allocate_only: bool = False, meta: bool = False):
+    """megatron-core's model at TP=1, PP=1 in this process (a world of one rank).
+
+    ``allocate_only`` skips the random initialisation of a model whose every tensor is about to be overwritten
+    (it is built on the meta device, then given uninitialised memory): seconds saved per billion parameters.
+    ``meta`` leaves it on the meta device: names, shapes and sharding without memory (for :func:`stream_dist`).
+    """
+    from megatron_patch.model.builder import build_model_chunks
+    from megatron_patch.model.parallel import ParallelConfig
+
+    if not torch.distributed.is_initialized():
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+    initialize_distributed(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, seed=1234)
+    parallel = ParallelConfig(bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16)
+    if not (allocate_only or meta):
+        [model] = build_model_chunks(model_config, parallel, padded_vocab_size)
+        return model
+    with torch.device("meta"):
+        [model] = build_model_chunks(model_config, parallel, padded_vocab_size)
+    if meta:
+        return model
+    # to_empty makes new Parameters; megatron's attributes on them (partition_dim, shared, ...) must survive.
+    attributes = {name: dict(vars(param)) for name, param in model.named_parameters()}
+    model.to_empty(device="cpu")
+    for name, param in model.named_parameters():
+        vars(param).update(attributes[name])
+    return model
 
 
 def _check_hf_names(reader: HFReader, rules: list[Rule], ignored: tuple[str, ...], hf_dir: str) -> None:
@@ -198,11 +232,11 @@ def check_pair(hf_dir: str, megatron_dir: str) -> tuple[CheckpointInfo, str]:
 
 def _checkpoint_dtype(reader: HFReader, rules: list[Rule]) -> str:
     dtypes = {reader.dtype(name) for r in rules for name in r.hf}
-    names = [k for k, v in _DTYPES.items() if v in dtypes]
-    if len(dtypes) != 1 or not names:
+    name = dtype_name(next(iter(dtypes))) if len(dtypes) == 1 else None
+    if name is None:
         raise UnsupportedCheckpoint(f"the checkpoint's tensors have dtypes {sorted(map(str, dtypes))}; conversion "
-                                    "needs one of float32, bfloat16, float16 throughout")
-    return names[0]
+                                    f"needs one of {', '.join(DTYPES)} throughout")
+    return name
 
 
 def hf_to_megatron(
@@ -246,7 +280,7 @@ def hf_to_megatron(
         # Heads the checkpoint lacks keep megatron-core's own initialisation, so only then is it run; torch_dist
         # otherwise needs no memory for the model (stream_dist), the legacy files need it filled.
         initialise, stream = bool(src.table.missing_mcore_prefixes), ckpt_format == "torch_dist"
-        model = build_reference_model(m, padded, _DTYPES[dtype], allocate_only=not (initialise or stream),
+        model = build_reference_model(m, padded, DTYPES[dtype].torch, allocate_only=not (initialise or stream),
                                       meta=stream and not initialise)
         target = full_state_dict(model)
         info.initialized_tensors = _check_coverage(rules, src.table, target)
@@ -308,7 +342,7 @@ def megatron_to_hf(
     family = family_for(hf_config)
     architecture = info.hf_architecture or family.architectures[0]
     m = info.model_config
-    model = build_reference_model(m, info.padded_vocab_size, _DTYPES[info.dtype], allocate_only=True)
+    model = build_reference_model(m, info.padded_vocab_size, DTYPES[info.dtype].torch, allocate_only=True)
     load_into_reference_model(model, load_dir, info)
     state = full_state_dict(model)
     if m.layernorm_zero_centered_gamma:

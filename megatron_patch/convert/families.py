@@ -26,18 +26,6 @@ class UnsupportedCheckpoint(UserError, ValueError):
     """The input is not something this converter can translate exactly (model type, architecture, option)."""
 
 
-def first_problems(problems: list[str], shown: int = 4) -> str:
-    """Problems for a one-line message: the first ``shown``, then how many more.
-
-    Example::
-
-        >>> first_problems(["missing tensor a", "missing tensor b", "missing tensor c"], shown=2)
-        'missing tensor a; missing tensor b; and 1 more'
-    """
-    more = f"; and {len(problems) - shown} more" if len(problems) > shown else ""
-    return "; ".join(problems[:shown]) + more
-
-
 @dataclasses.dataclass(frozen=True)
 class Rule:
     """Hugging Face tensor name(s) <-> one megatron-core tensor name, through named transforms."""

@@ -25,7 +25,7 @@ import struct
 import torch
 from safetensors.torch import save_file
 
-from megatron_patch.errors import UserError
+from megatron_patch.errors import UserError, read_json
 
 # Files a tokenizer may consist of; copied along with a conversion so the exported directory is complete.
 # chat_template.jinja: transformers >= 4.43 saves a tokenizer's chat template there, not in tokenizer_config.json
@@ -44,21 +44,6 @@ _SAFETENSORS_DTYPES = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool,
 }
-
-
-def read_json(path: str, fix: str):
-    """The JSON in ``path``; a damaged file is a UserError naming it, where the parser stopped, and ``fix``.
-
-    Example::
-
-        read_json("llama-hf/config.json", "restore the model's config.json")
-    """
-    with open(path) as f:
-        try:
-            return json.load(f)
-        except json.JSONDecodeError as error:
-            raise UserError(f"{path}: not valid JSON ({error.msg}: line {error.lineno} column {error.colno}); "
-                            f"{fix}") from None
 
 
 def read_hf_config(hf_dir: str) -> dict:

@@ -8,10 +8,12 @@ Example::
     logits: max abs diff 3.1e-07, max rel diff 2.4e-07, cosine 1.0000000, top-1 100.0%, top-5 100.0%  PASS
 
 Before anything is built, the two directories' config files must describe the same model (``core.check_pair``).
-The oracle is transformers' own forward pass. Compared are the LM logits (the padded vocabulary rows trimmed),
-BERT's sentence-relation logits where the checkpoint has that head, and for encoder-only BERT the last hidden
-states, padded positions included (attention masks exercised). The run fails, and the command exits non-zero,
-when the relative difference or the cosine similarity is outside the threshold for the dtype.
+The oracle is transformers' own forward pass; the Megatron model is loaded at the TP x PP asked for
+(``checkpoint.load.load_into_chunks``) and run through megatron-core's schedule (``model.forward.forward_only``).
+Compared are the LM logits (the padded vocabulary rows trimmed), BERT's sentence-relation logits where the
+checkpoint has that head, and for encoder-only BERT the last hidden states, padded positions included (attention
+masks exercised). The run fails, and the command exits non-zero, when the relative difference or the cosine
+similarity is outside the threshold for the dtype.
 """
 
 from __future__ import annotations
@@ -20,10 +22,10 @@ import dataclasses
 
 import torch
 
+from megatron_patch.checkpoint.format import DTYPES, CheckpointInfo
+from megatron_patch.checkpoint.load import load_into_chunks
 from megatron_patch.convert.core import check_pair
-from megatron_patch.convert.mcore_io import (
-    CheckpointInfo, load_dist, load_full_into_chunks, merge_legacy, partition_dims, weights_dir,
-)
+from megatron_patch.model.forward import forward_only
 
 # (max relative difference, min cosine similarity, min top-1 agreement) per dtype the models run in.
 THRESHOLDS = {
@@ -31,7 +33,6 @@ THRESHOLDS = {
     "bfloat16": (5e-2, 0.999, 0.8),
     "float16": (1e-2, 0.9999, 0.9),
 }
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Which output of the Hugging Face class is compared, and with which Megatron output.
 _HF_OUTPUTS = {
@@ -112,7 +113,7 @@ def make_inputs(info: CheckpointInfo, hf_dir: str, text: str | None = None, batc
 def hf_outputs(hf_dir: str, architecture: str, inputs: dict, dtype: str = "float32") -> dict[str, torch.Tensor]:
     import transformers
 
-    model = getattr(transformers, architecture).from_pretrained(hf_dir, dtype=_DTYPES[dtype]).eval()
+    model = getattr(transformers, architecture).from_pretrained(hf_dir, dtype=DTYPES[dtype].torch).eval()
     kwargs = {"input_ids": inputs["tokens"], "attention_mask": inputs["attention_mask"]}
     if inputs.get("types") is not None:
         kwargs["token_type_ids"] = inputs["types"]
@@ -121,10 +122,11 @@ def hf_outputs(hf_dir: str, architecture: str, inputs: dict, dtype: str = "float
     return {name: getattr(out, attr).float() for name, attr in _HF_OUTPUTS[architecture].items()}
 
 
-def _forward_step(family: str, inputs: dict, wanted: set[str]):
+def _forward_step(family: str, wanted: set[str]):
     from megatron.core import tensor_parallel
 
     def forward_step(data_iterator, model):
+        inputs = next(data_iterator)
         captured = {}
         if "hidden_states" in wanted and getattr(model, "post_process", False):
             model.encoder.register_forward_hook(lambda mod, args, out: captured.setdefault("hidden", out))
@@ -150,18 +152,10 @@ def _forward_step(family: str, inputs: dict, wanted: set[str]):
 
 def megatron_outputs(chunks, info: CheckpointInfo, inputs: dict, wanted: set[str]) -> dict | None:
     """Forward through this rank's chunks with megatron-core's pipeline schedule; outputs on the last stage."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     for chunk in chunks:
         chunk.eval()
-    b, s = inputs["tokens"].shape
-    with torch.no_grad():
-        collected = get_forward_backward_func()(
-            forward_step_func=_forward_step(info.model_config.family, inputs, wanted),
-            data_iterator=[iter([None]) for _ in chunks] if len(chunks) > 1 else iter([None]),
-            model=chunks, num_microbatches=1, seq_length=s, micro_batch_size=b, forward_only=True,
-            collect_non_loss_data=True,
-        )
+    collected = forward_only(chunks, [inputs], _forward_step(info.model_config.family, wanted),
+                             seq_length=inputs["tokens"].shape[1], collect_non_loss_data=True)
     return collected[0] if collected else None
 
 
@@ -178,29 +172,6 @@ def build_and_load(megatron_dir: str, info: CheckpointInfo, tp: int, pp: int, dt
     chunks = build_model_chunks(config, parallel, info.padded_vocab_size)
     load_into_chunks(chunks, megatron_dir, info)
     return chunks
-
-
-def load_into_chunks(chunks, megatron_dir: str, info: CheckpointInfo) -> None:
-    """Fill this rank's chunks (built at any TP/PP with ``info.padded_vocab_size``) from a converted checkpoint;
-    every rank of the world calls it. dist_checkpointing reshards torch_dist; the legacy format is merged to
-    full tensors and cut to this layout.
-
-    Example::
-
-        info = read_info("llama-mcore")
-        chunks = build_model_chunks(info.model_config, ParallelConfig(tensor_model_parallel_size=2),
-                                    info.padded_vocab_size)
-        load_into_chunks(chunks, "llama-mcore", info)
-    """
-    if info.format == "torch_dist":
-        load_dist(chunks, weights_dir(megatron_dir))
-        return
-    # Every rank merges the per-rank files into full tensors and cuts out its own shards; the split
-    # dimensions come from all ranks' parameters (a stage sees only its own).
-    dims = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(dims, {k: v for c in chunks for k, v in partition_dims(c).items()})
-    merged = merge_legacy(weights_dir(megatron_dir), info, {k: v for d in dims for k, v in d.items()})
-    load_full_into_chunks(chunks, merged)
 
 
 def verify_on_rank(hf_dir: str, megatron_dir: str, tp: int = 1, pp: int = 1, text: str | None = None,

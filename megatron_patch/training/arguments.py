@@ -26,7 +26,7 @@ import dataclasses
 import importlib.util
 import os
 
-from megatron_patch.convert.mcore_io import find_info
+from megatron_patch.checkpoint.format import find_info
 # The flag tables themselves: which model flags exist and which ModelConfig field each one sets.
 from megatron_patch.layout import check_layout
 from megatron_patch.model.config import (

@@ -23,8 +23,9 @@ import torch.nn.functional as F
 from megatron_patch.data.datasets import build_bert_datasets
 from megatron_patch.model import ModelConfig
 from megatron_patch.training.config import DataConfig
+from megatron_patch.model.forward import forward_only
 from megatron_patch.training.data import SequenceClassificationMetric
-from megatron_patch.training.models import forward_only, megatron_model
+from megatron_patch.training.models import megatron_model
 from megatron_patch.training.step import broadcast_batch
 from megatron_patch.training.trainers import Pretrainer
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_patch.convert.mcore_io import CheckpointInfo
+from megatron_patch.checkpoint.format import CheckpointInfo
 from megatron_patch.model.config import ModelConfig, model_config_from_flags
 from megatron_patch.model.parallel import ParallelConfig
 

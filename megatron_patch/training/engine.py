@@ -297,7 +297,7 @@ def _check_tokenizer_fits(tokenizer, config) -> None:
     A Hugging Face model's vocabulary may be larger than its tokenizer's (rows kept for added tokens); one our
     trainer started from scratch was sized by its tokenizer, so another size means another tokenizer.
     """
-    from megatron_patch.convert.mcore_io import ARGS_FILE
+    from megatron_patch.checkpoint.format import ARGS_FILE
 
     info = config.checkpoint_info
     stored = info.model_config.vocab_size

@@ -21,8 +21,8 @@ import os
 import torch
 
 from megatron_patch.data.datasets import build_gpt_datasets
+from megatron_patch.model.forward import forward_only
 from megatron_patch.training.config import DataConfig
-from megatron_patch.training.models import forward_only
 from megatron_patch.training.step import broadcast_batch, lm_loss_func
 
 

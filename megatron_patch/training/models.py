@@ -1,5 +1,4 @@
-"""megatron-core models for the trainer hooks: built from the flags or from ``--load``'s description, and run
-forward-only over a data loader (evaluation under any TP/PP layout).
+"""megatron-core models for the trainer hooks, built from the flags or from ``--load``'s description.
 
 Example::
 
@@ -15,11 +14,7 @@ save loads again with ``--load`` alone and exports with ``megatron-patch convert
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
-
-import torch
-
-from megatron_patch.convert.mcore_io import CheckpointInfo
+from megatron_patch.checkpoint.format import CheckpointInfo
 from megatron_patch.model import ModelConfig
 from megatron_patch.model.builder import build_model_chunks, build_sequence_classifier, padded_vocab_size
 from megatron_patch.training.checkpointing import trained_model_info
@@ -66,27 +61,3 @@ def megatron_model(engine, family: str = "gpt", num_labels: int | None = None) -
         chunks = build_sequence_classifier(model, parallel, vocab, num_labels)
     return chunks, trained_model_info(model, vocab, config.training.precision, parallel, config.checkpoint_info)
 
-
-def forward_only(chunks: list, batches: Iterable[dict], forward_step: Callable, seq_length: int,
-                 collect_non_loss_data: bool = False) -> list:
-    """Run megatron-core's schedule without backward on each batch (one microbatch of the batch's size, so a
-    short last batch is fine) and return what ``forward_step``'s loss functions report on the last pipeline
-    stage: their dicts, or with ``collect_non_loss_data`` whatever ``loss_func(output, non_loss_data=True)``
-    returns (e.g. logits). Empty on other stages.
-
-    Example::
-
-        logits = forward_only(model, eval_loader, classify_step, args.seq_length, collect_non_loss_data=True)
-    """
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    results = []
-    with torch.no_grad():
-        for batch in batches:
-            size = next(iter(batch.values())).shape[0]
-            iterators = [iter([batch]) for _ in chunks]
-            results += get_forward_backward_func()(
-                forward_step_func=forward_step, data_iterator=iterators if len(chunks) > 1 else iterators[0],
-                model=chunks, num_microbatches=1, seq_length=seq_length, micro_batch_size=size,
-                forward_only=True, collect_non_loss_data=collect_non_loss_data)
-    return results

@@ -2,7 +2,7 @@
 
 Example::
 
-    from megatron_patch.convert.direct_io import DirectFileSystemWriter
+    from megatron_patch.checkpoint.direct_io import DirectFileSystemWriter
     dcp_save(state, planner=planner, storage_writer=DirectFileSystemWriter("out/release"))
 
 A conversion writes gigabytes once and never reads them back in the same process. Through the page cache each

@@ -1,0 +1,473 @@
+"""What a Megatron checkpoint directory is made of: its file names, its tracker and its description.
+
+Example::
+
+    read_tracker("ckpt")                        # 100, "release" for a conversion, None before the first save
+    weights_dir("ckpt")                         # "ckpt/iter_0000100"
+    info = read_info("ckpt")                    # megatron_patch_args.json, else Megatron-LM's own args
+    info.model_config.hidden_size, info.dtype   # (4096, "bfloat16")
+
+Layout of a directory (Megatron-LM's, so its ``--load`` finds the weights)::
+
+    latest_checkpointed_iteration.txt           the tracker: "100", or "release" for a converted checkpoint
+    megatron_patch_args.json                    CheckpointInfo: ModelConfig, padded vocabulary, dtype, HF config, format
+    iter_0000100/ or release/                   torch_dist: metadata.json, *.distcp, common.pt with ``args``
+    iter_0000100/mp_rank_TT[_PPP]/model_optim_rng.pt   torch: one file per TP (x PP) rank, with ``args``
+    iter_0000100/rng/rank_RRRRR.pt              our trainer's RNG state per rank; checksums.json (integrity.py)
+    hf_tokenizer/                               the tokenizer files given at conversion
+
+A checkpoint Megatron-LM's own ``save_checkpoint`` wrote has no ``megatron_patch_args.json``; :func:`read_info`
+then takes the model from the ``args`` in its common.pt or ``mp_rank_00*/model_optim_rng.pt``
+(:func:`info_from_megatron_lm`), the format from the files present. The other way, :func:`megatron_lm_common_state`
+writes those ``args`` into ours, so Megatron-LM resumes our checkpoints with ``--use-checkpoint-args``.
+
+Tensors are named as in megatron-core's TP=1, PP=1 model (``decoder.layers.3.mlp.linear_fc1.weight``, layers
+numbered across all stages); :func:`partition_dims` says along which dimension each is split over TP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import json
+import os
+import pickle
+import re
+from typing import NamedTuple
+
+import torch
+
+from megatron_patch.errors import UserError, read_json
+from megatron_patch.model.config import ModelConfig
+
+ARGS_FILE = "megatron_patch_args.json"
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+RELEASE = "release"
+TOKENIZER_DIR = "hf_tokenizer"
+LAYER = re.compile(r"^((?:decoder|encoder)\.layers\.)(\d+)\.")
+"""A layer's tensor name: group 1 up to the layer number, group 2 the number."""
+_COMPLETE = re.compile(r"iter_(\d{7})")
+
+
+class Dtype(NamedTuple):
+    torch: torch.dtype
+    flag: str
+    """Megatron-LM's name: ``--params-dtype``'s value, set by ``--bf16``/``--fp16`` (``fp32`` without either)."""
+
+
+# The stored weights' dtypes, by the name megatron_patch_args.json and `convert verify --dtype` use (Hugging Face's).
+DTYPES = {
+    "float32": Dtype(torch.float32, "fp32"),
+    "bfloat16": Dtype(torch.bfloat16, "bf16"),
+    "float16": Dtype(torch.float16, "fp16"),
+}
+
+
+def dtype_name(dtype: torch.dtype | str) -> str | None:
+    """The name in :data:`DTYPES` of a torch dtype or a ``--params-dtype`` value; None for another dtype.
+
+    Example::
+
+        >>> dtype_name("bf16"), dtype_name(torch.float16), dtype_name(torch.int8)
+        ('bfloat16', 'float16', None)
+    """
+    return next((name for name, known in DTYPES.items() if dtype in known), None)
+
+
+def checkpoint_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def complete_iterations(root: str) -> list[int]:
+    """The iterations of ``root``'s ``iter_*`` directories, oldest first; ``*.tmp-*`` saves in progress (or
+    killed) are not among them.
+
+    Example::
+
+        complete_iterations("ckpt")   # [100, 200] for ckpt/iter_0000100, ckpt/iter_0000200, ckpt/iter_0000300.tmp-1f
+    """
+    if not os.path.isdir(root):
+        return []
+    found = (_COMPLETE.fullmatch(name) for name in os.listdir(root))
+    return sorted(int(m.group(1)) for m in found if m and os.path.isdir(os.path.join(root, m.group(0))))
+
+
+def rng_file(rank: int) -> str:
+    """Our trainer's RNG state of ``rank``, relative to an iteration directory."""
+    return os.path.join("rng", f"rank_{rank:05d}.pt")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The tracker
+# ----------------------------------------------------------------------------------------------------------
+
+
+class CheckpointMismatch(UserError, ValueError):
+    """A Megatron checkpoint does not hold what its model needs (architecture, tensor names or shapes), or its
+    description is damaged."""
+
+
+def read_tracker(root: str) -> int | str | None:
+    """The iteration in ``latest_checkpointed_iteration.txt``, ``"release"`` for a converted checkpoint, or
+    None when there is no checkpoint."""
+    path = os.path.join(root, TRACKER_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        text = f.read().strip()
+    if text == RELEASE:
+        return RELEASE
+    if not text.isdigit():
+        raise CheckpointMismatch(f"{path} holds {text!r}; expected an iteration number or {RELEASE!r}")
+    return int(text)
+
+
+def write_tracker(root: str, iteration: int | str) -> None:
+    """Replace the tracker atomically: a reader (or a restart after a crash) sees the old or the new iteration,
+    never an empty file.
+
+    Example::
+
+        write_tracker("ckpt", 4)    # resume from ckpt/iter_0000004
+    """
+    path = os.path.join(root, TRACKER_FILE)
+    with open(path + ".tmp", "w") as f:
+        f.write(str(iteration))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+    fsync_path(root)
+
+
+def fsync_path(path: str) -> None:
+    """fsync a file or a directory (both can be opened read-only for it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def weights_dir(megatron_dir: str) -> str:
+    """The iteration directory the tracker file points at (``release`` or ``iter_0000100``)."""
+    tag = read_tracker(megatron_dir)
+    if tag is None:
+        raise FileNotFoundError(f"{megatron_dir} has no {TRACKER_FILE}")
+    return os.path.join(megatron_dir, RELEASE) if tag == RELEASE else checkpoint_dir(megatron_dir, tag)
+
+
+def checkpoint_format(weights: str) -> str | None:
+    """"torch_dist" (megatron-core's common.pt and metadata.json), "torch" (Megatron-LM's per-rank
+    ``mp_rank_*/model_optim_rng.pt``) or None, from the files in an iteration directory."""
+    if os.path.isfile(os.path.join(weights, "common.pt")) and os.path.isfile(os.path.join(weights, "metadata.json")):
+        return "torch_dist"
+    if glob.glob(os.path.join(weights, "mp_rank_00*", "model_optim_rng.pt")):
+        return "torch"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The description: megatron_patch_args.json, or Megatron-LM's args
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class CheckpointInfo:
+    """What ``megatron_patch_args.json`` records next to the weights, so no model flag has to be repeated."""
+
+    format: str
+    model_config: ModelConfig
+    padded_vocab_size: int
+    dtype: str = "float32"
+    """The dtype of the stored weights (the Hugging Face checkpoint's), a name in :data:`DTYPES`."""
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    hf_config: dict | None = None
+    hf_architecture: str | None = None
+    initialized_tensors: list[str] = dataclasses.field(default_factory=list)
+    """megatron tensors the Hugging Face checkpoint did not have (heads of an encoder-only BERT)."""
+    tokenizer_files: list[str] = dataclasses.field(default_factory=list)
+
+    def to_json(self) -> dict:
+        data = dataclasses.asdict(self)
+        data["model_config"] = dataclasses.asdict(self.model_config)
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict) -> "CheckpointInfo":
+        return cls(**{**data, "model_config": ModelConfig(**data["model_config"])})
+
+
+def write_args_file(megatron_dir: str, info: CheckpointInfo) -> None:
+    """Write ``megatron_patch_args.json`` under a temporary name, then rename it: a reader never sees half a file
+    (the trainer rewrites it at every save of a directory that may be being exported).
+
+    Example::
+
+        write_args_file("ckpt", CheckpointInfo("torch_dist", get_model_config("tiny-llama"), 128))
+    """
+    path = os.path.join(megatron_dir, ARGS_FILE)
+    with open(path + ".tmp", "w") as f:
+        json.dump(info.to_json(), f, indent=2)
+    os.replace(path + ".tmp", path)
+
+
+def write_info(megatron_dir: str, info: CheckpointInfo) -> None:
+    """The description and a tracker naming ``release``: a converted checkpoint's."""
+    write_args_file(megatron_dir, info)
+    write_tracker(megatron_dir, RELEASE)
+
+
+def read_info(megatron_dir: str) -> CheckpointInfo:
+    """The description of ``megatron_dir``'s checkpoint: its ``megatron_patch_args.json`` or, without one (a
+    checkpoint Megatron-LM's ``save_checkpoint`` wrote), the Megatron-LM ``args`` stored with its weights.
+
+    Example::
+
+        read_info("llama-mcore").model_config.hidden_size     # 4096
+    """
+    found = find_info(megatron_dir)
+    if found is None:
+        raise FileNotFoundError(
+            f"{megatron_dir} has neither {ARGS_FILE} nor a Megatron-LM checkpoint ({TRACKER_FILE} naming a directory "
+            "with common.pt or mp_rank_*/model_optim_rng.pt); pass a directory written by `megatron-patch convert "
+            "hf-to-megatron`, by our trainer or by Megatron-LM"
+        )
+    return found[0]
+
+
+def find_info(megatron_dir: str) -> tuple[CheckpointInfo, str] | None:
+    """``(description, the file it was read from)`` of a Megatron checkpoint, or None when ``megatron_dir`` holds
+    none (nothing saved yet, or a plain/Hugging Face model's trainer checkpoint).
+
+    Example::
+
+        info, source = find_info("megatron-lm-run")
+        source                           # "megatron-lm-run/iter_0000100/mp_rank_00/model_optim_rng.pt"
+    """
+    path = os.path.join(megatron_dir, ARGS_FILE)
+    if os.path.isfile(path):
+        return _read_args_file(path), path
+    if not os.path.isfile(os.path.join(megatron_dir, TRACKER_FILE)):
+        return None
+    weights = weights_dir(megatron_dir)
+    fmt = checkpoint_format(weights)
+    if fmt is None:
+        return None
+    # Every rank file carries the same args; the first one is there at any TP/PP.
+    source = (os.path.join(weights, "common.pt") if fmt == "torch_dist"
+              else sorted(glob.glob(os.path.join(weights, "mp_rank_00*", "model_optim_rng.pt")))[0])
+    return info_from_megatron_lm(load_megatron_file(source), fmt, source), source
+
+
+def _read_args_file(path: str) -> CheckpointInfo:
+    # Only a conversion or a trainer's save writes it (write_args_file): restoring it is the fix.
+    fix = f"restore {ARGS_FILE} from a copy, or re-run the conversion or training that wrote the checkpoint"
+    data = read_json(path, fix)
+    try:
+        return CheckpointInfo.from_json(data)
+    except (TypeError, KeyError, ValueError) as error:  # a JSON of another shape, fields unknown or missing
+        raise CheckpointMismatch(f"{path}: not a description of a checkpoint ({type(error).__name__}: {error}); "
+                                 f"{fix}") from None
+
+
+def load_megatron_file(path: str) -> dict:
+    """A legacy rank file (``mp_rank_*/model_optim_rng.pt``) or torch_dist's common.pt, unpickled with
+    ``weights_only=True``: besides tensors only the types megatron-core registers as safe
+    (megatron/core/safe_globals.py: Megatron-LM's ``args`` Namespace, its enums, numpy's RNG state in
+    ``rng_state``). Registered again here, not through torch's ``safe_globals`` context manager: on exit that
+    unregisters what it was given, megatron-core's registrations included (its import registers them once), and
+    megatron-core's own ``dist_checkpointing.load`` of a common.pt then fails.
+
+    Example::
+
+        load_megatron_file("ckpt/iter_0000100/mp_rank_00/model_optim_rng.pt")["args"].hidden_size    # 4096
+    """
+    from megatron.core.safe_globals import register_safe_globals
+
+    register_safe_globals()
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise CheckpointMismatch(f"{path} holds a type no Megatron checkpoint holds ({str(error).splitlines()[-1]}); "
+                                 "load it only if you trust its source, then re-save it") from None
+    except RuntimeError as error:  # torch.load's reader on a truncated or overwritten zip
+        raise CheckpointMismatch(f"{path} does not load ({str(error).split('. ')[0]}): it is truncated or damaged; "
+                                 "copy it again from the run that saved it") from None
+
+
+# Megatron-LM args (name, value that cannot be built) our model refuses: each is an architecture ModelConfig has
+# no field for, so loading the weights into our model would silently drop or misplace them.
+_UNSUPPORTED_ARGS = {
+    "num_experts": "mixture-of-experts layers",
+    "is_hybrid_model": "Mamba/hybrid layers",
+    "hybrid_override_pattern": "Mamba/hybrid layers",
+    "heterogeneous_layers_config_path": "heterogeneous layers",
+    "heterogeneous_layers_config_encoded_json": "heterogeneous layers",
+    "multi_latent_attention": "multi-latent attention",
+    "qk_layernorm": "layer norms on queries and keys",
+    "squared_relu": "the squared-ReLU activation",
+    "rotary_interleaved": "interleaved RoPE",
+    "mtp_num_layers": "multi-token-prediction layers",
+}
+
+
+def info_from_megatron_lm(state: dict, fmt: str, source: str) -> CheckpointInfo:
+    """Our description of a checkpoint from the ``args`` Megatron-LM stores in it (``state``: common.pt's or a
+    rank file's contents), read as its ``--use-checkpoint-args`` reads them (load_args_from_checkpoint in
+    megatron/training/checkpointing.py at core_v0.16.1). Refuses, naming the field, what our model cannot build.
+
+    Example::
+
+        info_from_megatron_lm(torch.load("ckpt/iter_0000100/common.pt"), "torch_dist", "ckpt/iter_0000100/common.pt")
+
+    The family is GPT: Megatron-LM's args do not say which model script trained them.
+    """
+    args = state.get("args")
+    if not isinstance(args, argparse.Namespace):
+        raise CheckpointMismatch(f"{source} has no Megatron-LM args (saved without them?); re-save it with "
+                                 f"Megatron-LM's save_checkpoint or convert it with `megatron-patch convert`")
+    version = state.get("checkpoint_version", 0)
+    if version < 3.0:  # older versions order q/k/v differently (fix_query_key_value_ordering) and name TP otherwise
+        raise CheckpointMismatch(f"{source}: checkpoint_version {version}; only 3.0 is read: load and re-save it "
+                                 "with a current Megatron-LM first")
+
+    def arg(name, default=None):
+        value = getattr(args, name, default)
+        return default if value is None else value
+
+    for name, what in _UNSUPPORTED_ARGS.items():
+        if arg(name):
+            raise CheckpointMismatch(f"{source}: args.{name}={arg(name)!r} ({what}) is not supported by our model; "
+                                     "only dense GPT checkpoints are read")
+    if fmt == "torch" and arg("virtual_pipeline_model_parallel_size"):
+        raise CheckpointMismatch(f"{source}: args.virtual_pipeline_model_parallel_size="
+                                 f"{arg('virtual_pipeline_model_parallel_size')}: per-rank files of an interleaved "
+                                 "pipeline are not read; save it as torch_dist (--ckpt-format torch_dist) first")
+    activation = "swiglu" if arg("swiglu") else "gelu_tanh" if arg("openai_gelu") else "gelu"
+    # Older Megatron-LM args have only use_rotary_position_embeddings.
+    position = arg("position_embedding_type", "rope" if arg("use_rotary_position_embeddings") else "learned_absolute")
+    choices = {"position_embedding_type": (position, ("learned_absolute", "rope")),
+               "normalization": (arg("normalization", "LayerNorm"), ("LayerNorm", "RMSNorm"))}
+    for name, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise CheckpointMismatch(f"{source}: args.{name}={value!r} is not supported by our model (one of "
+                                     f"{', '.join(allowed)})")
+    padded = arg("padded_vocab_size")
+    if padded is None:
+        raise CheckpointMismatch(f"{source}: args.padded_vocab_size is missing; the embedding's size is unknown")
+    try:
+        model_config = ModelConfig(
+            family="gpt", num_layers=args.num_layers, hidden_size=args.hidden_size,
+            num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
+            ffn_hidden_size=arg("ffn_hidden_size"),
+            num_query_groups=arg("num_query_groups") if arg("group_query_attention") else None,
+            kv_channels=arg("kv_channels"), max_position_embeddings=arg("max_position_embeddings"),
+            position_embedding_type=position, rotary_base=int(arg("rotary_base", 10000)),
+            rotary_percent=float(arg("rotary_percent", 1.0)), normalization=choices["normalization"][0],
+            # --norm-epsilon's dest; checkpoints of older Megatron-LM have only layernorm_epsilon.
+            layernorm_epsilon=arg("norm_epsilon", arg("layernorm_epsilon", 1e-5)), activation=activation,
+            add_bias_linear=arg("add_bias_linear", True), add_qkv_bias=arg("add_qkv_bias", False),
+            untie_embeddings_and_output_weights=arg("untie_embeddings_and_output_weights", False),
+            vocab_size=arg("vocab_size", padded), make_vocab_size_divisible_by=arg("make_vocab_size_divisible_by", 128),
+            hidden_dropout=arg("hidden_dropout", 0.1), attention_dropout=arg("attention_dropout", 0.1),
+            init_method_std=arg("init_method_std", 0.02),
+            layernorm_zero_centered_gamma=arg("apply_layernorm_1p", False),
+        )
+    except AttributeError as error:  # one of the shape fields every Megatron-LM run has
+        raise CheckpointMismatch(f"{source}: args lack {error.name}; not a Megatron-LM GPT checkpoint") from None
+    except ValueError as error:
+        raise CheckpointMismatch(f"{source}: its args describe no model: {error}") from None
+    return CheckpointInfo(
+        format=fmt, model_config=model_config, padded_vocab_size=padded,
+        dtype="bfloat16" if arg("bf16") else "float16" if arg("fp16") else "float32",
+        tensor_model_parallel_size=arg("tensor_model_parallel_size", 1),
+        pipeline_model_parallel_size=arg("pipeline_model_parallel_size", 1),
+    )
+
+
+def megatron_lm_args(info: CheckpointInfo, **training) -> argparse.Namespace:
+    """Megatron-LM's ``args`` for a checkpoint of ``info``'s model: every field its ``load_args_from_checkpoint``
+    and ``load_checkpoint`` read (megatron/training/checkpointing.py at core_v0.16.1), under its names, so
+    ``--use-checkpoint-args`` rebuilds the model and a resume continues at the right sample.
+
+    Example::
+
+        megatron_lm_args(info, iteration=10, consumed_train_samples=80, tokenizer_type="GPT2BPETokenizer")
+
+    ``training`` overrides what only a trainer knows (consumed samples, the tokenizer, virtual pipeline size).
+    The MoE, Mamba and hybrid fields are None: Megatron-LM keeps its own flags for them, right for a dense model.
+    """
+    m = info.model_config
+    hf_vocab = (info.hf_config or {}).get("vocab_size")
+    fields = dict(
+        num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_size, seq_length=m.seq_length,
+        num_attention_heads=m.num_attention_heads, num_query_groups=m.query_groups,
+        group_query_attention=m.query_groups != m.num_attention_heads, kv_channels=m.head_dim,
+        max_position_embeddings=m.max_positions, position_embedding_type=m.position_embedding_type,
+        add_position_embedding=m.position_embedding_type == "learned_absolute",
+        use_rotary_position_embeddings=m.position_embedding_type == "rope", rotary_base=m.rotary_base,
+        rotary_percent=m.rotary_percent, rotary_interleaved=False, add_bias_linear=m.add_bias_linear,
+        add_qkv_bias=m.add_qkv_bias, squared_relu=False, swiglu=m.activation == "swiglu",
+        openai_gelu=m.activation == "gelu_tanh",
+        untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
+        apply_layernorm_1p=m.layernorm_zero_centered_gamma, normalization=m.normalization,
+        # Megatron-LM's flag is --norm-epsilon but its checkpoints (and check_checkpoint_args' readers) keep the
+        # older name next to it; both carry the same value.
+        norm_epsilon=m.layernorm_epsilon, layernorm_epsilon=m.layernorm_epsilon,
+        apply_query_key_layer_scaling=False, attention_dropout=m.attention_dropout,
+        hidden_dropout=m.hidden_dropout, init_method_std=m.init_method_std,
+        hybrid_override_pattern=None, spec=None, hybrid_attention_ratio=None, hybrid_mlp_ratio=None,
+        num_experts=None, moe_layer_freq=None, moe_ffn_hidden_size=None, moe_router_topk=None,
+        moe_token_dispatcher_type=None, moe_router_pre_softmax=None, moe_grouped_gemm=None,
+        moe_shared_expert_intermediate_size=None, moe_router_score_function=None,
+        moe_router_enable_expert_bias=None, moe_router_topk_scaling_factor=None, moe_latent_size=None,
+        mamba_state_dim=None, mamba_head_dim=None, mamba_num_groups=None, mamba_num_heads=None,
+        is_hybrid_model=False, heterogeneous_layers_config_path=None,
+        heterogeneous_layers_config_encoded_json=None,
+        # A conversion's tokenizer is the Hugging Face one saved in hf_tokenizer/ (Megatron-LM's
+        # HuggingFaceTokenizer); the path is left to the reader's --tokenizer-model, the directory may move.
+        tokenizer_type="HuggingFaceTokenizer" if info.tokenizer_files else None, tokenizer_model=None,
+        tiktoken_pattern=None, padded_vocab_size=info.padded_vocab_size, vocab_size=m.vocab_size or hf_vocab,
+        make_vocab_size_divisible_by=m.make_vocab_size_divisible_by, ckpt_format=info.format,
+        fp16=info.dtype == "float16", bf16=info.dtype == "bfloat16",
+        tensor_model_parallel_size=info.tensor_model_parallel_size,
+        pipeline_model_parallel_size=info.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=None, num_layers_per_virtual_pipeline_stage=None,
+        expert_model_parallel_size=1, consumed_train_samples=0, skipped_train_samples=0,
+        consumed_valid_samples=0, num_tokentypes=m.num_tokentypes, bert_binary_head=m.add_binary_head,
+        megatron_patch=json.dumps(info.to_json()),
+    )
+    return argparse.Namespace(**{**fields, **training})
+
+
+def megatron_lm_common_state(info: CheckpointInfo, iteration: int, **training) -> dict:
+    """The non-tensor part of a Megatron-LM checkpoint (its ``generate_state_dict``): ``args``,
+    ``checkpoint_version`` 3.0 (Megatron-LM's current one: TP/PP sizes under their own names) and ``iteration``.
+
+    Example::
+
+        torch.save({"model": shards, **megatron_lm_common_state(info, 0)}, "release/mp_rank_00/model_optim_rng.pt")
+    """
+    return {"args": megatron_lm_args(info, **training), "checkpoint_version": 3.0, "iteration": iteration}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Tensors by name
+# ----------------------------------------------------------------------------------------------------------
+
+
+def full_state_dict(model) -> dict[str, torch.Tensor]:
+    """A TP=1, PP=1 model's tensors by megatron-core name (no ``_extra_state``)."""
+    return {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+
+
+def partition_dims(model) -> dict[str, int | None]:
+    """Tensor-parallel split dimension per tensor name with ``{}`` for the layer (None: replicated), from
+    megatron's parameter attributes; the same at every layout."""
+    dims = {}
+    for name, param in model.named_parameters():
+        split = getattr(param, "tensor_model_parallel", False)
+        dims[LAYER.sub(r"\1{}.", name)] = param.partition_dim if split else None
+    return dims

@@ -1,0 +1,320 @@
+"""Crash safety and integrity of an iteration directory: staged, checksummed, fsynced, then published.
+
+Example::
+
+    staging = make_staging_dir("ckpt/iter_0000100", rank)     # ckpt/iter_0000100.tmp-1f2e3d4c, on every rank
+    checksums = {rng_file(rank): save_checksummed(rng_state, os.path.join(staging, rng_file(rank)))}
+    write_rank_checksums(staging, rank, checksums)            # each rank: the files it wrote
+    write_checksums(staging, world_size); fsync_tree(staging); publish(staging, "ckpt/iter_0000100")  # rank 0
+    verify_checkpoint("ckpt/iter_0000100", megatron=True)     # a truncated or bit-flipped file raises
+
+Crash safety: a save goes to ``SAVE/iter_0000100.tmp-<id>/``, is fsynced, renamed to ``iter_0000100`` and only
+then named by the tracker (:func:`format.write_tracker`, replaced atomically), so a process killed mid-save leaves
+the previous checkpoint current; loading ignores ``*.tmp-*`` leftovers and :func:`remove_old` removes them (and,
+with ``keep_last_k``, all but the newest checkpoints) after the next successful save.
+
+Integrity: every save records each file's length and CRC-32 in ``iter_*/checksums.json``, written before the rename
+that publishes the checkpoint. A checkpoint with a missing, truncated or damaged file (one whose CRC-32 differs,
+e.g. flipped bytes) raises CorruptCheckpointError naming both. A checkpoint saved before checksums were recorded
+(no ``checksums.json``) is checked for its files' presence and length only.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import mmap
+import os
+import re
+import shutil
+import uuid
+import zipfile
+import zlib
+
+import torch
+
+from megatron_patch.checkpoint.format import checkpoint_dir, complete_iterations, fsync_path, rng_file
+from megatron_patch.errors import UserError
+
+CHECKSUMS = "checksums.json"
+_CHECKSUMS_FORMAT = {"format": "megatron_patch checkpoint checksums", "version": 1, "algorithm": "crc32"}
+# Each rank's checksums of the files it wrote, merged into CHECKSUMS by rank 0 before the checkpoint is published.
+_RANK_CHECKSUMS = "checksums.rank_{:05d}.json"
+_STAGING = re.compile(r"iter_(\d{7})\.tmp-")
+
+
+class CorruptCheckpointError(UserError, RuntimeError):
+    """A checkpoint directory with a missing, truncated or damaged file (a save that died half-way, a damaged disk
+    or copy)."""
+
+
+class _ChecksummedFile:
+    """A file opened for writing that keeps the length and CRC-32 of what is written to it (``torch.save`` takes
+    it as its file), so the file is checksummed as it is written, not read back.
+
+    Example::
+
+        with _ChecksummedFile("ckpt/trainer_state.pt") as f:
+            torch.save(state, f)
+        f.checksum()   # {"bytes": 1234, "crc32": "9a3c11f0"}
+    """
+
+    def __init__(self, path: str):
+        self._file = open(path, "wb")
+        self._crc = self._bytes = 0
+
+    def write(self, data) -> int:
+        self._crc = zlib.crc32(data, self._crc)
+        self._bytes += memoryview(data).nbytes
+        return self._file.write(data)
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def checksum(self) -> dict:
+        return _checksum_entry(self._bytes, self._crc)
+
+    def __enter__(self) -> "_ChecksummedFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self._file.flush()
+            # Each rank flushes its own files: on a shared filesystem rank 0's fsync does not reach another node's.
+            os.fsync(self._file.fileno())
+        finally:
+            self._file.close()
+
+
+def save_checksummed(obj, path: str) -> dict:
+    """``torch.save(obj, path)``, flushed to disk; returns the file's checksum."""
+    with _ChecksummedFile(path) as f:
+        torch.save(obj, f)
+    return f.checksum()
+
+
+def _checksum_entry(size: int, crc: int) -> dict:
+    return {"bytes": size, "crc32": f"{crc:08x}"}
+
+
+def _checksum_file(path: str) -> dict:
+    """The length and CRC-32 of the file at ``path``. Mapped, not read: the CRC runs over the page cache itself
+    (a read's copy into a buffer made it about 1.5x slower here)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:  # mmap refuses an empty file
+            return _checksum_entry(0, 0)
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            mapped.madvise(mmap.MADV_SEQUENTIAL)
+            return _checksum_entry(size, zlib.crc32(mapped))
+
+
+def checksum_files(paths: list[str]) -> list[dict]:
+    """``_checksum_file`` of each path, the files in parallel (zlib.crc32 releases the GIL)."""
+    if len(paths) < 2:
+        return [_checksum_file(path) for path in paths]
+    with concurrent.futures.ThreadPoolExecutor(min(len(paths), os.cpu_count() or 1)) as pool:
+        return list(pool.map(_checksum_file, paths))
+
+
+def write_and_checksum(write, staging: str, rank: int, checksums: dict, *args, **kwargs) -> None:
+    """megatron-core's write function (``write(rank, write_buckets, results_queue)``, strategies/
+    filesystem_async.py:235), then the CRC-32 of each ``.distcp`` it wrote. megatron-core opens these files itself
+    (filesystem_async.py:380), so they are read back, from the page cache they were just written through, in the
+    same (with --async-save background) process."""
+    write(*args, **kwargs)
+    files = [file for file, _, _ in args[1]]
+    for file, checksum in zip(files, checksum_files(files)):
+        checksums[os.path.relpath(file, staging)] = checksum
+    write_rank_checksums(staging, rank, checksums)
+
+
+def write_rank_checksums(staging: str, rank: int, checksums: dict) -> None:
+    with open(os.path.join(staging, _RANK_CHECKSUMS.format(rank)), "w") as f:
+        json.dump(checksums, f)
+
+
+def write_checksums(staging: str, world_size: int) -> None:
+    """Merge the ranks' checksums into ``checksums.json``, adding those of the files no rank checksummed while
+    writing (rank 0's ``common.pt``, ``metadata.json`` and ``.metadata``; ``save_pretrained``'s files)."""
+    files = {}
+    for rank in range(world_size):
+        part = os.path.join(staging, _RANK_CHECKSUMS.format(rank))
+        with open(part) as f:
+            files.update(json.load(f))
+        os.remove(part)
+    rest = [os.path.relpath(os.path.join(directory, name), staging)
+            for directory, _, names in os.walk(staging) for name in names]
+    rest = [name for name in rest if name not in files]
+    files.update(zip(rest, checksum_files([os.path.join(staging, name) for name in rest])))
+    with open(os.path.join(staging, CHECKSUMS), "w") as f:
+        json.dump({**_CHECKSUMS_FORMAT, "files": dict(sorted(files.items()))}, f, indent=1)
+
+
+def make_staging_dir(path: str, rank: int) -> str:
+    """A fresh ``iter_*.tmp-<id>`` every rank writes into; the id (made by rank 0) keeps a killed save's
+    leftovers from mixing with this one's files."""
+    name = [f"{path}.tmp-{uuid.uuid4().hex[:8]}" if rank == 0 else None]
+    if rank == 0:
+        os.makedirs(name[0])
+    torch.distributed.broadcast_object_list(name, src=0)
+    return name[0]
+
+
+def fsync_tree(path: str) -> None:
+    """Flush every file and directory under ``path`` before the rename publishes it: a rename can reach the disk
+    before the data it names (ext4/xfs delayed allocation), leaving a complete-looking checkpoint of empty files."""
+    for directory, _, files in os.walk(path):
+        for name in files:
+            fsync_path(os.path.join(directory, name))
+        fsync_path(directory)
+
+
+def publish(staging: str, path: str) -> None:
+    """Rename ``staging`` to ``path``; an existing ``path`` (the same iteration saved again) is moved aside
+    first, since a directory cannot be renamed onto a non-empty one."""
+    replaced = None
+    if os.path.exists(path):
+        replaced = f"{staging}-replaced"
+        os.rename(path, replaced)
+    os.rename(staging, path)
+    fsync_path(os.path.dirname(path))
+    if replaced is not None:
+        shutil.rmtree(replaced)
+
+
+def remove_old(root: str, iteration: int, keep_last_k: int | None) -> None:
+    """Remove killed saves' ``*.tmp-*`` directories (up to ``iteration``) and, with ``keep_last_k``, all but the
+    newest K checkpoints (``iteration``, the one the tracker now names, always stays)."""
+    for name in os.listdir(root):
+        staging = _STAGING.match(name)
+        # Later iterations' staging directories may be asynchronous saves still being written.
+        if staging and int(staging.group(1)) <= iteration:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    if keep_last_k is None:
+        return
+    complete = complete_iterations(root)
+    keep = set(complete[-keep_last_k:]) | {iteration}
+    for old in complete:
+        if old not in keep:
+            shutil.rmtree(checkpoint_dir(root, old))
+
+
+def verify_checkpoint(path: str, megatron: bool, *, checksums: bool = True, logger=None) -> None:
+    """Raise CorruptCheckpointError naming ``path`` and the file when a file is missing, shorter than what the
+    checkpoint's own metadata records, or (``checksums``) its CRC-32 differs from ``checksums.json``'s. Under
+    torch.distributed every rank must call it: the ranks share the reading, each file is read once.
+
+    Example::
+
+        verify_checkpoint("ckpt/iter_0000100", megatron=True)   # a truncated or bit-flipped __0_0.distcp raises
+
+    A checkpoint without ``checksums.json`` (saved before checksums were recorded) is checked from its own
+    metadata and its RNG files, and ``logger`` says so.
+    """
+    if not os.path.isdir(path):
+        raise CorruptCheckpointError(f"checkpoint {path} does not exist")
+    if not megatron:
+        _require(path, "trainer_state.pt", zipped=True)
+        if not any(os.path.isfile(os.path.join(path, name)) for name in ("model.pt", "config.json")):
+            raise CorruptCheckpointError(f"checkpoint {path} is incomplete: neither model.pt nor config.json")
+    else:
+        _require(path, "common.pt", zipped=True)
+        try:
+            with open(_require(path, "metadata.json")) as f:
+                json.load(f)
+        except ValueError as error:
+            raise CorruptCheckpointError(f"checkpoint {path} is corrupted: metadata.json is not JSON ({error})"
+                                         ) from None
+        _verify_distcp_sizes(path)
+    if not os.path.isfile(os.path.join(path, CHECKSUMS)):
+        (logger or logging.getLogger(__name__)).info(
+            f"{path} has no {CHECKSUMS} (saved before checksums were recorded): its files are checked for presence "
+            "and length, not content")
+        _verify_rng_files(path)
+        return
+    _verify_checksums(path, checksums)
+
+
+def _verify_checksums(path: str, checksums: bool) -> None:
+    """Every file ``checksums.json`` lists is there with its length and (``checksums``) its CRC-32."""
+    try:
+        with open(os.path.join(path, CHECKSUMS)) as f:
+            files = json.load(f)["files"]
+    except (ValueError, KeyError) as error:
+        raise CorruptCheckpointError(f"checkpoint {path} is corrupted: {CHECKSUMS} does not load ({error!r})"
+                                     ) from None
+    for name, recorded in sorted(files.items()):
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            raise CorruptCheckpointError(f"checkpoint {path} is incomplete: {name} is missing")
+        size = os.path.getsize(file)
+        if size != recorded["bytes"]:
+            damage = "truncated" if size < recorded["bytes"] else "longer than written"
+            raise CorruptCheckpointError(f"checkpoint {path} is corrupted: {name} is {damage} ({size} bytes; "
+                                         f"{CHECKSUMS} records {recorded['bytes']})")
+    if not checksums:
+        return
+    rank, world_size = ((torch.distributed.get_rank(), torch.distributed.get_world_size())
+                        if torch.distributed.is_initialized() else (0, 1))
+    # Largest first, dealt out in turn: the ranks read about as many bytes each.
+    mine = sorted(files, key=lambda name: (-files[name]["bytes"], name))[rank::world_size]
+    found = checksum_files([os.path.join(path, name) for name in mine])
+    here = next((name for name, checksum in zip(mine, found) if checksum != files[name]), None)
+    damaged = [here]
+    if world_size > 1:
+        damaged = [None] * world_size
+        torch.distributed.all_gather_object(damaged, here)
+    name = next((name for name in damaged if name is not None), None)
+    if name is not None:
+        raise CorruptCheckpointError(
+            f"checkpoint {path} is corrupted: {name} does not match its CRC-32 in {CHECKSUMS} (damaged on disk or "
+            "in a copy); --no-verify-checksums loads it as it is")
+
+
+def _verify_rng_files(path: str) -> None:
+    """Every rank's RNG file of the world size the checkpoint was saved at (recorded in each file), each a whole
+    ``torch.save`` file. A missing one would leave that rank on its seeded RNG unnoticed: ``_load_rng`` takes a
+    missing file for a resume at another world size."""
+    directory = os.path.join(path, "rng")
+    if not os.path.isdir(directory):  # not saved by this trainer (it always writes rng/): loaded as --no-load-rng
+        return
+    names = sorted(os.listdir(directory))
+    for name in names:
+        _require(path, os.path.join("rng", name), zipped=True)
+    first = _require(path, os.path.join("rng", names[0]) if names else rng_file(0))
+    for rank in range(torch.load(first, weights_only=False)["world_size"]):
+        _require(path, rng_file(rank))
+
+
+def _require(path: str, name: str, zipped: bool = False) -> str:
+    file = os.path.join(path, name)
+    if not os.path.isfile(file):
+        raise CorruptCheckpointError(f"checkpoint {path} is incomplete: {name} is missing")
+    # torch.save writes a zip whose directory sits at the end, so a truncated file is not a zip any more.
+    if zipped and not zipfile.is_zipfile(file):
+        raise CorruptCheckpointError(f"checkpoint {path} is corrupted: {name} is truncated or not a torch.save file")
+    return file
+
+
+def _verify_distcp_sizes(path: str) -> None:
+    """torch_dist's ``.metadata`` records each tensor's file, offset and length; a ``.distcp`` shorter than its
+    last record was cut off."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    _require(path, ".metadata")
+    try:
+        storage = FileSystemReader(path).read_metadata().storage_data
+    except Exception as error:  # any unpickling failure means the same thing: a damaged .metadata
+        raise CorruptCheckpointError(f"checkpoint {path} is corrupted: .metadata does not load ({error!r})") from None
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            raise CorruptCheckpointError(f"checkpoint {path} is incomplete: {name} is missing")
+        if os.path.getsize(file) < size:
+            raise CorruptCheckpointError(f"checkpoint {path} is corrupted: {name} is truncated "
+                                         f"({os.path.getsize(file)} bytes; .metadata records {size})")

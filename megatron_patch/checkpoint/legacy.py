@@ -1,0 +1,154 @@
+"""Megatron-LM's legacy ``torch`` format: one ``mp_rank_TT[_PPP]/model_optim_rng.pt`` per TP x PP rank.
+
+Example::
+
+    save_legacy(model, "out/release", info)           # a TP=1, PP=1 model cut into info's TP x PP rank files
+    full = merge_legacy("ckpt/iter_0000100", info, partition_dims(model))   # the rank files -> full tensors
+    load_legacy(model, "ckpt/iter_0000100", info)     # the same, checked and copied into a TP=1, PP=1 model
+
+Each rank file holds that rank's shards under the names of its own stage (layers numbered from 0 on every
+stage) plus Megatron-LM's common state (:func:`format.megatron_lm_common_state`). TP shards are cut along the
+dimension megatron-core splits each tensor on (:func:`format.partition_dims`); a swiglu ``linear_fc1`` holds
+``[gate_shard; up_shard]`` on each rank. With tied embeddings and PP > 1 the last stage keeps its own copy of the
+word embeddings as ``output_layer.weight``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+
+from megatron_patch.checkpoint.format import (
+    ARGS_FILE, LAYER, CheckpointInfo, CheckpointMismatch, full_state_dict, load_megatron_file,
+    megatron_lm_common_state, partition_dims,
+)
+from megatron_patch.errors import first_problems
+from megatron_patch.model.config import ModelConfig
+
+
+def rank_dir_name(tp_rank: int, pp_rank: int, pp: int) -> str:
+    """``mp_rank_TT`` without pipeline parallelism, ``mp_rank_TT_PPP`` with it (Megatron-LM's naming)."""
+    return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
+def _stage_of(name: str, model_config: ModelConfig, pp: int) -> tuple[list[int], str]:
+    """The pipeline stages that hold ``name`` and the name there (layers renumbered from 0 on each stage)."""
+    per_stage = model_config.num_layers // pp
+    match = LAYER.match(name)
+    if match:
+        layer = int(match.group(2))
+        return [layer // per_stage], f"{match.group(1)}{layer % per_stage}.{name[match.end():]}"
+    if name.startswith("embedding."):
+        stages = [0]
+        # Tied embeddings: the last stage keeps its own copy as output_layer.weight (kept equal by megatron-core).
+        tied = not model_config.untie_embeddings_and_output_weights
+        if name == "embedding.word_embeddings.weight" and pp > 1 and tied:
+            return stages + [pp - 1], name
+        return stages, name
+    return [pp - 1], name
+
+
+def _is_gated_fc1(name: str, model_config: ModelConfig) -> bool:
+    return model_config.activation == "swiglu" and re.search(r"\.mlp\.linear_fc1\.(weight|bias)$", name) is not None
+
+
+def _tp_slice(tensor: torch.Tensor, dim: int | None, gated: bool, tp_rank: int, tp: int) -> torch.Tensor:
+    if dim is None:
+        return tensor.clone()
+    if gated:  # each rank holds [gate_shard; up_shard], not a plain chunk of [gate; up]
+        gate, up = tensor.chunk(2, dim=dim)
+        return torch.cat([gate.chunk(tp, dim=dim)[tp_rank], up.chunk(tp, dim=dim)[tp_rank]], dim=dim)
+    return tensor.chunk(tp, dim=dim)[tp_rank].clone()  # clone: torch.save of a view writes its whole storage
+
+
+def _merge_tp(shards: list[torch.Tensor], dim: int | None, gated: bool) -> torch.Tensor:
+    if dim is None:
+        return shards[0]
+    if gated:
+        gates, ups = zip(*(s.chunk(2, dim=dim) for s in shards))
+        return torch.cat([*gates, *ups], dim=dim)
+    return torch.cat(shards, dim=dim)
+
+
+def save_legacy(model, ckpt_dir: str, info: CheckpointInfo) -> None:
+    """One ``model_optim_rng.pt`` per TP x PP rank, cut from the reference model's full tensors."""
+    m, tp, pp = info.model_config, info.tensor_model_parallel_size, info.pipeline_model_parallel_size
+    if m.num_layers % pp:
+        raise ValueError(f"--target-pipeline-parallel-size {pp} must divide the {m.num_layers} layers")
+    full, dims = model.state_dict(), partition_dims(model)
+    common = megatron_lm_common_state(info, 0)
+    for pp_rank in range(pp):
+        placed = {}
+        for name, value in full.items():
+            stages, local = _stage_of(name, m, pp)
+            if pp_rank in stages:
+                placed[name] = local
+        if pp > 1 and pp_rank == pp - 1 and not m.untie_embeddings_and_output_weights:
+            placed["embedding.word_embeddings.weight"] = "output_layer.weight"
+        for tp_rank in range(tp):
+            state = {}
+            for name, local in placed.items():
+                value = full[name]
+                dim = dims.get(LAYER.sub(r"\1{}.", name))
+                state[local] = (value if not isinstance(value, torch.Tensor)
+                                else _tp_slice(value, dim, _is_gated_fc1(name, m), tp_rank, tp))
+            path = os.path.join(ckpt_dir, rank_dir_name(tp_rank, pp_rank, pp), "model_optim_rng.pt")
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            torch.save({"model": state, **common}, path)
+
+
+def merge_legacy(ckpt_dir: str, info: CheckpointInfo, dims: dict[str, int | None]) -> dict[str, torch.Tensor]:
+    """Full tensors from the per-rank files: TP shards concatenated along ``dims`` (from
+    :func:`format.partition_dims`), layers renumbered from their stage, the tied copy on the last stage checked."""
+    m, tp, pp = info.model_config, info.tensor_model_parallel_size, info.pipeline_model_parallel_size
+    per_stage = m.num_layers // pp
+    full, tied_copy = {}, None
+    for pp_rank in range(pp):
+        shards = []
+        for tp_rank in range(tp):
+            path = os.path.join(ckpt_dir, rank_dir_name(tp_rank, pp_rank, pp), "model_optim_rng.pt")
+            if not os.path.isfile(path):
+                raise CheckpointMismatch(f"{path} is missing (the checkpoint records TP={tp}, PP={pp})")
+            shards.append(load_megatron_file(path)["model"])
+        for local, value in shards[0].items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            match = LAYER.match(local)
+            name = (f"{match.group(1)}{int(match.group(2)) + pp_rank * per_stage}.{local[match.end():]}"
+                    if match else local)
+            template = LAYER.sub(r"\1{}.", name)
+            if template not in dims and template != "output_layer.weight":
+                raise CheckpointMismatch(f"{local} (rank files of stage {pp_rank}) is not a tensor of the model")
+            merged = _merge_tp([s[local] for s in shards], dims.get(template, 0), _is_gated_fc1(name, m))
+            if name == "output_layer.weight" and template not in dims:
+                tied_copy = merged  # the last stage's copy of tied embeddings, checked below
+                continue
+            full[name] = merged
+    # With tied embeddings and PP > 1 the export takes the first stage's copy; both must agree.
+    if tied_copy is not None and not torch.equal(tied_copy, full.get("embedding.word_embeddings.weight")):
+        raise CheckpointMismatch("the last pipeline stage's output_layer.weight differs from the tied word "
+                                 "embeddings of the first stage; the checkpoint is inconsistent")
+    return full
+
+
+def load_legacy(model, ckpt_dir: str, info: CheckpointInfo) -> None:
+    """Merge the per-rank files into the reference (TP=1, PP=1) model, checking names and shapes."""
+    full = merge_legacy(ckpt_dir, info, partition_dims(model))
+    _copy_full_tensors(model, full, ckpt_dir)
+
+
+def _copy_full_tensors(model, full: dict[str, torch.Tensor], source: str) -> None:
+    target = full_state_dict(model)
+    problems = [f"{n}: missing from the checkpoint (model expects {tuple(t.shape)})"
+                for n, t in target.items() if n not in full]
+    problems += [f"{n}: checkpoint has shape {tuple(full[n].shape)}, model expects {tuple(t.shape)}"
+                 for n, t in target.items() if n in full and full[n].shape != t.shape]
+    problems += [f"{n}: in the checkpoint but not a tensor of the model" for n in full if n not in target]
+    if problems:
+        raise CheckpointMismatch(f"{source} does not fit the model its description ({ARGS_FILE} or Megatron-LM "
+                                 f"args) records: {first_problems(problems)}")
+    with torch.no_grad():
+        for name, tensor in target.items():
+            tensor.copy_(full[name])
