@@ -95,6 +95,7 @@ def train_tiny_model(rank, world_size, spec, tp, pp, distributed_optimizer, ckpt
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     from megatron_patch.distributed import initialize_distributed
     from megatron_patch.training.step import build_optimizer, train_step, wrap_model
@@ -109,6 +110,9 @@ def train_tiny_model(rank, world_size, spec, tp, pp, distributed_optimizer, ckpt
     optimizer = build_optimizer(
         chunks, OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=distributed_optimizer),
     )
+    # The losses match either way: only the optimizer's class says the distributed one ran.
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    assert all(isinstance(part, DistributedOptimizer) for part in parts) == distributed_optimizer, parts
     micro_batch = 1
     dp_rank, dp = parallel_state.get_data_parallel_rank(), layout.data_parallel_size
     losses = []
