@@ -4,9 +4,10 @@ Example::
 
     python bench/checkpoint_io.py --hidden-size 512 --num-layers 8
 
-Trains a GPT one step in one process (so the Adam state exists), then times our ``save_checkpoint`` /
-``load_checkpoint`` (megatron-core dist_checkpointing, torch_dist format, model + optimizer + scheduler) and, as
-the floor, one ``write`` + ``fsync`` and one ``readinto`` of as many bytes as the checkpoint holds. Alternates
+Trains a GPT one step in one process (so the Adam state exists), then times the trainer's save and load
+(``save_megatron_checkpoint`` / ``load_megatron_checkpoint``: megatron-core dist_checkpointing, torch_dist format,
+model + optimizer + scheduler) and, as the floor, one ``write`` + ``fsync`` and one ``readinto`` of as many bytes as
+the checkpoint holds. Alternates
 them several times and keeps the best of each. Prints ``RESULT {json}`` lines with ratio = ours / plain (lower is
 better; 1.0 is the disk's own speed), and what the checksums cost: the save against the same save with its CRC-32
 pass over the files (``checkpoint.integrity.checksum_files``) stubbed out, that pass's own share of the save, and
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_patch.model.parallel import ParallelConfig
     from megatron_patch.testing import counting_batches
     from megatron_patch.checkpoint import integrity
-    from megatron_patch.training.checkpointing import load_checkpoint, save_checkpoint
+    from megatron_patch.training.backends.megatron import load_megatron_checkpoint, save_megatron_checkpoint
     from megatron_patch.training.step import build_optimizer, lm_forward_step, train_step, wrap_model
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -100,18 +101,18 @@ def main(argv: list[str] | None = None) -> int:
     def save_checked_then_load(attempt):
         crc_seconds[0] = 0.0
         with mock.patch.object(integrity, "checksum_files", timed_checksum_files):
-            timed("save", save_checkpoint, root, 1, chunks, optimizer, scheduler, megatron=True)
+            timed("save", save_megatron_checkpoint, root, 1, chunks, optimizer, scheduler)
         best["crc pass"] = min(best["crc pass"], crc_seconds[0])
         loads = [("load", True), ("load unverified", False)]
         for what, verify in loads[::-1] if attempt % 2 else loads:
-            timed(what, load_checkpoint, root, chunks, optimizer, scheduler, megatron=True, verify_checksums=verify)
+            timed(what, load_megatron_checkpoint, root, chunks, optimizer, scheduler, verify_checksums=verify)
         size = _dir_bytes(root)
         shutil.rmtree(root)
         return size
 
     def save_unchecked():
         with mock.patch.object(integrity, "checksum_files", lambda paths: [unchecked] * len(paths)):
-            timed("save unchecked", save_checkpoint, root, 1, chunks, optimizer, scheduler, megatron=True)
+            timed("save unchecked", save_megatron_checkpoint, root, 1, chunks, optimizer, scheduler)
         shutil.rmtree(root)
 
     for attempt in range(args.repeats):

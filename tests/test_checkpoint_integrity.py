@@ -164,7 +164,7 @@ def _save_and_load_hf_model(rank, world_size, save):
     import transformers
 
     from megatron_patch.distributed import initialize_distributed
-    from megatron_patch.training.checkpointing import load_checkpoint, save_checkpoint
+    from megatron_patch.training.backends.plain import load_plain_checkpoint, save_plain_checkpoint
 
     initialize_distributed(seed=1)
     config = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=8)
@@ -172,7 +172,7 @@ def _save_and_load_hf_model(rank, world_size, save):
     optimizer = torch.optim.Adam(model.parameters())
     model(torch.arange(8)[None], labels=torch.arange(8)[None]).loss.backward()
     optimizer.step()
-    path = save_checkpoint(save, 1, model, optimizer, None, megatron=False)
+    path = save_plain_checkpoint(save, 1, model, optimizer, None)
     recorded, found = _recorded_checksums(path), _file_checksums(path)
     weights = os.path.join(path, "model.safetensors")
     with open(weights, "r+b") as f:
@@ -181,7 +181,7 @@ def _save_and_load_hf_model(rank, world_size, save):
         f.seek(-4, os.SEEK_END)
         f.write(bytes([last[0] ^ 0xFF]))
     try:
-        load_checkpoint(save, model, optimizer, None, megatron=False)
+        load_plain_checkpoint(save, model, optimizer, None)
     except CorruptCheckpointError as error:
         return recorded, found, str(error)
     return recorded, found, None

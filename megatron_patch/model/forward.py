@@ -4,7 +4,8 @@ Example::
 
     logits = forward_only(chunks, eval_loader, classify_step, seq_length=128, collect_non_loss_data=True)
 
-Each batch is one microbatch of its own size, so a short last batch needs no padding. Outputs arrive on the last
+``forward_only`` takes each batch as one microbatch of its own size, so a short last batch needs no padding;
+``forward_only_step`` runs one global batch of a data stream (the trainers' validation). Outputs arrive on the last
 pipeline stage only, as megatron-core's schedules return them. The fine-tuning tasks' predictions and
 ``megatron-patch convert verify``'s comparison run through here.
 """
@@ -27,15 +28,30 @@ def forward_only(chunks: list, batches: Iterable[dict], forward_step: Callable, 
 
         logits = forward_only(model, eval_loader, classify_step, args.seq_length, collect_non_loss_data=True)
     """
+    results = []
+    for batch in batches:
+        size = next(iter(batch.values())).shape[0]
+        iterators = [iter([batch]) for _ in chunks]
+        results += forward_only_step(chunks, iterators if len(chunks) > 1 else iterators[0], forward_step, 1,
+                                     seq_length, size, collect_non_loss_data)
+    return results
+
+
+def forward_only_step(chunks: list, data_iterator, forward_step: Callable, num_microbatches: int, seq_length: int,
+                      micro_batch_size: int, collect_non_loss_data: bool = False) -> list:
+    """One pass of megatron-core's schedule without backward over ``num_microbatches`` microbatches of
+    ``data_iterator`` (one iterator per model chunk under virtual pipelining): what the loss functions report on
+    the last pipeline stage, empty on the others.
+
+    Example::
+
+        reports = forward_only_step(chunks, valid_iterator, forward_step, num_microbatches=4, seq_length=1024,
+                                    micro_batch_size=2)   # a validation batch of 4 x 2 x DP samples
+    """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    results = []
     with torch.no_grad():
-        for batch in batches:
-            size = next(iter(batch.values())).shape[0]
-            iterators = [iter([batch]) for _ in chunks]
-            results += get_forward_backward_func()(
-                forward_step_func=forward_step, data_iterator=iterators if len(chunks) > 1 else iterators[0],
-                model=chunks, num_microbatches=1, seq_length=seq_length, micro_batch_size=size,
-                forward_only=True, collect_non_loss_data=collect_non_loss_data)
-    return results
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=data_iterator, model=chunks,
+            num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
+            forward_only=True, collect_non_loss_data=collect_non_loss_data)

@@ -34,7 +34,7 @@ import torch
 from torch.utils.data import default_collate
 
 from megatron_patch.distributed import record_progress, sum_over_data_parallel
-from megatron_patch.training import checkpointing
+from megatron_patch.checkpoint.format import read_tracker
 from megatron_patch.training.engine import Engine
 from megatron_patch.training.metrics import TrainingLog
 from megatron_patch.training.schedule import consumed_samples
@@ -165,7 +165,7 @@ class _Trainer:
             from megatron_patch.training.signals import ExitSignal
 
             self._exit_signal = ExitSignal()
-        if checkpoints.load and (checkpointing.read_tracker(checkpoints.load) is not None
+        if checkpoints.load and (read_tracker(checkpoints.load) is not None
                                  or checkpoints.exit_on_missing_checkpoint):
             self.iteration = self.backend.load(
                 checkpoints.load, load_optim=not checkpoints.no_load_optim, load_rng=not checkpoints.no_load_rng,
@@ -263,7 +263,7 @@ class _Trainer:
             return
         self._wait_for_saves()
         first = self.iteration - self._bad_steps + 1
-        latest = checkpointing.read_tracker(save) if save else None
+        latest = read_tracker(save) if save else None
         kept = (f"the last checkpoint, iteration {latest} under --save {save}, is intact: resume from it "
                 "with --load" if latest is not None else "no checkpoint was saved")
         raise TrainingStopped(

@@ -18,11 +18,20 @@ the schedule and ends the hook (``StageOutput``), so the same hook serves every 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from typing import Callable
 
 import torch
 
+from megatron_patch import compat
+from megatron_patch.checkpoint.format import (
+    RELEASE, CheckpointInfo, checkpoint_dir, megatron_lm_common_state, read_info, weights_dir,
+)
+from megatron_patch.checkpoint.integrity import write_and_checksum, write_rank_checksums
+from megatron_patch.checkpoint.load import load_into_chunks
+from megatron_patch.errors import UserError
+from megatron_patch.model.forward import forward_only_step
 from megatron_patch.training import checkpointing
 from megatron_patch.training.backends.common import StepResult, compile_forward, user_scheduler
 from megatron_patch.training.config import RunConfig
@@ -177,15 +186,11 @@ class MegatronBackend:
         """The loss of each microbatch of ``eval_iters`` global batches on the last pipeline stage; None on the
         other stages."""
         from megatron.core import parallel_state
-        from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        training = self.config.training
         losses = []
         for _ in range(eval_iters):
-            reports = get_forward_backward_func()(
-                forward_step_func=self.forward_step(forward), data_iterator=data_iterator, model=self.model,
-                num_microbatches=num_microbatches, seq_length=self.config.data.seq_length,
-                micro_batch_size=training.micro_batch_size, forward_only=True)
+            reports = forward_only_step(self.model, data_iterator, self.forward_step(forward), num_microbatches,
+                                        self.config.data.seq_length, self.config.training.micro_batch_size)
             # [loss_sum, count] per microbatch: token sums from (output, loss_func) hooks, a mean and 1 from hooks
             # that return the loss.
             losses += [r["lm loss"][0].item() / max(r["lm loss"][1].item(), 1.0) for r in reports]
@@ -207,8 +212,166 @@ class MegatronBackend:
                     chunk.enable_forward_pre_hook()
 
     def save(self, root: str, iteration: int, info, keep_last_k: int | None, async_queue, run_args: dict) -> str:
-        return checkpointing.save_checkpoint(root, iteration, self.model, self.optimizer, self.scheduler, True, info,
-                                             keep_last_k=keep_last_k, async_queue=async_queue, run_args=run_args)
+        return save_megatron_checkpoint(root, iteration, self.model, self.optimizer, self.scheduler, info,
+                                        keep_last_k=keep_last_k, async_queue=async_queue, run_args=run_args)
 
     def load(self, root: str, **options) -> int:
-        return checkpointing.load_checkpoint(root, self.model, self.optimizer, self.scheduler, True, **options)
+        return load_megatron_checkpoint(root, self.model, self.optimizer, self.scheduler, **options)
+
+
+# -- checkpoints ------------------------------------------------------------------------------------------------
+
+def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The model under megatron-core's DDP (Float16Module keeps the same sharded keys as its module)."""
+    return chunk.module if hasattr(chunk, "ddp_config") else chunk
+
+
+def _megatron_state(model, optimizer, scheduler, is_loading: bool, with_optimizer: bool) -> dict:
+    chunks = [_unwrap(c) for c in model]
+    if len(chunks) == 1:
+        state = {"model": chunks[0].sharded_state_dict()}
+    else:
+        state = {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
+    if with_optimizer:
+        model_state = {k: v for k, v in state.items() if k.startswith("model")}
+        compat.initialise_adam_state(optimizer, is_loading)
+        state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading,
+                                                          metadata=compat.DISTRIB_OPTIMIZER_METADATA)
+        if scheduler is not None:
+            state["opt_param_scheduler"] = scheduler.state_dict()
+    return state
+
+
+def save_megatron_checkpoint(root: str, iteration: int, chunks: list, optimizer, scheduler,
+                             info: CheckpointInfo | None = None, *, keep_last_k: int | None = None,
+                             async_queue=None, run_args: dict | None = None) -> str:
+    """Save model chunks, optimizer and scheduler with megatron-core's ``dist_checkpointing`` (torch_dist, which
+    reshards on load; the distributed optimizer's state ``fully_reshardable``, so it loads at another TP/PP/DP), in
+    the trainer's layout (training/checkpointing.py ``save_checkpoint``).
+
+    Example::
+
+        save_megatron_checkpoint("ckpt", 100, chunks, optimizer, scheduler, info, keep_last_k=2)
+
+    With ``async_queue`` (megatron-core's ``AsyncCallsQueue``) the tensors are written and checksummed by a
+    background process and the publishing (rename, tracker) happens when the queue finalizes the save on every
+    rank (``maybe_finalize_async_calls``), so an unfinished save is never the latest. With ``info``, ``common.pt``
+    carries Megatron-LM's ``args`` (``run_args``, e.g. ``consumed_train_samples``, override what ``info`` cannot
+    know), so Megatron-LM resumes it with ``--use-checkpoint-args``.
+    """
+    from megatron.core import dist_checkpointing
+
+    def write_state(staging: str, rank: int, checksums: dict, finalize: Callable[[], None]) -> None:
+        state = _megatron_state(chunks, optimizer, scheduler, is_loading=False, with_optimizer=True)
+        # dist_checkpointing.save writes the state's non-sharded entries to common.pt (rank 0), which
+        # write_checksums covers.
+        state.update(megatron_lm_common_state(info, iteration, **(run_args or {})) if info is not None
+                     else {"iteration": iteration})
+        # Asynchronous in form even for a synchronous save (run at once by execute_sync, as megatron-core's own
+        # synchronous save does: strategies/base.py:212), so that its write function can be wrapped. The RNG file
+        # was written into staging before: dist_checkpointing.save only warns about a non-empty directory
+        # (serialization.py:383).
+        request = dist_checkpointing.save(state, staging, async_sharded_save=True)
+        if request.async_fn is None:  # this rank holds only replicas another rank writes: no .distcp of its own
+            write_rank_checksums(staging, rank, checksums)
+        else:
+            request = request._replace(async_fn=functools.partial(
+                write_and_checksum, request.async_fn, staging, rank, checksums))
+        request.add_finalize_fn(finalize)
+        if async_queue is None:
+            request.execute_sync()
+        else:
+            async_queue.schedule_async_request(request)
+
+    return checkpointing.save_checkpoint(root, iteration, write_state, info=info, keep_last_k=keep_last_k)
+
+
+def load_megatron_checkpoint(root: str, chunks: list, optimizer, scheduler, **options) -> int:
+    """Load ``root``'s latest checkpoint into model chunks at any TP/PP (``options``: training/checkpointing.py
+    ``load_checkpoint``'s): ours or Megatron-LM's torch_dist, or the model alone of a converted (``release``) or
+    Megatron-LM per-rank checkpoint."""
+
+    def read_state(path: str, with_optimizer: bool, finetune: bool) -> None:
+        from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.validation import StrictHandling
+
+        if with_optimizer:
+            _require_optimizer_state(root, path)
+        state = _megatron_state(chunks, optimizer, scheduler, is_loading=True, with_optimizer=with_optimizer)
+        if finetune:
+            # --finetune may put a new head on the loaded weights (a classifier on a pretrained BERT): tensors the
+            # checkpoint lacks keep their initialisation, as Megatron-LM's tasks/finetune_utils.py loads its
+            # pretrained checkpoint with strict=False.
+            loaded, _, absent = dist_checkpointing.load(state, path, strict=StrictHandling.RETURN_UNEXPECTED)
+            _check_finetune_coverage(path, state, absent, logger)
+        else:
+            loaded = dist_checkpointing.load(state, path)
+        modules = [_unwrap(c) for c in chunks]
+        for i, module in enumerate(modules):
+            module.load_state_dict(loaded["model" if len(modules) == 1 else f"model{i}"], strict=not finetune)
+        if with_optimizer:
+            optimizer.load_state_dict(loaded["optimizer"])
+            compat.restore_adam_step(optimizer)
+            if scheduler is not None and "opt_param_scheduler" in loaded:
+                scheduler.load_state_dict(loaded["opt_param_scheduler"])
+
+    def load_converted(root: str, iteration, with_optimizer: bool, finetune: bool) -> int:
+        if iteration == RELEASE:
+            return _load_release(root, chunks, logger)
+        return _load_legacy(root, iteration, chunks, with_optimizer, finetune, logger)
+
+    logger = options.get("logger") or logging.getLogger(__name__)
+    return checkpointing.load_checkpoint(root, read_state, megatron=True, load_converted=load_converted, **options)
+
+
+def _require_optimizer_state(root: str, path: str) -> None:
+    """Refuse, in one line, resuming the optimizer from a torch_dist checkpoint that has none (a model-only save,
+    e.g. Megatron-LM's with --no-save-optim), before megatron-core's loader fails on the missing keys."""
+    from megatron.core import dist_checkpointing
+
+    if not any(key.startswith("optimizer.") for key in dist_checkpointing.load_tensors_metadata(path)):
+        raise UserError(f"--load {root}: {path} has no optimizer state; pass --finetune or --no-load-optim to load "
+                        "its model")
+
+
+def _check_finetune_coverage(path: str, state: dict, absent: set, logger) -> None:
+    """Log the model tensors ``path`` does not have (they keep their initialisation); refuse a checkpoint that
+    has none of them (another model altogether)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    keys = {v.key for v in nested_values(state) if isinstance(v, ShardedTensor)}
+    absent = set(absent) & keys
+    if absent == keys:
+        raise ValueError(f"--load {path} --finetune: the checkpoint has none of this model's tensors; it holds "
+                         "another model")
+    if absent:
+        logger.info(f"--finetune: {path} has no {', '.join(sorted(absent))}; initialised, not loaded")
+
+
+def _load_release(root: str, model, logger) -> int:
+    _load_model_only(root, model)
+    logger.info(f"--load {root}: converted checkpoint ({weights_dir(root)}) has no optimizer, scheduler or "
+                "RNG state; loaded the model only, starting at iteration 0 (as --finetune)")
+    return 0
+
+
+def _load_legacy(root: str, iteration: int, model, with_optimizer: bool, finetune: bool, logger) -> int:
+    """The model of a Megatron-LM ``--ckpt-format torch`` save (``iter_N/mp_rank_*/model_optim_rng.pt``); its
+    optimizer state, kept per rank in Megatron-LM's own layout, is not read, so only --finetune or --no-load-optim
+    (as Megatron-LM's own flags, which skip the optimizer and scheduler alike) load it."""
+    path = checkpoint_dir(root, iteration)
+    if with_optimizer:
+        raise UserError(f"--load {root}: {path} holds Megatron-LM per-rank (--ckpt-format torch) files, whose "
+                        "optimizer state is not read; pass --finetune or --no-load-optim to load its model")
+    _load_model_only(root, model)
+    start = 0 if finetune else iteration
+    logger.info(f"--load {root}: loaded the model of {path} (Megatron-LM per-rank files) without optimizer, "
+                f"scheduler or RNG state, starting at iteration {start}")
+    return start
+
+
+def _load_model_only(root: str, model) -> None:
+    # Reads both formats a conversion or Megatron-LM writes (torch_dist, the legacy per-rank files).
+    load_into_chunks([_unwrap(chunk) for chunk in model], root, read_info(root))
+    torch.distributed.barrier()
