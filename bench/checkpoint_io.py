@@ -7,11 +7,10 @@ Example::
 Trains a GPT one step in one process (so the Adam state exists), then times the trainer's save and load
 (``save_megatron_checkpoint`` / ``load_megatron_checkpoint``: megatron-core dist_checkpointing, torch_dist format,
 model + optimizer + scheduler) and, as the floor, one ``write`` + ``fsync`` and one ``readinto`` of as many bytes as
-the checkpoint holds. Alternates
-them several times and keeps the best of each. Prints ``RESULT {json}`` lines with ratio = ours / plain (lower is
-better; 1.0 is the disk's own speed), and what the checksums cost: the save against the same save with its CRC-32
-pass over the files (``checkpoint.integrity.checksum_files``) stubbed out, that pass's own share of the save, and
-the load against ``verify_checksums=False``.
+the checkpoint holds. Alternates them several times and keeps the best of each. Prints ``RESULT {json}`` lines with
+ratio = ours / plain (lower is better; 1.0 is the disk's own speed), and what the checksums cost: the save against
+the same save with its CRC-32 pass over the files (``checkpoint.integrity.checksum_files``) stubbed out, that pass's
+own share of the save, and the load against ``verify_checksums=False``.
 """
 
 from __future__ import annotations
