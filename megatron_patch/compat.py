@@ -14,8 +14,12 @@ Everything version-specific lives here, each workaround naming the upstream line
   what happens on a GPU. ``docs/megatron-core-on-cpu.md`` says what runs on CPU as-is and what each patch is for;
 - fixes for running without TE/apex, applied with the shim by ``apply``;
 - workarounds the package calls where it builds process groups and models, on every machine
-  (``destroy_model_parallel_and_free_groups``, ``pipeline_p2p_flags``, ``bert_lm_head_norm``);
-- fixes to process lifetimes (checkpoint writers, torchrun's shutdown).
+  (``destroy_model_parallel_and_free_groups``, ``pipeline_p2p_flags``, ``bert_lm_head_norm``,
+  ``default_store``);
+- fixes to process lifetimes (checkpoint writers, torchrun's shutdown);
+- checkpoint workarounds: the distributed optimizer's Adam state and its resharding metadata, megatron-core's
+  sharded-key renaming (``initialise_adam_state``, ``restore_adam_step``, ``DISTRIB_OPTIMIZER_METADATA``,
+  ``by_sharded_key``).
 """
 
 from __future__ import annotations
