@@ -1,4 +1,5 @@
-"""What both training backends share: the result of one step, the user's scheduler argument, ``torch.compile``.
+"""What both training backends share: their interface (``Backend``), the result of one step, the user's scheduler
+argument, ``torch.compile``.
 
 Example::
 
@@ -8,11 +9,14 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from typing import Callable
 
 import torch
+
+from megatron_patch.training.config import RunConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +33,52 @@ class StepResult:
     """Input tokens of the global batch as counted by the trainer's counter (None: not counted)."""
     other_losses: dict[str, float]
     """Further losses the forward step reported (BERT's ``sop loss``)."""
+
+
+class Backend:
+    """How the trainers drive a model: ``compose`` it with its optimizer and scheduler, take a ``step``, compute
+    ``evaluation_losses``, ``save`` and ``load`` checkpoints. One subclass per kind of model
+    (backends/megatron.py, backends/plain.py); the trainers hold the loop and the hooks, never the kind.
+    """
+
+    megatron: bool
+    """Whether the models are megatron-core's (their checkpoints are torch_dist, their flags megatron-core's)."""
+
+    def __init__(self, config: RunConfig, device: torch.device, logger: logging.Logger):
+        self.config = config
+        self.device = device
+        self.logger = logger
+        self.model = self.optimizer = self.scheduler = None
+
+    def compose(self, model, optimizer, lr_scheduler_fn, train_iters: int) -> tuple:
+        """``(model, optimizer, scheduler)`` ready to train under the run's precision, memory mode and layout."""
+        raise NotImplementedError
+
+    def chunks(self) -> list:
+        """The composed model as a list of modules (one per virtual pipeline stage)."""
+        raise NotImplementedError
+
+    def backward(self, loss: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def step(self, forward: Callable, data_iterator, num_microbatches: int, count_tokens: Callable[[], int] | None
+             ) -> "StepResult":
+        raise NotImplementedError
+
+    def evaluation_losses(self, forward: Callable, data_iterator, eval_iters: int, num_microbatches: int
+                          ) -> list[float] | None:
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def parameters_in_sync(self):
+        """A block in which every parameter holds its updated value (saving, evaluating)."""
+        yield
+
+    def save(self, root: str, iteration: int, info, keep_last_k: int | None, async_queue, run_args: dict) -> str:
+        raise NotImplementedError
+
+    def load(self, root: str, **options) -> int:
+        raise NotImplementedError
 
 
 def user_scheduler(lr_scheduler_fn, optimizer, default: Callable[[], object]):

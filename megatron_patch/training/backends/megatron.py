@@ -33,8 +33,7 @@ from megatron_patch.checkpoint.load import load_into_chunks
 from megatron_patch.errors import UserError
 from megatron_patch.model.forward import forward_only_step
 from megatron_patch.training import checkpointing
-from megatron_patch.training.backends.common import StepResult, compile_forward, user_scheduler
-from megatron_patch.training.config import RunConfig
+from megatron_patch.training.backends.common import Backend, StepResult, compile_forward, user_scheduler
 from megatron_patch.training.schedule import build_scheduler
 
 
@@ -80,16 +79,10 @@ def holds_last_stage(chunk) -> bool:
     return getattr(module, "classify", getattr(module, "post_process", True))
 
 
-class MegatronBackend:
+class MegatronBackend(Backend):
     """Compose, step, evaluate, save and load megatron-core model chunks (see the module docstring)."""
 
     megatron = True
-
-    def __init__(self, config: RunConfig, device: torch.device, logger: logging.Logger):
-        self.config = config
-        self.device = device
-        self.logger = logger
-        self.model = self.optimizer = self.scheduler = None
 
     def compose(self, model_obj, optimizer, lr_scheduler_fn, train_iters: int):
         from megatron.core.distributed import DistributedDataParallelConfig

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import math
 import os
 from typing import Callable
@@ -27,7 +26,7 @@ import torch
 from megatron_patch.checkpoint.integrity import save_checksummed, write_rank_checksums
 from megatron_patch.distributed import sum_over_data_parallel
 from megatron_patch.training import checkpointing
-from megatron_patch.training.backends.common import StepResult, compile_forward, user_scheduler
+from megatron_patch.training.backends.common import Backend, StepResult, compile_forward, user_scheduler
 from megatron_patch.training.config import RunConfig
 from megatron_patch.training.schedule import build_scheduler
 
@@ -169,16 +168,10 @@ def _ddp_no_sync(model, last: bool):
     return contextlib.nullcontext()
 
 
-class PlainBackend:
+class PlainBackend(Backend):
     """Compose, step, evaluate, save and load a plain torch / Hugging Face model (see the module docstring)."""
 
     megatron = False
-
-    def __init__(self, config: RunConfig, device: torch.device, logger: logging.Logger):
-        self.config = config
-        self.device = device
-        self.logger = logger
-        self.model = self.optimizer = self.scheduler = None
 
     def compose(self, model: torch.nn.Module, optimizer, lr_scheduler_fn, train_iters: int):
         config, training = self.config, self.config.training
@@ -252,10 +245,6 @@ class PlainBackend:
         with torch.no_grad():
             return [forward(data_iterator, self.model).float().item()
                     for _ in range(eval_iters) for _ in range(num_microbatches)]
-
-    @contextlib.contextmanager
-    def parameters_in_sync(self):
-        yield
 
     def save(self, root: str, iteration: int, info, keep_last_k: int | None, async_queue, run_args: dict) -> str:
         return save_plain_checkpoint(root, iteration, self.model, self.optimizer, self.scheduler,
