@@ -9,7 +9,7 @@ import torch
 from megatron_patch.convert.families import FAMILIES, UnsupportedCheckpoint, family_for
 from megatron_patch.convert.transforms import TRANSFORMS, Shapes, apply_to_hf, apply_to_mcore
 
-GQA = Shapes(num_attention_heads=4, num_query_groups=2, head_dim=2, vocab_size=5, padded_vocab_size=8)
+GQA = Shapes(num_attention_heads=4, num_query_groups=2, kv_channels=2, vocab_size=5, padded_vocab_size=8)
 
 
 def _rows(prefix: int, n: int, width: int = 3) -> torch.Tensor:
@@ -31,7 +31,7 @@ def test_fuse_qkv_is_grouped_per_query_group():
 
 
 def test_gpt2_conv1d_qkv_transposes_then_groups():
-    mha = Shapes(num_attention_heads=2, num_query_groups=2, head_dim=1, vocab_size=1, padded_vocab_size=1)
+    mha = Shapes(num_attention_heads=2, num_query_groups=2, kv_channels=1, vocab_size=1, padded_vocab_size=1)
     c_attn = torch.arange(12.).reshape(2, 6)  # Conv1D [in=2, out=3 x 2]: columns q0 q1 k0 k1 v0 v1
     [qkv] = apply_to_mcore(("transpose", "fuse_stacked_qkv"), [c_attn], mha)
     assert qkv[:, 0].tolist() == [0, 2, 4, 1, 3, 5]  # q0 k0 v0 q1 k1 v1
@@ -64,7 +64,7 @@ _HF_INPUTS = {
 
 @pytest.mark.parametrize("name", sorted(TRANSFORMS))
 def test_every_transform_inverts_bit_exactly(name):
-    shapes = Shapes(num_attention_heads=4, num_query_groups=4, head_dim=2, vocab_size=5, padded_vocab_size=8) \
+    shapes = Shapes(num_attention_heads=4, num_query_groups=4, kv_channels=2, vocab_size=5, padded_vocab_size=8) \
         if name == "fuse_stacked_qkv" else GQA
     inputs = _HF_INPUTS[name]()
     [mcore] = apply_to_mcore((name,), inputs, shapes)

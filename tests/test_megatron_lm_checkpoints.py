@@ -9,7 +9,8 @@ import os
 
 import pytest
 
-from megatron_patch.checkpoint.format import load_megatron_file
+from megatron_patch.checkpoint.format import CheckpointInfo, load_megatron_file, megatron_lm_args, read_info
+from megatron_patch.model.config import get_model_config
 from megatron_patch.testing import run_on_ranks
 from tests.convert_oracles import cli, make_hf_model, training_sequences
 
@@ -96,6 +97,54 @@ def test_legacy_rank_files_carry_megatron_lm_args(llama):
         state = load_megatron_file(path)
         assert state["checkpoint_version"] == 3.0 and state["iteration"] == 0
         _check_args(state["args"], _expected(hf_config, info["padded_vocab_size"], tp=2, pp=2, fmt="torch"))
+
+
+@pytest.mark.parametrize("name, overrides, expected", [
+    ("tiny-gpt2", {}, (False, 4, 256, 16)),                       # no --num-query-groups: one group per head
+    ("tiny-llama", {}, (True, 2, 128, 16)),                       # 2 groups for 4 heads
+    ("tiny-llama", {"num_query_groups": 4}, (False, 4, 128, 16)),  # as many groups as heads, given explicitly
+])
+def test_megatron_lm_args_turn_gqa_on_only_when_groups_differ_from_heads(name, overrides, expected):
+    """Megatron-LM's --group-query-attention follows the groups, however they were given: ModelConfig always holds
+    the resolved sizes, so a test of "num_query_groups is not None" would turn it on for every model."""
+    info = CheckpointInfo(format="torch_dist", model_config=get_model_config(name, **overrides), padded_vocab_size=128)
+    args = megatron_lm_args(info)
+    assert (args.group_query_attention, args.num_query_groups, args.ffn_hidden_size, args.kv_channels) == expected
+
+
+# tiny-gpt2's megatron_patch_args.json as it was written before ModelConfig resolved its sizes: null for the
+# sizes left to their defaults.
+_UNRESOLVED_TINY_GPT2 = {
+    "format": "torch_dist", "model_config": {
+        "family": "gpt", "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32,
+        "ffn_hidden_size": None, "num_query_groups": None, "kv_channels": None, "max_position_embeddings": 32,
+        "position_embedding_type": "learned_absolute", "rotary_base": 10000, "rotary_percent": 1.0,
+        "normalization": "LayerNorm", "layernorm_epsilon": 1e-05, "activation": "gelu_tanh", "add_bias_linear": True,
+        "add_qkv_bias": False, "untie_embeddings_and_output_weights": False, "vocab_size": 128,
+        "make_vocab_size_divisible_by": 1, "hidden_dropout": 0.1, "attention_dropout": 0.1, "init_method_std": 0.02,
+        "num_tokentypes": 0, "add_binary_head": False, "layernorm_zero_centered_gamma": False,
+        "bert_layernorm_style": "pre"},
+    "padded_vocab_size": 128, "dtype": "float32", "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
+    "hf_config": None, "hf_architecture": None, "initialized_tensors": [], "tokenizer_files": [],
+}
+
+
+def test_a_description_with_unresolved_sizes_still_reads(tmp_path):
+    """A megatron_patch_args.json written before (nulls for the default sizes) reads as the same model, gives
+    Megatron-LM the same args, and is written back with the sizes resolved under the same keys."""
+    with open(tmp_path / "megatron_patch_args.json", "w") as f:
+        json.dump(_UNRESOLVED_TINY_GPT2, f)
+    info = read_info(str(tmp_path))
+    fresh = CheckpointInfo(format="torch_dist", model_config=get_model_config("tiny-gpt2"), padded_vocab_size=128)
+    assert info == fresh
+    assert (info.model_config.ffn_hidden_size, info.model_config.num_query_groups, info.model_config.kv_channels) == (
+        256, 4, 16)
+    assert vars(megatron_lm_args(info)) == vars(megatron_lm_args(fresh))
+    written = info.to_json()
+    assert written.keys() == _UNRESOLVED_TINY_GPT2.keys()
+    assert written["model_config"] == {**_UNRESOLVED_TINY_GPT2["model_config"], "ffn_hidden_size": 256,
+                                       "num_query_groups": 4, "kv_channels": 16}
+    assert CheckpointInfo.from_json(written) == info
 
 
 def train_and_resume(rank, world_size, converted, trained, sequences):

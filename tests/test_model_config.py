@@ -17,6 +17,7 @@ from megatron_patch.model import (
     num_parameters,
     parallel_config_from_args,
 )
+from megatron_patch.model.config import model_config_from_flags
 from megatron_patch.testing import run_on_ranks
 
 # Hugging Face's parameter counts of the same shapes (unpadded vocabulary): GPT2Model, LlamaForCausalLM,
@@ -66,18 +67,19 @@ def _hf_parameters(config) -> int:
     if config.family == "bert":
         model_class, hf_config = transformers.BertForPreTraining, transformers.BertConfig(
             hidden_size=config.hidden_size, num_hidden_layers=config.num_layers,
-            num_attention_heads=config.num_attention_heads, intermediate_size=config.ffn_size,
+            num_attention_heads=config.num_attention_heads, intermediate_size=config.ffn_hidden_size,
             type_vocab_size=config.num_tokentypes, **common)
     elif config.position_embedding_type == "learned_absolute":
         model_class, hf_config = transformers.GPT2Model, transformers.GPT2Config(
             vocab_size=config.vocab_size, n_positions=config.max_positions, n_embd=config.hidden_size,
-            n_layer=config.num_layers, n_head=config.num_attention_heads, n_inner=config.ffn_size, **special)
+            n_layer=config.num_layers, n_head=config.num_attention_heads, n_inner=config.ffn_hidden_size, **special)
     else:
         model_class, config_class = ((transformers.Qwen2ForCausalLM, transformers.Qwen2Config) if config.add_qkv_bias
                                      else (transformers.LlamaForCausalLM, transformers.LlamaConfig))
         hf_config = config_class(
-            hidden_size=config.hidden_size, intermediate_size=config.ffn_size, num_hidden_layers=config.num_layers,
-            num_attention_heads=config.num_attention_heads, num_key_value_heads=config.query_groups,
+            hidden_size=config.hidden_size, intermediate_size=config.ffn_hidden_size,
+            num_hidden_layers=config.num_layers, num_attention_heads=config.num_attention_heads,
+            num_key_value_heads=config.num_query_groups,
             tie_word_embeddings=not config.untie_embeddings_and_output_weights, **common)
     with torch.device("meta"):
         return sum(p.numel() for p in model_class(hf_config).parameters())
@@ -128,7 +130,7 @@ def test_flops_formula_matches_hand_count():
     config = get_model_config("tiny-llama", num_layers=2, hidden_size=64, num_attention_heads=4,
                               num_query_groups=2, ffn_hidden_size=128)
     b, s, h, f, vocab, layers = 2, 32, 64, 128, 256, 2
-    head_dim, q_size, kv_size = 16, 64, 32
+    kv_channels, q_size, kv_size = 16, 64, 32
     per_layer = (
         2 * b * s * h * (q_size + 2 * kv_size)  # fused q/k/v projection
         + 2 * b * s * s * q_size  # scores
@@ -138,7 +140,7 @@ def test_flops_formula_matches_hand_count():
         + 2 * b * s * f * h  # fc2
     )
     logits = 2 * b * s * h * vocab
-    assert head_dim * 4 == q_size
+    assert kv_channels * 4 == q_size
     expected = 3 * (layers * per_layer + logits)
     assert num_floating_point_operations(config, b, s, vocab) == pytest.approx(expected, rel=1e-12)
 
@@ -156,8 +158,9 @@ def test_flags_override_named_config():
     ])
     config = model_config_from_args(args)
     # gpt2-124m is 12 layers x 768 wide with 12 heads and a 4 x 768 MLP: every shape field comes from the flags.
-    assert (config.num_layers, config.hidden_size, config.num_attention_heads, config.ffn_size) == (4, 512, 8, 1536)
-    assert (config.head_dim, config.position_embedding_type, config.rotary_base) == (64, "rope", 500000)
+    assert (config.num_layers, config.hidden_size, config.num_attention_heads, config.ffn_hidden_size) == (
+        4, 512, 8, 1536)
+    assert (config.kv_channels, config.position_embedding_type, config.rotary_base) == (64, "rope", 500000)
     assert (config.normalization, config.activation, config.add_bias_linear, config.add_qkv_bias) == (
         "RMSNorm", "swiglu", False, True)
     assert config.untie_embeddings_and_output_weights and config.num_query_groups == 4
@@ -170,6 +173,43 @@ def test_flags_override_named_config():
     assert (transformer.num_layers, transformer.hidden_size, transformer.num_attention_heads,
             transformer.ffn_hidden_size, transformer.num_query_groups, transformer.kv_channels) == (
         4, 512, 8, 1536, 4, 64)
+
+
+def _sizes(config) -> tuple[int, int, int]:
+    return config.ffn_hidden_size, config.num_query_groups, config.kv_channels
+
+
+def test_a_new_shape_derives_the_default_sizes_again():
+    """Failed before (get_model_config was dataclasses.replace of the entry with its sizes resolved): gpt2-124m at
+    hidden 64 with 4 heads kept hidden 768's 3072-wide MLP, its 12 query groups and 64-wide heads."""
+    from megatron_patch.training.config import ModelSpec
+
+    assert _sizes(get_model_config("gpt2-124m")) == (3072, 12, 64)
+    assert _sizes(get_model_config("gpt2-124m", hidden_size=64, num_attention_heads=4)) == (256, 4, 16)
+    # The debug entries are themselves a replace of a real shape.
+    assert _sizes(get_model_config("tiny-gpt2", hidden_size=128, num_attention_heads=8)) == (512, 8, 16)
+    assert _sizes(get_model_config("tiny-bert", hidden_size=128, num_attention_heads=8)) == (512, 8, 16)
+    # The same through the flags, model_config_from_flags and the trainer's ModelSpec.
+    parser = add_model_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--model-name", "gpt2-124m", "--hidden-size", "64", "--num-attention-heads", "4"])
+    assert _sizes(model_config_from_args(args)) == (256, 4, 16)
+    assert _sizes(model_config_from_flags({"hidden_size": 64, "num_attention_heads": 4}, name="gpt2-124m")) == (
+        256, 4, 16)
+    spec = ModelSpec(name="tiny-gpt2", family=None, fields=(("hidden_size", 128), ("num_attention_heads", 8)))
+    assert _sizes(spec.build("gpt", 128)) == (512, 8, 16)
+
+
+def test_sizes_given_explicitly_are_kept_under_a_new_shape():
+    # llama3.2-1b gives its MLP width and query groups; its head width is derived (2048 / 32).
+    assert _sizes(get_model_config("llama3.2-1b")) == (8192, 8, 64)
+    assert _sizes(get_model_config("llama3.2-1b", hidden_size=1024)) == (8192, 8, 32)
+    # A derived size set explicitly stays set through later replaces; None derives it again.
+    narrow = get_model_config("gpt2-124m", hidden_size=64, num_attention_heads=4, ffn_hidden_size=100)
+    assert _sizes(narrow) == (100, 4, 16)
+    assert _sizes(narrow.replace(hidden_size=128)) == (100, 4, 32)
+    assert _sizes(narrow.replace(hidden_size=128, ffn_hidden_size=None)) == (512, 4, 32)
+    # Whether a size was derived or given is not part of the model: the same sizes are the same config.
+    assert get_model_config("gpt2-124m", ffn_hidden_size=3072, num_query_groups=12) == get_model_config("gpt2-124m")
 
 
 def test_flags_alone_describe_a_model():
@@ -236,6 +276,12 @@ def test_conflicting_flags_are_refused(argv, message):
 def test_invalid_model_fields_are_refused():
     with pytest.raises(ValueError, match="--num-attention-heads 12 is not divisible by --num-query-groups 5"):
         get_model_config("gpt2-124m", num_query_groups=5)
+    with pytest.raises(ValueError, match="--num-query-groups must be at least 1, got 0"):
+        get_model_config("gpt2-124m", num_query_groups=0)
+    with pytest.raises(ValueError, match="--hidden-size 64 is not divisible by --num-attention-heads 12; set "
+                                         "--kv-channels"):
+        get_model_config("gpt2-124m", hidden_size=64)
+    assert get_model_config("gpt2-124m", hidden_size=64, kv_channels=8).kv_channels == 8
     with pytest.raises(ValueError, match="BERT-only"):
         get_model_config("gpt2-124m", add_binary_head=True)
     with pytest.raises(ValueError, match="unknown model 'gpt5'"):

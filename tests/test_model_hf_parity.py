@@ -64,7 +64,7 @@ def _gpt2_weights(hf, config):
 def _llama_weights(hf, config):
     import torch
 
-    sd, groups = hf.state_dict(), config.query_groups
+    sd, groups = hf.state_dict(), config.num_query_groups
     weights = {"embedding.word_embeddings.weight": sd["model.embed_tokens.weight"],
                "decoder.final_layernorm.weight": sd["model.norm.weight"],
                "output_layer.weight": sd["lm_head.weight"]}
@@ -152,9 +152,9 @@ def _hf_llama_like(config):
     cls, config_cls = ((transformers.Qwen2ForCausalLM, transformers.Qwen2Config) if config.add_qkv_bias
                        else (transformers.LlamaForCausalLM, transformers.LlamaConfig))
     return cls(config_cls(
-        vocab_size=VOCAB, hidden_size=config.hidden_size, intermediate_size=config.ffn_size,
+        vocab_size=VOCAB, hidden_size=config.hidden_size, intermediate_size=config.ffn_hidden_size,
         num_hidden_layers=config.num_layers, num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.query_groups, max_position_embeddings=config.max_positions,
+        num_key_value_heads=config.num_query_groups, max_position_embeddings=config.max_positions,
         rms_norm_eps=config.layernorm_epsilon, rope_theta=config.rotary_base, tie_word_embeddings=False,
     ))
 
@@ -164,7 +164,7 @@ def _hf_bert_config(config, **fields):
 
     return BertConfig(
         vocab_size=VOCAB, hidden_size=config.hidden_size, num_hidden_layers=config.num_layers,
-        num_attention_heads=config.num_attention_heads, intermediate_size=config.ffn_size,
+        num_attention_heads=config.num_attention_heads, intermediate_size=config.ffn_hidden_size,
         max_position_embeddings=config.max_positions, type_vocab_size=config.num_tokentypes,
         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, layer_norm_eps=config.layernorm_epsilon, **fields,
     )

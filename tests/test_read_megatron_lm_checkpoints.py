@@ -190,6 +190,18 @@ def test_args_our_model_cannot_build_are_refused_by_name(field, value):
         info_from_megatron_lm(_state(**{field: value}), "torch_dist", "common.pt")
 
 
+@pytest.mark.parametrize("args, groups", [
+    (dict(num_query_groups=1, group_query_attention=False), 4),  # Megatron-LM's default of 1, GQA off: MHA
+    (dict(num_query_groups=2, group_query_attention=True), 2),
+    (dict(num_query_groups=4, group_query_attention=True), 4),
+])
+def test_query_groups_count_only_with_group_query_attention(args, groups):
+    """Megatron-LM keeps --num-query-groups' default of 1 when --group-query-attention is off; the model is then
+    one group per head, and the sizes it left to their defaults are resolved."""
+    config = info_from_megatron_lm(_state(**args), "torch_dist", "common.pt").model_config
+    assert (config.num_query_groups, config.ffn_hidden_size, config.kv_channels) == (groups, 128, 8)
+
+
 def test_rank_file_with_megatron_lm_types_loads_and_leaves_the_safe_globals(tmp_path):
     """Megatron-LM's rank files hold its ModelType in args and numpy's RNG state; both unpickle, and reading one
     leaves megatron-core's safe globals registered (its dist_checkpointing.load of a common.pt needs Namespace).

@@ -402,9 +402,9 @@ def megatron_lm_args(info: CheckpointInfo, **training) -> argparse.Namespace:
     m = info.model_config
     hf_vocab = (info.hf_config or {}).get("vocab_size")
     fields = dict(
-        num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_size, seq_length=m.seq_length,
-        num_attention_heads=m.num_attention_heads, num_query_groups=m.query_groups,
-        group_query_attention=m.query_groups != m.num_attention_heads, kv_channels=m.head_dim,
+        num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size, seq_length=m.seq_length,
+        num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
+        group_query_attention=m.num_query_groups != m.num_attention_heads, kv_channels=m.kv_channels,
         max_position_embeddings=m.max_positions, position_embedding_type=m.position_embedding_type,
         add_position_embedding=m.position_embedding_type == "learned_absolute",
         use_rotary_position_embeddings=m.position_embedding_type == "rope", rotary_base=m.rotary_base,

@@ -49,7 +49,7 @@ class ConversionError(UserError, ValueError):
 
 
 def shapes_of(model_config: ModelConfig, padded_vocab: int) -> Shapes:
-    return Shapes(model_config.num_attention_heads, model_config.query_groups, model_config.head_dim,
+    return Shapes(model_config.num_attention_heads, model_config.num_query_groups, model_config.kv_channels,
                   model_config.vocab_size, padded_vocab)
 
 
@@ -178,8 +178,8 @@ def _source(hf_dir: str, make_vocab_size_divisible_by: int = 128) -> _Source:
     try:
         family = family_for(hf_config)
         architecture = architecture_of(hf_config, family)
-        model_config = dataclasses.replace(
-            family.config_from_hf(hf_config), make_vocab_size_divisible_by=make_vocab_size_divisible_by
+        model_config = family.config_from_hf(hf_config).replace(
+            make_vocab_size_divisible_by=make_vocab_size_divisible_by
         )
     except UnsupportedCheckpoint as error:  # its message names config.json's field, not which config.json
         raise UnsupportedCheckpoint(f"{hf_dir}: {error}") from None
@@ -195,8 +195,8 @@ def _source(hf_dir: str, make_vocab_size_divisible_by: int = 128) -> _Source:
 # The model's family and every tensor shape. A pair that differs in one of them is two models, and verify must say
 # so before building either: it used to build the checkpoint's model type from the other directory's config.json,
 # where transformers' defaults filled the gaps (a GPT-2 directory next to a LLaMA checkpoint: LLaMA-7B, 16.8 GB).
-_PAIRED_FIELDS = ("family", "num_layers", "hidden_size", "num_attention_heads", "query_groups", "head_dim",
-                  "ffn_size", "vocab_size", "normalization", "position_embedding_type", "activation",
+_PAIRED_FIELDS = ("family", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+                  "ffn_hidden_size", "vocab_size", "normalization", "position_embedding_type", "activation",
                   "add_qkv_bias", "untie_embeddings_and_output_weights")
 
 

@@ -149,7 +149,7 @@ def _gpt2_config(c: dict) -> ModelConfig:
 
 def _gpt2_hf(m: ModelConfig) -> dict:
     return dict(
-        n_layer=m.num_layers, n_embd=m.hidden_size, n_head=m.num_attention_heads, n_inner=m.ffn_size,
+        n_layer=m.num_layers, n_embd=m.hidden_size, n_head=m.num_attention_heads, n_inner=m.ffn_hidden_size,
         n_positions=m.max_positions, activation_function=_GELU_TO_HF[m.activation],
         layer_norm_epsilon=m.layernorm_epsilon, vocab_size=m.vocab_size, resid_pdrop=m.hidden_dropout,
         embd_pdrop=m.hidden_dropout, attn_pdrop=m.attention_dropout,
@@ -231,8 +231,8 @@ def _qwen2_from_hf(c: dict) -> ModelConfig:
 
 def _llama_hf(m: ModelConfig) -> dict:
     return dict(
-        num_hidden_layers=m.num_layers, hidden_size=m.hidden_size, intermediate_size=m.ffn_size,
-        num_attention_heads=m.num_attention_heads, num_key_value_heads=m.query_groups, head_dim=m.head_dim,
+        num_hidden_layers=m.num_layers, hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size,
+        num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_query_groups, head_dim=m.kv_channels,
         max_position_embeddings=m.max_positions, rms_norm_eps=m.layernorm_epsilon, hidden_act="silu",
         rope_parameters={"rope_theta": float(m.rotary_base), "rope_type": "default",
                          **({"partial_rotary_factor": m.rotary_percent} if m.rotary_percent != 1.0 else {})},
@@ -297,7 +297,7 @@ def _bert_config(c: dict) -> ModelConfig:
 
 def _bert_hf(m: ModelConfig) -> dict:
     return dict(
-        num_hidden_layers=m.num_layers, hidden_size=m.hidden_size, intermediate_size=m.ffn_size,
+        num_hidden_layers=m.num_layers, hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size,
         num_attention_heads=m.num_attention_heads, max_position_embeddings=m.max_positions,
         layer_norm_eps=m.layernorm_epsilon, vocab_size=m.vocab_size, hidden_act="gelu",
         type_vocab_size=m.num_tokentypes, hidden_dropout_prob=m.hidden_dropout,

@@ -3,7 +3,7 @@
 Example::
 
     from megatron_patch.convert.transforms import Shapes, apply_to_hf, apply_to_mcore
-    shapes = Shapes(num_attention_heads=4, num_query_groups=2, head_dim=8, vocab_size=100, padded_vocab_size=128)
+    shapes = Shapes(num_attention_heads=4, num_query_groups=2, kv_channels=8, vocab_size=100, padded_vocab_size=128)
     [qkv] = apply_to_mcore(("fuse_qkv",), [q, k, v], shapes)          # megatron's per-group [q; k; v]
     q2, k2, v2 = apply_to_hf(("fuse_qkv",), qkv, shapes)               # bit-identical to q, k, v
 
@@ -29,7 +29,7 @@ class Shapes:
 
     num_attention_heads: int
     num_query_groups: int
-    head_dim: int
+    kv_channels: int
     vocab_size: int
     padded_vocab_size: int
 
@@ -50,11 +50,11 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shapes: Shapes) 
 
     Example::
 
-        >>> s = Shapes(num_attention_heads=4, num_query_groups=2, head_dim=1, vocab_size=1, padded_vocab_size=1)
+        >>> s = Shapes(num_attention_heads=4, num_query_groups=2, kv_channels=1, vocab_size=1, padded_vocab_size=1)
         >>> fuse_qkv(torch.tensor([0., 1, 2, 3]), torch.tensor([10., 11]), torch.tensor([20., 21]), s).tolist()
         [0.0, 1.0, 10.0, 20.0, 2.0, 3.0, 11.0, 21.0]
     """
-    groups, d = shapes.num_query_groups, shapes.head_dim
+    groups, d = shapes.num_query_groups, shapes.kv_channels
     rest = q.shape[1:]
     return torch.cat(
         [q.reshape(groups, -1, *rest), k.reshape(groups, d, *rest), v.reshape(groups, d, *rest)], dim=1
@@ -63,7 +63,7 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shapes: Shapes) 
 
 def split_qkv(qkv: torch.Tensor, shapes: Shapes) -> Tensors:
     """The inverse of :func:`fuse_qkv`: megatron's grouped ``linear_qkv`` -> contiguous q, k, v."""
-    groups, d = shapes.num_query_groups, shapes.head_dim
+    groups, d = shapes.num_query_groups, shapes.kv_channels
     q_per_group = shapes.num_attention_heads // groups * d
     rest = qkv.shape[1:]
     q, k, v = qkv.reshape(groups, q_per_group + 2 * d, *rest).split([q_per_group, d, d], dim=1)

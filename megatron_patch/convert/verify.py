@@ -166,7 +166,7 @@ def build_and_load(megatron_dir: str, info: CheckpointInfo, tp: int, pp: int, dt
     from megatron_patch.model.parallel import ParallelConfig
 
     initialize_distributed(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, seed=1234)
-    config = dataclasses.replace(info.model_config, hidden_dropout=0.0, attention_dropout=0.0)
+    config = info.model_config.replace(hidden_dropout=0.0, attention_dropout=0.0)
     parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                               bf16=dtype == "bfloat16", fp16=dtype == "float16")
     chunks = build_model_chunks(config, parallel, info.padded_vocab_size)

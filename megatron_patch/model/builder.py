@@ -56,10 +56,10 @@ def to_transformer_config(model_config: ModelConfig, parallel_config: ParallelCo
     return TransformerConfig(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
-        ffn_hidden_size=m.ffn_size,
+        ffn_hidden_size=m.ffn_hidden_size,
         num_attention_heads=m.num_attention_heads,
-        num_query_groups=m.query_groups,
-        kv_channels=m.head_dim,
+        num_query_groups=m.num_query_groups,
+        kv_channels=m.kv_channels,
         hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout,
         layernorm_epsilon=m.layernorm_epsilon,

@@ -25,8 +25,11 @@ class ModelConfig:
 
     Example::
 
-        >>> ModelConfig(family="gpt", num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32).head_dim
+        >>> ModelConfig(family="gpt", num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32).kv_channels
         16
+
+    ``ffn_hidden_size``, ``num_query_groups`` and ``kv_channels`` may be given as None: ``__post_init__`` sets
+    them to megatron-core's default for the shape, so the fields always hold the sizes that are built.
     """
 
     family: Literal["gpt", "bert"]
@@ -37,11 +40,11 @@ class ModelConfig:
     seq_length: int
     """Training sequence length (``--seq-length``)."""
     ffn_hidden_size: int | None = None
-    """MLP width; None means 4 x hidden_size as in Megatron-LM."""
+    """MLP width; None becomes 4 x hidden_size (megatron-core's default)."""
     num_query_groups: int | None = None
-    """Key/value heads for grouped-query attention (``--num-query-groups``); None means one per head (MHA)."""
+    """Key/value heads for grouped-query attention (``--num-query-groups``); None becomes one per head (MHA)."""
     kv_channels: int | None = None
-    """Width of one attention head; None means hidden_size / num_attention_heads."""
+    """Width of one attention head; None becomes hidden_size / num_attention_heads."""
     max_position_embeddings: int | None = None
     """Rows of the learned position table (and the RoPE cache length); None means seq_length."""
     position_embedding_type: Literal["learned_absolute", "rope"] = "learned_absolute"
@@ -79,41 +82,52 @@ class ModelConfig:
     only convert exactly into "post"."""
 
     def __post_init__(self):
+        given = [name for name in _DERIVED_SIZES if getattr(self, name) is not None]
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", *given):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
+                f"{self.num_attention_heads}; set --kv-channels to choose the head width explicitly"
+            )
+        # Which sizes were derived is remembered so that `replace` derives them again from a new shape (a config
+        # keeping gpt2-124m's 3072-wide MLP at hidden 64 would be neither model). An attribute, not a field: ==,
+        # repr, dataclasses.asdict and megatron_patch_args.json leave it out.
+        self._derived = frozenset(name for name in _DERIVED_SIZES if getattr(self, name) is None)
+        for name in self._derived:
+            setattr(self, name, _DERIVED_SIZES[name](self))
         self.validate()
 
-    @property
-    def head_dim(self) -> int:
-        return self.kv_channels or self.hidden_size // self.num_attention_heads
+    def replace(self, **changes) -> ModelConfig:
+        """A copy with ``changes``, like ``dataclasses.replace``, in which the sizes derived from the old shape
+        are derived again from the new one; a size given explicitly (in ``changes`` or when this config was
+        built) is kept.
 
-    @property
-    def query_groups(self) -> int:
-        """Key/value heads actually built (num_attention_heads for MHA)."""
-        return self.num_query_groups or self.num_attention_heads
+        Example::
 
-    @property
-    def ffn_size(self) -> int:
-        return self.ffn_hidden_size or 4 * self.hidden_size
+            >>> gpt2 = get_model_config("gpt2-124m")            # hidden 768, 12 heads, MLP 4 x 768
+            >>> small = gpt2.replace(hidden_size=64, num_attention_heads=4)
+            >>> small.ffn_hidden_size, small.num_query_groups, small.kv_channels
+            (256, 4, 16)
+
+        Plain ``dataclasses.replace`` keeps every size as it is, derived or not.
+        """
+        derive_again = {name: None for name in self._derived if name not in changes}
+        return dataclasses.replace(self, **derive_again, **changes)
 
     @property
     def max_positions(self) -> int:
         return self.max_position_embeddings or self.seq_length
 
     def validate(self) -> None:
-        """Raise ValueError naming the flag when a field cannot describe a model."""
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        """Raise ValueError naming the flag when a field cannot describe a model (the sizes resolved)."""
         if self.family not in ("gpt", "bert"):
             raise ValueError(f"model family must be 'gpt' or 'bert', got {self.family!r}")
-        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
-                f"{self.num_attention_heads}; set --kv-channels to choose the head width explicitly"
-            )
-        if self.num_attention_heads % self.query_groups:
+        if self.num_attention_heads % self.num_query_groups:
             raise ValueError(
                 f"--num-attention-heads {self.num_attention_heads} is not divisible by --num-query-groups "
-                f"{self.query_groups}"
+                f"{self.num_query_groups}"
             )
         if self.max_positions < self.seq_length and self.position_embedding_type == "learned_absolute":
             raise ValueError(
@@ -125,6 +139,16 @@ class ModelConfig:
             raise ValueError(f"--bert-layernorm-style must be 'pre' or 'post', got {self.bert_layernorm_style!r}")
         if not 0.0 < self.rotary_percent <= 1.0:
             raise ValueError(f"--rotary-percent must be in (0, 1], got {self.rotary_percent}")
+
+
+# The sizes a ModelConfig may leave None and the default ModelConfig.__post_init__ gives each: megatron-core's
+# (TransformerConfig.__post_init__ in megatron/core/transformer/transformer_config.py at core_v0.16.1). Megatron-LM's
+# validate_args narrows a --swiglu MLP without --ffn-hidden-size to 8/3 x hidden; ours stays 4 x hidden.
+_DERIVED_SIZES: dict[str, Callable[[ModelConfig], int]] = {
+    "ffn_hidden_size": lambda m: 4 * m.hidden_size,
+    "num_query_groups": lambda m: m.num_attention_heads,
+    "kv_channels": lambda m: m.hidden_size // m.num_attention_heads,
+}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -159,18 +183,21 @@ def list_model_configs() -> list[str]:
 
 
 def get_model_config(name: str, **overrides) -> ModelConfig:
-    """The registered configuration ``name`` with ``overrides`` applied (and validated again).
+    """The registered configuration ``name`` with ``overrides`` applied (and validated again); sizes the entry
+    left to Megatron-LM's defaults follow an overridden shape (see ``ModelConfig.replace``).
 
     Example::
 
         >>> get_model_config("gpt2-124m", num_layers=2).num_layers
         2
+        >>> get_model_config("gpt2-124m", hidden_size=64, num_attention_heads=4).ffn_hidden_size
+        256
     """
     try:
         factory = _REGISTRY[name]
     except KeyError:
         raise ValueError(f"unknown model {name!r}; --model-name must be one of {list_model_configs()}") from None
-    return dataclasses.replace(factory(), **overrides)
+    return factory().replace(**overrides)
 
 
 def _gpt2(num_layers: int, hidden_size: int, num_attention_heads: int) -> ModelConfig:
@@ -239,8 +266,8 @@ register_model_config("qwen2-7b")(lambda: _qwen2(
 register_model_config("bert-base")(lambda: _bert(12, 768, 12))
 register_model_config("bert-large")(lambda: _bert(24, 1024, 16))
 # Debug shapes: seconds on a CPU, every architectural feature switched on.
-register_model_config("tiny-gpt2")(lambda: dataclasses.replace(
-    _gpt2(2, 64, 4), seq_length=32, max_position_embeddings=32, vocab_size=128, make_vocab_size_divisible_by=1,
+register_model_config("tiny-gpt2")(lambda: _gpt2(2, 64, 4).replace(
+    seq_length=32, max_position_embeddings=32, vocab_size=128, make_vocab_size_divisible_by=1,
 ))
 register_model_config("tiny-llama")(lambda: _llama(
     num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2, seq_length=32,
@@ -250,8 +277,8 @@ register_model_config("tiny-qwen2")(lambda: _qwen2(
     num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2, seq_length=32,
     vocab_size=128, make_vocab_size_divisible_by=1,
 ))
-register_model_config("tiny-bert")(lambda: dataclasses.replace(
-    _bert(2, 64, 4), seq_length=32, max_position_embeddings=32, vocab_size=128, make_vocab_size_divisible_by=1,
+register_model_config("tiny-bert")(lambda: _bert(2, 64, 4).replace(
+    seq_length=32, max_position_embeddings=32, vocab_size=128, make_vocab_size_divisible_by=1,
 ))
 
 

@@ -30,15 +30,15 @@ def num_floating_point_operations(
     """
     m = model_config
     h, layers = m.hidden_size, m.num_layers
-    query_projection_ratio = m.head_dim * m.num_attention_heads / h
+    query_projection_ratio = m.kv_channels * m.num_attention_heads / h
     gated_linear_multiplier = 3 / 2 if m.activation == "swiglu" else 1
     return (
         12 * batch_size * seq_length * layers * h * h
         * (
             # attention: q/k/v and output projections, scores and the weighted sum of values
-            (1 + m.query_groups / m.num_attention_heads + seq_length / h) * query_projection_ratio
+            (1 + m.num_query_groups / m.num_attention_heads + seq_length / h) * query_projection_ratio
             # MLP
-            + (m.ffn_size / h) * gated_linear_multiplier
+            + (m.ffn_hidden_size / h) * gated_linear_multiplier
             # logits
             + padded_vocab_size / (2 * layers * h)
         )
@@ -50,8 +50,8 @@ def _norm_parameters(m: ModelConfig) -> int:
 
 
 def layer_parameters(m: ModelConfig) -> int:
-    h, f = m.hidden_size, m.ffn_size
-    q_size, kv_size = m.head_dim * m.num_attention_heads, m.head_dim * m.query_groups
+    h, f = m.hidden_size, m.ffn_hidden_size
+    q_size, kv_size = m.kv_channels * m.num_attention_heads, m.kv_channels * m.num_query_groups
     qkv_out = q_size + 2 * kv_size
     fc1_out = 2 * f if m.activation == "swiglu" else f
     bias = m.add_bias_linear

@@ -91,7 +91,7 @@ class ParallelConfig:
             virtual_pipeline_model_parallel_size=self.virtual_pipeline_model_parallel_size,
             sequence_parallel=self.sequence_parallel, micro_batch_size=micro_batch_size,
             global_batch_size=global_batch_size, num_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
-            num_query_groups=m.query_groups, ffn_hidden_size=m.ffn_size, seq_length=m.seq_length,
+            num_query_groups=m.num_query_groups, ffn_hidden_size=m.ffn_hidden_size, seq_length=m.seq_length,
         )
 
     def validate(self, model_config: ModelConfig, world_size: int | None = None) -> None:

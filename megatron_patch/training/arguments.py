@@ -575,7 +575,7 @@ def _check_layout(args: argparse.Namespace, spec: ModelSpec, world_size: int | N
             sequence_parallel=parallel.sequence_parallel, micro_batch_size=args.micro_batch_size,
             global_batch_size=args.global_batch_size,
             num_layers=model and model.num_layers, num_attention_heads=model and model.num_attention_heads,
-            num_query_groups=model and model.query_groups, ffn_hidden_size=model and model.ffn_size,
+            num_query_groups=model and model.num_query_groups, ffn_hidden_size=model and model.ffn_hidden_size,
             seq_length=model and model.seq_length, padded_vocab_size=loaded and loaded.padded_vocab_size)
     except ValueError as error:
         _refuse(str(error))

@@ -111,11 +111,11 @@ class Plan:
     def render(self) -> str:
         m, node = self.model, lambda rank: rank // self.nproc_per_node
         seq = m.seq_length
-        groups = m.query_groups
+        groups = m.num_query_groups
         lines = [
             "dry run: the plan of this launch; nothing is started",
             f"model: {self.model_name} ({m.family}): {m.num_layers} layers, hidden {m.hidden_size}, ffn "
-            f"{m.ffn_size}, {m.num_attention_heads} heads ({groups} query groups), seq {seq}, vocab "
+            f"{m.ffn_hidden_size}, {m.num_attention_heads} heads ({groups} query groups), seq {seq}, vocab "
             f"{m.vocab_size} padded to {self.padded_vocab}"
             f"{', untied output layer' if m.untie_embeddings_and_output_weights else ', tied output layer'}",
             f"world size: {self.world_size} = {self.nnodes} node{'s' if self.nnodes > 1 else ''} (NNODES) x "
