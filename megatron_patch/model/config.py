@@ -386,7 +386,8 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int | None = No
     Example::
 
         >>> parser = add_model_arguments(argparse.ArgumentParser())
-        >>> model_config_from_args(parser.parse_args(["--model-name", "tiny-llama", "--rotary-base", "500000"])).rotary_base
+        >>> args = parser.parse_args(["--model-name", "tiny-llama", "--rotary-base", "500000"])
+        >>> model_config_from_args(args).rotary_base
         500000
     """
     return model_config_from_flags(model_flag_values(args), args.model_name, args.model_family, vocab_size)
