@@ -31,8 +31,9 @@ def _rapidformer(*argv, timeout=300):
     return result.returncode, result.stdout + result.stderr
 
 
-def _losses(output: str) -> list[float]:
-    return [float(x) for x in re.findall(r"lm loss: ([0-9.E+-]+)", output)]
+def _losses(output: str, name: str = "lm loss") -> list[float]:
+    """The logged losses: a language model's "lm loss", a sequence classifier's "classification loss"."""
+    return [float(x) for x in re.findall(rf"{name}: ([0-9.E+-]+)", output)]
 
 
 def _epoch_metrics(output: str) -> list[tuple[float, float]]:
@@ -79,8 +80,9 @@ def test_sequence_classification_reports_accuracy_and_f1_per_epoch(assets, memor
     user = ["--user-script", os.path.join(SCRIPTS, script)] if script else []
     code, output = _rapidformer(*user, "--task", "sequence_classification", *_finetune_flags(assets, memory))
     _assert_learns_pairs(code, output)
-    losses = _losses(output)
+    losses = _losses(output, "classification loss")
     assert losses[-1] < 0.5 * losses[0], losses
+    assert "lm loss" not in output
     assert "compiled with torch.compile(backend='aot_eager')" in output
 
 
@@ -96,7 +98,7 @@ def test_sequence_classification_reads_jsonl_pairs(assets, tmp_path):
     assert len(metrics) == 3, output[-3000:]
     # F1 as well as accuracy: labels read wrongly (all one class) could still score a high accuracy.
     assert metrics[-1][0] >= 0.9 and metrics[-1][1] >= 0.9, metrics
-    losses = _losses(output)
+    losses = _losses(output, "classification loss")
     assert losses[-1] < 0.5 * losses[0], losses
 
 

@@ -215,8 +215,9 @@ def test_help_lists_the_named_flags(tmp_path):
 # Every recipe trains a tiny model on CPU processes (BERT ones at 1 and 2); the printed command is what runs
 # ------------------------------------------------------------------------------------------------------------
 
-def _losses(log: str) -> list[float]:
-    return [float(x) for x in re.findall(r"\| lm loss: ([0-9.E+-]+)", log)]
+def _losses(log: str, name: str = "lm loss") -> list[float]:
+    """The logged losses: a language model's "lm loss", a sequence classifier's "classification loss"."""
+    return [float(x) for x in re.findall(rf"\| {name}: ([0-9.E+-]+)", log)]
 
 
 def _printed_commands(log: str) -> tuple[list[str], list[str]]:
@@ -225,7 +226,7 @@ def _printed_commands(log: str) -> tuple[list[str], list[str]]:
     return _command_words(lines[0]), _command_words(next(line for line in lines if "torch.distributed.run" in line))
 
 
-def _trains(script, tmp_path, *flags, recipe_name, nproc="2"):
+def _trains(script, tmp_path, *flags, recipe_name, nproc="2", loss_name="lm loss"):
     # A recipe without its user script is a defect of the repository, not a reason to skip.
     assert os.path.isfile(os.path.join(ROOT, USER_SCRIPT[script])), \
         f"{USER_SCRIPT[script]}, which {os.path.basename(script)} runs, does not exist"
@@ -234,7 +235,7 @@ def _trains(script, tmp_path, *flags, recipe_name, nproc="2"):
                            cwd=tmp_path)
     assert code == 0, output[-5000:]
     log = (out / "logs" / f"{recipe_name}_node0.log").read_text()
-    losses = _losses(log)
+    losses = _losses(log, loss_name)
     assert len(losses) >= 3 and losses[-1] < losses[0], losses
     assert (out / "checkpoints" / "latest_checkpointed_iteration.txt").is_file()
     return output, log
@@ -303,7 +304,8 @@ def test_run_finetune_bert_trains_a_classifier(assets, tmp_path, nproc):
     output, log = _trains(FINETUNE, tmp_path, "--seq-length", "32", "--data-path", assets.glue_dir,
                           "--data-name", "mrpc", "--vocab-file", assets.vocab_file, "--micro-batch-size", "8",
                           "--global-batch-size", "16", "--epochs", "2", "--lr", "2e-3", "--",
-                          "--log-interval", "4", recipe_name="finetune_bert", nproc=nproc)
+                          "--log-interval", "4", recipe_name="finetune_bert", nproc=nproc,
+                          loss_name="classification loss")
     assert re.search(r"epoch \d+ \| accuracy: [0-9.]+ \| f1: [0-9.]+", log), log[-3000:]
 
 

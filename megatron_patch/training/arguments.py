@@ -16,7 +16,9 @@ rank, whose engine takes that parse (``parse_run``'s hand-over) instead of parsi
 Unknown flags are refused with their names (``allow_abbrev`` is off, so a typo never silently matches a longer
 flag), and every conflict names both flags and the fix. ``--load DIR`` with ``DIR/megatron_patch_args.json`` (a
 conversion's or our trainer's) or Megatron-LM's own checkpoint (the ``args`` in its common.pt or rank files) supplies
-the model flags not given, as Megatron-LM's ``--use-checkpoint-args``.
+the model flags not given, as Megatron-LM's ``--use-checkpoint-args``. ``--pretrained-model-name-or-path DIR`` with a
+``DIR/config.json`` refuses the shape flags that contradict it; user scripts' ``args.load`` names ``DIR`` when
+``--load`` is not given (Rapidformer's Finetuner template loads ``from_pretrained(args.load)``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import json
 import os
 
 from megatron_patch.checkpoint.format import find_info
@@ -447,6 +450,51 @@ def _apply_checkpoint_args(args: argparse.Namespace) -> None:
     args.checkpoint_info = dataclasses.replace(info, model_config=dataclasses.replace(stored, **training))
 
 
+# Shape flags a Hugging Face model's config.json fixes: (flag, args field, its keys in config.json). The keys are
+# transformers' config attributes: BERT/LLaMA names first, then GPT-2's (n_layer, n_embd, ...) and T5's.
+_PRETRAINED_SHAPE_FLAGS = [
+    ("--num-layers", "num_layers", ("num_hidden_layers", "n_layer", "num_layers")),
+    ("--hidden-size", "hidden_size", ("hidden_size", "n_embd", "d_model")),
+    ("--ffn-hidden-size", "ffn_hidden_size", ("intermediate_size", "n_inner", "d_ff")),
+    ("--num-attention-heads", "num_attention_heads", ("num_attention_heads", "n_head", "num_heads")),
+    ("--num-query-groups", "num_query_groups", ("num_key_value_heads",)),
+    ("--kv-channels", "kv_channels", ("head_dim",)),
+    ("--max-position-embeddings", "max_position_embeddings", ("max_position_embeddings", "n_positions")),
+    ("--vocab-size", "vocab_size", ("vocab_size",)),
+]
+
+
+def _check_pretrained_shape(args: argparse.Namespace) -> None:
+    """Refuse a shape flag that contradicts ``--pretrained-model-name-or-path DIR``'s ``config.json`` (the model
+    ``from_pretrained`` loads, whatever the flags say), naming the flag, the file, its value and the fix; a
+    ``--seq-length`` within the model's ``max_position_embeddings`` only shapes the run and is accepted.
+
+    Example::
+
+        parse_args(["--pretrained-model-name-or-path", "bert-base", "--hidden-size", "64"])
+        # SystemExit: rapidformer: error: --hidden-size 64 contradicts hidden_size=768 in bert-base/config.json ...
+
+    config.json is read with json, not transformers, so the launcher's parse stays fast. A name that is not a
+    local directory with a config.json (a hub name) is not checked.
+    """
+    path = os.path.join(args.pretrained_model_name_or_path or "", "config.json")
+    if not args.pretrained_model_name_or_path or not os.path.isfile(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        stored = json.load(f)
+    keys = {field: next((k for k in names if stored.get(k) is not None), None)
+            for _, field, names in _PRETRAINED_SHAPE_FLAGS}
+    for flag, field, _ in _PRETRAINED_SHAPE_FLAGS:
+        key, given = keys[field], getattr(args, field)
+        if given is not None and key is not None and given != stored[key]:
+            _refuse(f"{flag} {given} contradicts {key}={stored[key]} in {path} (the pretrained model); drop {flag} "
+                    f"or give {stored[key]}")
+    key = keys["max_position_embeddings"]
+    if args.seq_length is not None and key is not None and args.seq_length > stored[key]:
+        _refuse(f"--seq-length {args.seq_length} exceeds {key}={stored[key]} in {path} (the pretrained model has no "
+                f"positions beyond it); give --seq-length {stored[key]} or less")
+
+
 def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     """Derive the typed values the rest of the code uses and refuse conflicts, once."""
     args.memory_optimization = _memory_mode(args)
@@ -459,6 +507,7 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
             _refuse(message(args) if callable(message) else message)
     args.dataset_path = args.dataset_path or (args.data_path[0] if args.data_path else None)
     args.dataset_name = args.dataset_name or args.data_name
+    _check_pretrained_shape(args)  # the flags as given, before --load or --model-name fill the others
     _apply_checkpoint_args(args)
     if args.checkpoint_info is None and args.model_name is not None:
         # Code that reads the flags (the datasets' --seq-length, the FLOP count) sees the named model's values.
@@ -611,6 +660,13 @@ def _derive_run(args: argparse.Namespace, world_size: int) -> RunConfig:
     config = _run_config(args, spec, parallel, data_parallel_size, world_size, tokenizer_options(args))
     # Megatron-LM's args carry these; user scripts read them.
     args.num_microbatches = config.training.num_microbatches
+    if args.load is None and args.pretrained_model_name_or_path is not None:
+        # Rapidformer's Finetuner template loads its model with from_pretrained(args.load), and its launch command
+        # gives only --pretrained-model-name-or-path: the user's view names that directory. The RunConfig (built
+        # above) does not: config.checkpointing.load is the trainer checkpoint to resume from (trainers._compose),
+        # and a Hugging Face directory is none (it has no tracker file, so --exit-on-missing-checkpoint would stop
+        # the run there).
+        args.load = args.pretrained_model_name_or_path
     args.train_iters = config.training.train_iters
     args.data_parallel_size, args.world_size = data_parallel_size, world_size
     args.rank = int(os.environ.get("RANK", "0"))

@@ -19,6 +19,11 @@ A line reads like Megatron-LM's: `` iteration 10/100 | consumed samples: 80 | el
 1.100 | number of skipped iterations: 0 | tokens/s: 34133 | peak memory (MB): 512``; TFLOP/s and MFU are added on GPUs:
 TFLOP/s per GPU = ``flops_per_sample`` x samples / step time / ``world_size`` / 1e12, MFU = that / the GPU's peak.
 The trainers give ``tensorboard_dir`` to the last rank only (it holds the loss under pipeline parallelism).
+
+The loss is named by what it is: ``lm loss`` for a language model's, ``classification loss`` for a sequence
+classifier's (``loss_name``, from the training backend that knows the model). Megatron-LM's tasks/finetune_utils.py
+(core_v0.16.1) logs its classifiers' cross-entropy as 'lm loss' too; a classifier has no language-model loss, so
+here the name says what was measured.
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ import os
 import resource
 
 import torch
+
+LM_LOSS = "lm loss"
+CLASSIFICATION_LOSS = "classification loss"
 
 # Dense bf16/fp16 peak of the GPUs we quote MFU against (docs/flops-and-mfu.md, item 2).
 _PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
@@ -54,8 +62,9 @@ class TrainingLog:
 
     def __init__(self, logger: logging.Logger, log_interval: int, train_iters: int | None = None,
                  flops_per_sample: float | None = None, tensorboard_dir: str | None = None,
-                 record_path: str | None = None, world_size: int = 1):
+                 record_path: str | None = None, world_size: int = 1, loss_name: str = LM_LOSS):
         self.logger = logger
+        self.loss_name = loss_name
         self.log_interval = max(1, log_interval)
         self.train_iters = train_iters
         self.flops_per_sample = flops_per_sample
@@ -88,8 +97,8 @@ class TrainingLog:
     def step(self, iteration: int, consumed_samples: int, lr: float, loss: float | None, grad_norm: float | None,
              loss_scale: float, skipped: bool, step_time: float, tokens: int, samples: int,
              other_losses: dict[str, float] | None = None) -> None:
-        """Record one iteration; ``other_losses`` are losses reported beside the lm loss (BERT's "sop loss"),
-        logged after it under their names as Megatron-LM does."""
+        """Record one iteration; ``other_losses`` are losses reported beside the loss (BERT's "sop loss" beside
+        its "lm loss"), logged after it under their names as Megatron-LM does."""
         other_losses = other_losses or {}
         self.skipped += int(skipped)
         self.step_times.append(step_time)
@@ -102,7 +111,7 @@ class TrainingLog:
                                               grad_norm=grad_norm, loss_scale=loss_scale, skipped=skipped,
                                               global_batch_size=samples, **other_losses)) + "\n")
             self.record.flush()
-        for name, value in (("lm loss", loss), ("learning-rate", lr), ("grad-norm", grad_norm),
+        for name, value in ((self.loss_name, loss), ("learning-rate", lr), ("grad-norm", grad_norm),
                             ("loss-scale", loss_scale), *other_losses.items()):
             self._scalar(name, value, iteration)
         if iteration % self.log_interval and iteration != self.train_iters:
@@ -120,7 +129,7 @@ class TrainingLog:
             f"global batch size: {window[-1]['samples']}",
         ]
         if losses:
-            parts.append(f"lm loss: {sum(losses) / len(losses):.6E}")
+            parts.append(f"{self.loss_name}: {sum(losses) / len(losses):.6E}")
         for name in other_losses:
             values = [w["other_losses"][name] for w in window if name in w["other_losses"]]
             parts.append(f"{name}: {sum(values) / len(values):.6E}")
@@ -140,10 +149,10 @@ class TrainingLog:
     def validation(self, iteration: int, loss: float) -> None:
         self.valid_losses.append((iteration, loss))
         perplexity = math.exp(min(loss, 20.0))
-        self._scalar("validation lm loss", loss, iteration)
+        self._scalar(f"validation {self.loss_name}", loss, iteration)
         self._scalar("validation ppl", perplexity, iteration)
-        self.logger.info(f" validation loss at iteration {iteration} | lm loss: {loss:.6E} | "
-                         f"lm loss PPL: {perplexity:.6E}")
+        self.logger.info(f" validation loss at iteration {iteration} | {self.loss_name}: {loss:.6E} | "
+                         f"{self.loss_name} PPL: {perplexity:.6E}")
 
     def metrics(self, epoch: int, values: dict) -> None:
         for name, value in values.items():
@@ -173,7 +182,7 @@ class TrainingLog:
         if self.valid_losses:
             axes.plot(*zip(*self.valid_losses), "o-", label="validation")
         axes.set_xlabel("iteration")
-        axes.set_ylabel("loss")
+        axes.set_ylabel(self.loss_name)
         axes.legend()
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         figure.savefig(path, dpi=100)

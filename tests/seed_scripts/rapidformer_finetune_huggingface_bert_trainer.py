@@ -3,9 +3,11 @@
 - the ``datasets`` library is not installed here, so ``load_dataset(...).map(tokenize_function, ...)`` becomes a
   list comprehension over ``load_sentence_pair_dataset`` (same columns), and ``load_metric`` becomes
   ``SequenceClassificationMetric`` (accuracy and F1, as GLUE/MRPC's metric);
-- obvious typos: ``args = get_args()`` where the snippet used ``args`` undefined, the missing imports, and the
-  model loaded from ``--pretrained-model-name-or-path`` (the snippet read ``args.load``, which its launch
-  command never sets).
+- the tokenizer's hub name ``"bert-base-cased"`` becomes ``--pretrained-model-name-or-path`` (a local directory);
+- obvious typos: ``args = get_args()`` where the snippet used ``args`` undefined, and the missing imports.
+
+The model is loaded from ``args.load`` as the snippet does: its launch command gives only
+``--pretrained-model-name-or-path``, which ``args.load`` then names.
 """
 import torch
 from transformers import AutoTokenizer, BertForSequenceClassification
@@ -41,7 +43,7 @@ class MyFintuner(Finetuner):
 
     def model_optimizer_lr_scheduler_provider(self):
         args = get_args()
-        model = BertForSequenceClassification.from_pretrained(args.pretrained_model_name_or_path)
+        model = BertForSequenceClassification.from_pretrained(args.load)
         return model, None, None
 
     def run_forward_step(self, batch, model):

@@ -34,6 +34,7 @@ from megatron_patch.errors import UserError
 from megatron_patch.model.forward import forward_only_step
 from megatron_patch.training import checkpointing
 from megatron_patch.training.backends.common import Backend, StepResult, compile_forward, user_scheduler
+from megatron_patch.training.metrics import CLASSIFICATION_LOSS, LM_LOSS
 from megatron_patch.training.schedule import build_scheduler
 
 
@@ -66,8 +67,17 @@ class StageModel:
 
 
 def _mean_loss_func(loss: torch.Tensor):
-    # megatron-core's legacy two-value form: the schedule divides by the number of microbatches.
+    # megatron-core's legacy two-value form: the schedule divides by the number of microbatches. "lm loss" is the
+    # key of the step's main loss in the schedule's reports (step.train_step reduces it; Megatron-LM's
+    # tasks/finetune_utils.py reports classifiers under it too); the log names it by the model (loss_name).
     return loss, {"lm loss": torch.stack([loss.detach().float(), torch.ones((), device=loss.device)])}
+
+
+def _is_sequence_classifier(chunk) -> bool:
+    """Whether ``chunk`` is the megatron-core sequence classifier here (model/bert.py, built on BERT)."""
+    from megatron_patch.model.bert import BertForSequenceClassification
+
+    return isinstance(chunk, BertForSequenceClassification)
 
 
 def holds_last_stage(chunk) -> bool:
@@ -99,6 +109,7 @@ class MegatronBackend(Backend):
                 "with --tensor-model-parallel-size/--pipeline-model-parallel-size"
             )
         chunks = list(model_obj) if isinstance(model_obj, (list, tuple)) else [model_obj]
+        self.loss_name = CLASSIFICATION_LOSS if _is_sequence_classifier(chunks[0]) else LM_LOSS
         model_config = get_model_config(chunks[0])
         # The flags decide the precision even when the user's model was configured without it.
         model_config.fp16, model_config.bf16 = training.fp16, training.bf16

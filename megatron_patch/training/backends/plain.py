@@ -28,6 +28,7 @@ from megatron_patch.distributed import sum_over_data_parallel
 from megatron_patch.training import checkpointing
 from megatron_patch.training.backends.common import Backend, StepResult, compile_forward, user_scheduler
 from megatron_patch.training.config import RunConfig
+from megatron_patch.training.metrics import CLASSIFICATION_LOSS, LM_LOSS
 from megatron_patch.training.schedule import build_scheduler
 
 
@@ -159,6 +160,17 @@ _MEGATRON_ONLY_FLAGS = [
 ]
 
 
+def _is_sequence_classifier(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is (a subclass of) one of transformers' ``...ForSequenceClassification`` classes, as
+    its auto-class registry lists them; a plain torch model is not."""
+    classes = [c for c in type(model).__mro__ if c.__module__.startswith("transformers.")]
+    if not classes:
+        return False
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
+
+    return any(c.__name__ in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.values() for c in classes)
+
+
 def _ddp_no_sync(model, last: bool):
     if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
         model.set_requires_gradient_sync(last)
@@ -185,6 +197,7 @@ class PlainBackend(Backend):
         if config.checkpointing.async_save:
             raise SystemExit("rapidformer: error: --async-save applies to megatron-core models (dist_checkpointing)"
                              "; drop it for plain torch/Hugging Face models")
+        self.loss_name = CLASSIFICATION_LOSS if _is_sequence_classifier(model) else LM_LOSS
         model.to(self.device)
         if training.onnx_runtime_training:
             compile_forward(model, training.compile_backend, self.logger)
