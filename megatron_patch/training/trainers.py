@@ -324,7 +324,8 @@ class _Trainer:
         last = torch.distributed.get_rank() == world_size - 1
         record = os.path.join(logging.log_dir, "iterations.jsonl") if logging.log_dir and last else None
         return TrainingLog(self.engine.logger, logging.log_interval, train_iters, flops_per_sample,
-                           logging.tensorboard_dir if last else None, record_path=record, world_size=world_size)
+                           logging.tensorboard_dir if last else None, record_path=record, world_size=world_size,
+                           loss_name=self.backend.loss_name)
 
 
 def _pretraining_batches(dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,

@@ -43,6 +43,9 @@ class Backend:
 
     megatron: bool
     """Whether the models are megatron-core's (their checkpoints are torch_dist, their flags megatron-core's)."""
+    loss_name: str
+    """What the log calls the training loss: "classification loss" for a sequence classifier, else "lm loss" (set
+    by ``compose``, which sees the model)."""
 
     def __init__(self, config: RunConfig, device: torch.device, logger: logging.Logger):
         self.config = config
