@@ -314,14 +314,27 @@ def load_megatron_checkpoint(root: str, chunks: list, optimizer, scheduler, **op
             compat.restore_adam_step(optimizer)
             if scheduler is not None and "opt_param_scheduler" in loaded:
                 scheduler.load_state_dict(loaded["opt_param_scheduler"])
+        else:
+            _reload_main_params(optimizer)
 
     def load_converted(root: str, iteration, with_optimizer: bool, finetune: bool) -> int:
         if iteration == RELEASE:
-            return _load_release(root, chunks, logger)
-        return _load_legacy(root, iteration, chunks, with_optimizer, finetune, logger)
+            start = _load_release(root, chunks, logger)
+        else:
+            start = _load_legacy(root, iteration, chunks, with_optimizer, finetune, logger)
+        _reload_main_params(optimizer)
+        return start
 
     logger = options.get("logger") or logging.getLogger(__name__)
     return checkpointing.load_checkpoint(root, read_state, megatron=True, load_converted=load_converted, **options)
+
+
+def _reload_main_params(optimizer) -> None:
+    """Copy freshly loaded weights into the optimizer's fp32 main parameters (fp16/bf16 runs; a no-op in fp32),
+    which were made from the weights the model was built with: its first step would write them back over the
+    loaded ones. Megatron-LM's ``load_checkpoint`` does the same when it loads a model without its optimizer."""
+    if optimizer is not None:
+        optimizer.reload_model_params()
 
 
 def _require_optimizer_state(root: str, path: str) -> None:
