@@ -17,9 +17,9 @@ Everything version-specific lives here, each workaround naming the upstream line
   (``destroy_model_parallel_and_free_groups``, ``pipeline_p2p_flags``, ``bert_lm_head_norm``,
   ``default_store``);
 - fixes to process lifetimes (checkpoint writers, torchrun's shutdown);
-- checkpoint workarounds: the distributed optimizer's Adam state and its resharding metadata, megatron-core's
-  sharded-key renaming (``initialise_adam_state``, ``restore_adam_step``, ``DISTRIB_OPTIMIZER_METADATA``,
-  ``by_sharded_key``).
+- checkpoint workarounds: the distributed optimizer's Adam state, its loading and its resharding metadata,
+  megatron-core's sharded-key renaming (``initialise_adam_state``, ``load_optimizer_state``, ``restore_adam_step``,
+  ``DISTRIB_OPTIMIZER_METADATA``, ``by_sharded_key``).
 """
 
 from __future__ import annotations
@@ -555,11 +555,13 @@ def shorten_elastic_shutdown(seconds: int) -> None:
 
 # -- checkpoint format workarounds --
 
-# megatron-core's default sharding of the distributed optimizer's state, "fully_sharded_model_space"
-# (optimizer/distrib_optimizer.py:1224-1226, checked on 0.16.1), does not load at another TP/PP/DP: the load fails
-# with "ShardedTensor.flattened_range is not supported" (shared/notes/megatron-core-on-cpu.md, item 9).
-# "fully_reshardable" (distrib_optimizer.py:1192-1196) saves one state tensor per model parameter, which every rank
-# slices for itself on load, at any layout.
+# How our saves shard the distributed optimizer's state (checked on megatron-core 0.16.1). megatron-core's default
+# where the metadata names none, "fully_sharded_model_space" (optimizer/distrib_optimizer.py:1224-1226), builds
+# flattened tensors its own dist_checkpointing refuses, "ShardedTensor.flattened_range is not supported"
+# (dist_checkpointing/mapping.py:134; docs/megatron-core-on-cpu.md, item 9); Megatron-LM's default, "dp_reshardable"
+# (:1187-1191), loads only at the tensor/pipeline layout it was saved at. "fully_reshardable" (:1192-1196) saves one
+# state tensor per model parameter, which every rank slices for itself on load, at any layout. A load builds its
+# state with the metadata the checkpoint records (training/backends/megatron.py ``_saved_metadata``).
 DISTRIB_OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
@@ -594,6 +596,26 @@ def initialise_adam_state(optimizer, is_loading: bool) -> None:
         part.init_state_fn(inner, part.config)
         for state in inner.state.values():
             state.setdefault("step", torch.tensor(0.0))
+
+
+def load_optimizer_state(optimizer, state_dict) -> None:
+    """``optimizer.load_state_dict(state_dict)`` with autograd off (checked on megatron-core 0.16.1).
+
+    Example::
+
+        load_optimizer_state(optimizer, loaded["optimizer"])
+        restore_adam_step(optimizer)
+
+    The distributed optimizer's fp32 main parameters are views of the model's parameters, which require grad
+    (``optimizer/distrib_optimizer.py:421``). Loading the ``dp_reshardable`` state (Megatron-LM's default) copies
+    into them (``_set_main_param_and_optimizer_states``, :940) without the ``torch.no_grad()`` that the loads of
+    the other formats carry (:1806, :2069), and raises "a view of a leaf Variable that requires grad is being used
+    in an in-place operation".
+    """
+    import torch
+
+    with torch.no_grad():
+        optimizer.load_state_dict(state_dict)
 
 
 def restore_adam_step(optimizer) -> None:

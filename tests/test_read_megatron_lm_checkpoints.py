@@ -5,9 +5,13 @@ The checkpoints hold a tiny random LLaMA laid out as Megatron-LM's trainer lays 
 (megatron/training/checkpointing.py at core_v0.16.1): ``iter_0000005/`` named by a tracker holding ``5``, no
 description or tokenizer directory of ours, no ``args.megatron_patch`` (our own field), ``iteration`` 5. The
 torch_dist one is saved from two tensor-parallel ranks (the model's sharded state under "model", Megatron-LM's
-common state beside it); the legacy one is a TP=2 x PP=2 conversion's ``mp_rank_TT_PPP`` files, so renamed. What
-a Megatron-LM save has besides (optimizer, scheduler and RNG state) the model does not need, and the trainer loads
-such a checkpoint as --finetune or --no-load-optim.
+common state beside it); the legacy one is a TP=2 x PP=2 conversion's ``mp_rank_TT_PPP`` files, so renamed. They
+hold no optimizer state (as Megatron-LM's --no-save-optim), and the trainer loads them as --finetune or
+--no-load-optim.
+
+A training run's save with its optimizer is written as Megatron-LM 0.16.1 writes one (``save_as_megatron_lm_run``:
+the distributed optimizer's state in its ``dp_reshardable`` buckets, the content metadata, scheduler, iteration and
+consumed samples in common.pt); a plain ``--load`` resumes it where the saving run would have gone on.
 """
 
 import argparse
@@ -21,6 +25,7 @@ import pytest
 import torch
 
 from megatron_patch.checkpoint.format import CheckpointMismatch, info_from_megatron_lm, load_megatron_file, read_info
+from megatron_patch.errors import UserError
 from megatron_patch.testing import run_on_ranks
 from tests.convert_oracles import _fixed_data_pretrainer, cli, hf_reference, make_hf_model, training_sequences
 
@@ -214,3 +219,197 @@ def test_rank_file_with_megatron_lm_types_loads_and_leaves_the_safe_globals(tmp_
                 "rng_state": [{"np_rng_state": numpy.random.get_state()}]}, path)
     assert load_megatron_file(path)["args"].model_type == ModelType.encoder_or_decoder
     assert argparse.Namespace in torch.serialization.get_safe_globals()
+
+
+# The Megatron-LM run saves after SAVED_AT iterations; the resumed run and its reference go on to 4. The schedule
+# (a warm-up iteration at lr 0, cosine decay over 8) does not depend on --train-iters, so every run shares it.
+SAVED_AT = 2
+RUN_FLAGS = ["--micro-batch-size", "2", "--global-batch-size", "4", "--seq-length", "16", "--lr", "1e-3",
+             "--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--lr-decay-iters", "8", "--seed", "3",
+             "--log-interval", "1"]
+
+
+def save_as_megatron_lm_run(trainer, out: str) -> None:
+    """Save ``trainer``'s model, optimizer and scheduler in ``out`` as Megatron-LM 0.16.1's ``save_checkpoint``
+    does (megatron/training/checkpointing.py at core_v0.16.1): ``_build_sharded_state_dict_metadata``'s metadata
+    (the distributed optimizer's default 'dp_reshardable' without --dist-ckpt-optim-fully-reshardable) for the
+    model's and the optimizer's sharded state alike (``generate_state_dict``), saved as common.pt's
+    ``content_metadata`` beside ``args`` (the layout, ``consumed_train_samples``), ``iteration``,
+    ``opt_param_scheduler`` and the RNG state as a ShardedObject (``get_rng_state``)."""
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    from megatron_patch.checkpoint.format import megatron_lm_common_state
+
+    distributed = trainer.config.training.use_distributed_optimizer
+    metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    if distributed:
+        metadata["distrib_optim_sharding_type"] = "dp_reshardable"
+    state = megatron_lm_common_state(
+        trainer.checkpoint_info, trainer.iteration, consumed_train_samples=trainer.consumed_samples,
+        use_distributed_optimizer=distributed, data_parallel_size=parallel_state.get_data_parallel_world_size(),
+        world_size=torch.distributed.get_world_size())
+    del state["args"].megatron_patch  # our own field; Megatron-LM's args lack it
+    with_group = {**metadata, "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
+    [chunk] = trainer.model
+    while hasattr(chunk, "module"):  # Megatron-LM's unwrap_model: DDP and Float16Module off
+        chunk = chunk.module
+    state["model"] = chunk.sharded_state_dict(metadata=dict(with_group))
+    state["optimizer"] = trainer.optimizer.sharded_state_dict(state, metadata=dict(with_group))
+    state["opt_param_scheduler"] = trainer.lr_scheduler.state_dict()
+    state["rng_state"] = ShardedObject("rng_state", [{"torch_rng_state": torch.get_rng_state()}], (1, 1), (0, 0),
+                                       replica_id=parallel_state.get_data_parallel_rank())
+    state["num_floating_point_operations_so_far"] = 0
+    path = os.path.join(out, f"iter_{trainer.iteration:07d}")
+    if torch.distributed.get_rank() == 0:
+        os.makedirs(path)
+    torch.distributed.barrier()
+    dist_checkpointing.save(state, path, content_metadata=metadata)
+    if torch.distributed.get_rank() == 0:
+        with open(os.path.join(out, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(trainer.iteration))
+    torch.distributed.barrier()
+
+
+def _run(load: str, train_iters: int, sequences, flags):
+    from megatron_patch.training.engine import Engine
+
+    return _fixed_data_pretrainer(sequences)(
+        engine=Engine(["--load", load, "--train-iters", str(train_iters), *RUN_FLAGS, *flags]))
+
+
+def _optimizer_state(trainer) -> dict:
+    """This rank's Adam state (per parameter in order: the fp32 main parameter, its moments and step), the
+    scheduler's state, the iteration and the consumed samples."""
+    adam = [{"param": param.detach().clone(), **{k: v.clone() for k, v in part.optimizer.state[param].items()}}
+            for part in trainer.optimizer.chained_optimizers
+            for group in part.optimizer.param_groups for param in group["params"]]
+    return {"adam": adam, "scheduler": trainer.lr_scheduler.state_dict(), "iteration": trainer.iteration,
+            "consumed_samples": trainer.consumed_samples}
+
+
+def train_and_save_as_megatron_lm(rank, world_size, converted, out, sequences, flags):
+    """Train SAVED_AT iterations from ``converted`` and save them as Megatron-LM does in ``out``; return their
+    losses, the state saved, and the losses of an unbroken 4-iteration run (the reference for a resume)."""
+    saving = _run(converted, SAVED_AT, sequences, flags)
+    losses = saving.train().train_losses
+    save_as_megatron_lm_run(saving, out)
+    return {"losses": losses, "saved": _optimizer_state(saving),
+            "unbroken": _run(converted, 4, sequences, flags).train().train_losses}
+
+
+def resume(rank, world_size, load, sequences, flags):
+    """The state right after loading ``load`` (a run whose --train-iters it has reached), and the losses and
+    messages of resuming it up to iteration 4."""
+    loaded = _run(load, SAVED_AT, sequences, flags)
+    loaded.train()
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("rapidformer").addHandler(handler)
+    losses = _run(load, 4, sequences, flags).train().train_losses
+    return {"loaded": _optimizer_state(loaded), "losses": losses, "messages": messages}
+
+
+@pytest.mark.parametrize("world_size, flags", [
+    (1, ["--use-distributed-optimizer"]), (2, ["--use-distributed-optimizer", "--bf16"]), (1, ["--bf16"]),
+], ids=["distributed-dp1-fp32", "distributed-dp2-bf16", "plain-bf16"])
+def test_trainer_resumes_megatron_lm_optimizer_state(checkpoints, tmp_path, world_size, flags):
+    """Failed before: the distributed optimizer's 'dp_reshardable' state did not load ("KeyError:
+    optimizer.state.param.decoder.final_layernorm.weight from model not in state dict": the state to load was built
+    as our 'fully_reshardable'), and in bf16 the loaded conversion's weights were lost at the first step (the
+    optimizer's main parameters kept the weights the model was built with)."""
+    _, made = checkpoints
+    converted, _ = made["torch_dist-tp2"]  # our TP=1 conversion
+    out = str(tmp_path / "megatron-lm")
+    sequences = training_sequences()
+    saves = run_on_ranks(train_and_save_as_megatron_lm, world_size, args=(converted, out, sequences, flags),
+                         timeout=400)
+    resumes = run_on_ranks(resume, world_size, args=(out, sequences, flags), timeout=400)
+    common = load_megatron_file(os.path.join(out, f"iter_{SAVED_AT:07d}", "common.pt"))
+    distributed = "--use-distributed-optimizer" in flags
+    assert common["args"].consumed_train_samples == SAVED_AT * 4 and common["iteration"] == SAVED_AT
+    assert common["content_metadata"].get("distrib_optim_sharding_type") == (
+        "dp_reshardable" if distributed else None)
+    assert (common["optimizer"].get("param_state_sharding_type") == "dp_reshardable") == distributed
+    for rank, (save, resumed) in enumerate(zip(saves, resumes)):
+        # The warm-up iteration (lr 0) leaves the loaded weights as they were.
+        assert save["losses"][1][1] == save["losses"][0][1], save["losses"]
+        saved, loaded = save["saved"], resumed["loaded"]
+        assert (loaded["iteration"], loaded["consumed_samples"]) == (SAVED_AT, SAVED_AT * 4)
+        assert loaded["scheduler"] == saved["scheduler"] and saved["scheduler"]["num_steps"] == SAVED_AT * 4
+        assert len(loaded["adam"]) == len(saved["adam"]) > 0
+        for got, expected in zip(loaded["adam"], saved["adam"]):
+            assert got.keys() == expected.keys() >= {"param", "exp_avg", "exp_avg_sq", "step"}
+            assert int(got["step"]) == SAVED_AT, (rank, got["step"])
+            for key in expected:
+                assert torch.equal(got[key], expected[key]), (rank, key)
+        # Iterations 3 and 4 are those of the run that did not stop.
+        assert resumed["losses"] == save["unbroken"][SAVED_AT:], (resumed["losses"], save["unbroken"])
+    # The last rank logs (it holds the loss).
+    assert f"successfully loaded checkpoint from {out} at iteration {SAVED_AT}" in resumes[-1]["messages"]
+    if not distributed:
+        # The plain optimizer's state is keyed by parameter, not laid out as the distributed optimizer's.
+        [[refusal]] = run_on_ranks(refusals, 1, args=(sequences, [(out, [*flags, "--use-distributed-optimizer"])]),
+                                   timeout=400)
+        assert refusal == (
+            f"--load {out}: {os.path.join(out, f'iter_{SAVED_AT:07d}')} holds the state of an optimizer saved "
+            "without the distributed optimizer, which megatron-core does not load into one; resume without "
+            "--use-distributed-optimizer and --zero-*-memory-optimization, or pass --finetune or --no-load-optim to "
+            "load the model alone")
+
+
+def refusals(rank, world_size, sequences, loads):
+    """The one-line error of resuming each ``(directory, flags)`` of ``loads``."""
+    errors = []
+    for load, flags in loads:
+        with pytest.raises(UserError) as refused:
+            _run(load, 4, sequences, flags).train()
+        errors.append(str(refused.value))
+    return errors
+
+
+def as_before_megatron_core_0_13(saved: str, out: str) -> str:
+    """A copy of the Megatron-LM save ``saved`` as one from before megatron-core 0.13 records it: no content
+    metadata, the distributed optimizer's state sharded as 'fully_sharded_model_space' (its default then, with
+    --ckpt-fully-parallel-save)."""
+    shutil.copytree(saved, out)
+    path = os.path.join(out, f"iter_{SAVED_AT:07d}", "common.pt")
+    common = load_megatron_file(path)
+    del common["content_metadata"]
+    common["optimizer"]["param_state_sharding_type"] = "fully_sharded_model_space"
+    torch.save(common, path)
+    return out
+
+
+def test_megatron_lm_optimizer_buckets_reshard_across_data_parallel_ranks_only(checkpoints, tmp_path):
+    """Failed before: any resume of the 'dp_reshardable' state failed on the missing keys. megatron-core reshards
+    that state across data-parallel ranks, not to another tensor/pipeline layout or another optimizer, and reads
+    no 'fully_sharded_model_space' state at all: the trainer says so before its loader fails."""
+    _, made = checkpoints
+    converted, _ = made["torch_dist-tp2"]
+    out = str(tmp_path / "megatron-lm")
+    sequences = training_sequences()
+    distributed = ["--use-distributed-optimizer"]
+    [save] = run_on_ranks(train_and_save_as_megatron_lm, 1, args=(converted, out, sequences, distributed),
+                          timeout=400)
+    # At DP=2 the same global batch is split over two ranks: equal to float rounding (the reduction order).
+    resumed = run_on_ranks(resume, 2, args=(out, sequences, distributed), timeout=400)
+    for rank in resumed:
+        assert [i for i, _ in rank["losses"]] == [3, 4]
+        assert [loss for _, loss in rank["losses"]] == pytest.approx(
+            [loss for _, loss in save["unbroken"][SAVED_AT:]], rel=1e-5)
+    old = as_before_megatron_core_0_13(out, str(tmp_path / "before-0.13"))
+    at_tp2, without, flattened = run_on_ranks(refusals, 2, args=(sequences, [
+        (out, [*distributed, "--tensor-model-parallel-size", "2"]), (out, []), (old, distributed)]), timeout=400)[0]
+    path = os.path.join(out, f"iter_{SAVED_AT:07d}")
+    assert at_tp2 == (
+        f"--load {out}: {path} holds the distributed optimizer's state in its buckets ('dp_reshardable'), which "
+        "megatron-core loads only at the tensor/pipeline layout it was saved at and with --use-distributed-optimizer: "
+        "saved at TP=1 PP=1 VPP=1 DP=1, requested TP=2 PP=1 VPP=1 DP=1; resume at TP=1 PP=1 VPP=1 with "
+        "--use-distributed-optimizer, pass --finetune or --no-load-optim to load the model alone, or resave it with "
+        "Megatron-LM's --dist-ckpt-optim-fully-reshardable")
+    assert "requested TP=1 PP=1 VPP=1 DP=2 without the distributed optimizer" in without, without
+    assert flattened.startswith(f"--load {old}: ") and flattened.endswith(
+        "('fully_sharded_model_space', Megatron-LM's before megatron-core 0.13), which megatron-core 0.16.1 no longer "
+        "reads; pass --finetune or --no-load-optim to load the model alone"), flattened

@@ -20,13 +20,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 from typing import Callable
 
 import torch
 
 from megatron_patch import compat
 from megatron_patch.checkpoint.format import (
-    RELEASE, CheckpointInfo, checkpoint_dir, megatron_lm_common_state, read_info, weights_dir,
+    RELEASE, CheckpointInfo, checkpoint_dir, load_megatron_file, megatron_lm_common_state, read_info,
+    weights_dir,
 )
 from megatron_patch.checkpoint.integrity import write_and_checksum, write_rank_checksums
 from megatron_patch.checkpoint.load import load_into_chunks
@@ -230,17 +232,20 @@ def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     return chunk.module if hasattr(chunk, "ddp_config") else chunk
 
 
-def _megatron_state(model, optimizer, scheduler, is_loading: bool, with_optimizer: bool) -> dict:
+def _megatron_state(model, optimizer, scheduler, is_loading: bool, with_optimizer: bool, metadata: dict) -> dict:
+    """The sharded state of the model chunks (with the optimizer's and the scheduler's state) that megatron-core
+    builds from ``metadata``, given to the model and the optimizer alike as in Megatron-LM's
+    ``generate_state_dict``: a checkpoint loads into the state built with the metadata it was saved with."""
     chunks = [_unwrap(c) for c in model]
+    # Copies: megatron-core adds its data-parallel group to the dict it is given (ensure_metadata_has_dp_cp_group).
     if len(chunks) == 1:
-        state = {"model": chunks[0].sharded_state_dict()}
+        state = {"model": chunks[0].sharded_state_dict(metadata=dict(metadata))}
     else:
-        state = {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
+        state = {f"model{i}": c.sharded_state_dict(metadata=dict(metadata)) for i, c in enumerate(chunks)}
     if with_optimizer:
         model_state = {k: v for k, v in state.items() if k.startswith("model")}
         compat.initialise_adam_state(optimizer, is_loading)
-        state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading,
-                                                          metadata=compat.DISTRIB_OPTIMIZER_METADATA)
+        state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading, metadata=dict(metadata))
         if scheduler is not None:
             state["opt_param_scheduler"] = scheduler.state_dict()
     return state
@@ -266,7 +271,8 @@ def save_megatron_checkpoint(root: str, iteration: int, chunks: list, optimizer,
     from megatron.core import dist_checkpointing
 
     def write_state(staging: str, rank: int, checksums: dict, finalize: Callable[[], None]) -> None:
-        state = _megatron_state(chunks, optimizer, scheduler, is_loading=False, with_optimizer=True)
+        state = _megatron_state(chunks, optimizer, scheduler, is_loading=False, with_optimizer=True,
+                                metadata=compat.DISTRIB_OPTIMIZER_METADATA)
         # dist_checkpointing.save writes the state's non-sharded entries to common.pt (rank 0), which
         # write_checksums covers.
         state.update(megatron_lm_common_state(info, iteration, **(run_args or {})) if info is not None
@@ -291,17 +297,28 @@ def save_megatron_checkpoint(root: str, iteration: int, chunks: list, optimizer,
 
 
 def load_megatron_checkpoint(root: str, chunks: list, optimizer, scheduler, **options) -> int:
-    """Load ``root``'s latest checkpoint into model chunks at any TP/PP (``options``: training/checkpointing.py
-    ``load_checkpoint``'s): ours or Megatron-LM's torch_dist, or the model alone of a converted (``release``) or
-    Megatron-LM per-rank checkpoint."""
+    """Load ``root``'s latest checkpoint into model chunks (``options``: training/checkpointing.py
+    ``load_checkpoint``'s): ours or Megatron-LM's torch_dist with its optimizer and scheduler, their sharded state
+    built with the metadata the checkpoint records (``_saved_metadata``: ours load at any TP/PP/DP, Megatron-LM's
+    default distributed-optimizer state at its TP/PP and any DP), or the model alone of a converted (``release``)
+    or Megatron-LM per-rank checkpoint.
+
+    Example::
+
+        iteration = load_megatron_checkpoint("ckpt", chunks, optimizer, scheduler, load_fallback=True)
+    """
 
     def read_state(path: str, with_optimizer: bool, finetune: bool) -> None:
         from megatron.core import dist_checkpointing
         from megatron.core.dist_checkpointing.validation import StrictHandling
 
+        common = load_megatron_file(os.path.join(path, "common.pt"))
+        metadata = _saved_metadata(common)
         if with_optimizer:
             _require_optimizer_state(root, path)
-        state = _megatron_state(chunks, optimizer, scheduler, is_loading=True, with_optimizer=with_optimizer)
+            _check_optimizer_layout(root, path, metadata, common.get("args"), optimizer)
+        state = _megatron_state(chunks, optimizer, scheduler, is_loading=True, with_optimizer=with_optimizer,
+                                metadata=metadata)
         if finetune:
             # --finetune may put a new head on the loaded weights (a classifier on a pretrained BERT): tensors the
             # checkpoint lacks keep their initialisation, as Megatron-LM's tasks/finetune_utils.py loads its
@@ -314,18 +331,31 @@ def load_megatron_checkpoint(root: str, chunks: list, optimizer, scheduler, **op
         for i, module in enumerate(modules):
             module.load_state_dict(loaded["model" if len(modules) == 1 else f"model{i}"], strict=not finetune)
         if with_optimizer:
-            optimizer.load_state_dict(loaded["optimizer"])
+            compat.load_optimizer_state(optimizer, loaded["optimizer"])
             compat.restore_adam_step(optimizer)
             if scheduler is not None and "opt_param_scheduler" in loaded:
                 scheduler.load_state_dict(loaded["opt_param_scheduler"])
+        else:
+            _reload_main_params(optimizer)
 
     def load_converted(root: str, iteration, with_optimizer: bool, finetune: bool) -> int:
         if iteration == RELEASE:
-            return _load_release(root, chunks, logger)
-        return _load_legacy(root, iteration, chunks, with_optimizer, finetune, logger)
+            start = _load_release(root, chunks, logger)
+        else:
+            start = _load_legacy(root, iteration, chunks, with_optimizer, finetune, logger)
+        _reload_main_params(optimizer)
+        return start
 
     logger = options.get("logger") or logging.getLogger(__name__)
     return checkpointing.load_checkpoint(root, read_state, megatron=True, load_converted=load_converted, **options)
+
+
+def _reload_main_params(optimizer) -> None:
+    """Copy freshly loaded weights into the optimizer's fp32 main parameters (fp16/bf16 runs; a no-op in fp32),
+    which were made from the weights the model was built with: its first step would write them back over the
+    loaded ones. Megatron-LM's ``load_checkpoint`` does the same when it loads a model without its optimizer."""
+    if optimizer is not None:
+        optimizer.reload_model_params()
 
 
 def _require_optimizer_state(root: str, path: str) -> None:
@@ -336,6 +366,95 @@ def _require_optimizer_state(root: str, path: str) -> None:
     if not any(key.startswith("optimizer.") for key in dist_checkpointing.load_tensors_metadata(path)):
         raise UserError(f"--load {root}: {path} has no optimizer state; pass --finetune or --no-load-optim to load "
                         "its model")
+
+
+def _saved_metadata(common: dict) -> dict:
+    """The metadata ``common`` (a checkpoint's common.pt) says its sharded state was built with, which the state
+    that loads it must be built with too, as Megatron-LM's ``load_checkpoint`` does
+    (``dist_checkpointing.load_content_metadata``, megatron/training/checkpointing.py at core_v0.16.1).
+
+    Example::
+
+        _saved_metadata(load_megatron_file("ckpt/iter_0000100/common.pt"))
+        # Megatron-LM's: {'distrib_optim_sharding_type': 'dp_reshardable', 'singleton_local_shards': False,
+        #                 'chained_optim_avoid_prefix': True}
+
+    Megatron-LM has recorded it since megatron-core 0.13. Our saves (``compat.DISTRIB_OPTIMIZER_METADATA``) and
+    older Megatron-LM ones do not; for them the distributed optimizer's own record of its sharding stands in
+    (``param_state_sharding_type``, beside its state: distrib_optimizer.py ``sharded_state_dict``).
+    """
+    from megatron.core import dist_checkpointing
+
+    saved = dist_checkpointing.load_content_metadata(preloaded_state_dict=common)
+    if saved is not None:
+        return dict(saved)
+    recorded = _recorded_sharding(common.get("optimizer"))
+    return {"distrib_optim_sharding_type": recorded} if recorded else dict(compat.DISTRIB_OPTIMIZER_METADATA)
+
+
+def _recorded_sharding(optimizer_state) -> str | None:
+    """The distributed optimizer's ``param_state_sharding_type`` in a common.pt's optimizer entry (one per
+    optimizer of a chained one, keyed by its index); None for another optimizer's."""
+    if not isinstance(optimizer_state, dict):
+        return None
+    if "param_state_sharding_type" in optimizer_state:
+        return optimizer_state["param_state_sharding_type"]
+    return next(filter(None, map(_recorded_sharding, optimizer_state.values())), None)
+
+
+def _check_optimizer_layout(root: str, path: str, metadata: dict, args, optimizer) -> None:
+    """Refuse, in one line naming the saved and the requested layout and the fix, an optimizer state megatron-core
+    cannot load at this layout or into this optimizer, before its loader fails on missing keys or mismatched
+    buckets (``args``: the saving run's, from common.pt).
+
+    Megatron-LM's default, ``dp_reshardable`` (and the older ``dp_zero_gather_scatter``), holds the state in the
+    distributed optimizer's own buckets, which follow the tensor/pipeline layout: megatron-core reshards it across
+    data-parallel ranks only (distrib_optimizer.py ``sharded_state_dict``), and Megatron-LM refuses a TP/PP change
+    likewise (training/checkpointing.py ``load_checkpoint``: "(TP, PP) mismatch after resume"). Megatron-LM's
+    default before megatron-core 0.13, ``fully_sharded_model_space``, stores flattened slices of each parameter's
+    state, which megatron-core 0.16.1 no longer reads at any layout (dist_checkpointing/mapping.py:134,
+    "ShardedTensor.flattened_range is not supported"). A run without the distributed optimizer records no sharding
+    (``_build_sharded_state_dict_metadata``); its state is keyed by parameter, not laid out as the distributed
+    optimizer's.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    sharding = metadata.get("distrib_optim_sharding_type")
+    distributed = all(isinstance(part, DistributedOptimizer)
+                      for part in getattr(optimizer, "chained_optimizers", [optimizer]))
+    model_alone = "pass --finetune or --no-load-optim to load the model alone"
+    if sharding is None:
+        if distributed:
+            raise UserError(f"--load {root}: {path} holds the state of an optimizer saved without the distributed "
+                            "optimizer, which megatron-core does not load into one; resume without "
+                            f"--use-distributed-optimizer and --zero-*-memory-optimization, or {model_alone}")
+        return
+    if sharding == "fully_sharded_model_space":
+        raise UserError(f"--load {root}: {path} holds the distributed optimizer's state as flattened slices "
+                        f"('{sharding}', Megatron-LM's before megatron-core 0.13), which megatron-core "
+                        f"{compat.SUPPORTED_MEGATRON_CORE} no longer reads; {model_alone}")
+    if sharding in DistributedOptimizer.checkpoint_fully_reshardable_formats:
+        return
+    saved = (getattr(args, "tensor_model_parallel_size", 1), getattr(args, "pipeline_model_parallel_size", 1),
+             getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
+    requested = (parallel_state.get_tensor_model_parallel_world_size(),
+                 parallel_state.get_pipeline_model_parallel_world_size(),
+                 parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1)
+    if saved == requested and distributed:
+        return
+    layout = "TP={} PP={} VPP={}".format
+    # The data-parallel sizes may differ; named for the reader.
+    saved_dp = getattr(args, "data_parallel_size", None)
+    saved_text = layout(*saved) + (f" DP={saved_dp}" if saved_dp else "")
+    requested_text = layout(*requested) + f" DP={parallel_state.get_data_parallel_world_size()}" + (
+        "" if distributed else " without the distributed optimizer")
+    raise UserError(
+        f"--load {root}: {path} holds the distributed optimizer's state in its buckets ('{sharding}'), which "
+        "megatron-core loads only at the tensor/pipeline layout it was saved at and with "
+        f"--use-distributed-optimizer: saved at {saved_text}, requested {requested_text}; resume at "
+        f"{layout(*saved)} with --use-distributed-optimizer, {model_alone}, or resave it with Megatron-LM's "
+        "--dist-ckpt-optim-fully-reshardable")
 
 
 def _check_finetune_coverage(path: str, state: dict, absent: set, logger) -> None:
