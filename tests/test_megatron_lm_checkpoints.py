@@ -165,8 +165,8 @@ def train_and_resume(rank, world_size, converted, trained, sequences):
 
 
 def test_trainer_checkpoint_carries_megatron_lm_args_and_its_load_is_logged(llama, tmp_path):
-    """Failed before: the trainer's common.pt had no args (Megatron-LM resumed at consumed sample 0), and no load
-    logged Megatron-LM's line."""
+    """Failed before: the trainer's common.pt had no args (Megatron-LM resumed at consumed sample 0) nor the
+    content metadata its load reads, and no load logged Megatron-LM's line."""
     hf, hf_config, root = llama
     converted, trained = str(root / "dist"), str(tmp_path / "trained")
     if not os.path.isdir(converted):
@@ -184,5 +184,8 @@ def test_trainer_checkpoint_carries_megatron_lm_args_and_its_load_is_logged(llam
         expected = dict(_expected(hf_config, info["padded_vocab_size"]), seq_length=16,
                         consumed_train_samples=iteration * 4, consumed_valid_samples=0)
         _check_args(common["args"], expected)
+        # What Megatron-LM's load builds its state with (load_content_metadata); without it, it would take the
+        # distributed optimizer's state for another format than the one saved.
+        assert common["content_metadata"]["distrib_optim_sharding_type"] == "fully_reshardable"
         with open(os.path.join(path, "checksums.json")) as f:
             assert "common.pt" in json.load(f)["files"]

@@ -137,6 +137,11 @@ def _save_rng(path: str, rank: int) -> dict:
 def _load_rng(path: str, rank: int, logger) -> None:
     # verify_checkpoint found every rank's file of the world size the checkpoint was saved at; none for this
     # rank, or another world size in it, means a resume at another world size.
+    if not os.path.isdir(os.path.join(path, os.path.dirname(rng_file(rank)))):
+        # Megatron-LM keeps its RNG state in its own common.pt/rank files, in a form not read here.
+        logger.warning(f"{path}: no RNG state of this trainer (saved by Megatron-LM?); keeping the seeded RNG "
+                       "(as --no-load-rng)")
+        return
     file = os.path.join(path, rng_file(rank))
     state = torch.load(file, weights_only=False) if os.path.isfile(file) else None
     if state is None or state["world_size"] != torch.distributed.get_world_size():

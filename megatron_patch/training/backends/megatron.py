@@ -281,7 +281,10 @@ def save_megatron_checkpoint(root: str, iteration: int, chunks: list, optimizer,
         # synchronous save does: strategies/base.py:212), so that its write function can be wrapped. The RNG file
         # was written into staging before: dist_checkpointing.save only warns about a non-empty directory
         # (serialization.py:383).
-        request = dist_checkpointing.save(state, staging, async_sharded_save=True)
+        # content_metadata: the metadata the state was built with, which Megatron-LM's load reads back
+        # (load_content_metadata) to build the state it loads into; without it, it guesses another optimizer format.
+        request = dist_checkpointing.save(state, staging, async_sharded_save=True,
+                                          content_metadata=dict(compat.DISTRIB_OPTIMIZER_METADATA))
         if request.async_fn is None:  # this rank holds only replicas another rank writes: no .distcp of its own
             write_rank_checksums(staging, rank, checksums)
         else:
