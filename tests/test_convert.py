@@ -69,7 +69,8 @@ DECODERS = ["llama-gqa", "llama3.1", "mistral", "qwen2", "qwen3"]
 def test_greedy_tokens_match_transformers_at_tp2(converted, name):
     hf, dist, _, root = converted[name]
     out = str(root / f"{name}-greedy-exported")
-    assert run_on_ranks(cli, 1, args=(["megatron-to-hf", "--load-dir", dist, "--save-dir", out, "--no-progress"],)) == [0]
+    export = ["megatron-to-hf", "--load-dir", dist, "--save-dir", out, "--no-progress"]
+    assert run_on_ranks(cli, 1, args=(export,)) == [0]
     prompt, new_tokens = training_sequences()[0][:6], 10
     ranks = run_on_ranks(megatron_greedy_at, 2, args=(dist, 2, prompt, new_tokens), timeout=300)
     [source] = run_on_ranks(hf_greedy, 1, args=(hf, prompt, new_tokens))

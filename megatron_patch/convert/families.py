@@ -10,7 +10,8 @@ Example::
 
 A rule names the Hugging Face tensor(s), the megatron-core tensor (names of a TP=1, PP=1 model's
 ``state_dict()``; ``{}`` is the layer index) and the transforms between them (``transforms.TRANSFORMS``).
-GPT-2, LLaMA, Mistral, Qwen2 and Qwen3 differ only in their tables and config fields; nothing here branches on a model's name.
+GPT-2, LLaMA, Mistral, Qwen2 and Qwen3 differ only in their tables and config fields; nothing here branches on a
+model's name.
 """
 
 from __future__ import annotations

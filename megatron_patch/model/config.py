@@ -8,8 +8,9 @@ Example::
     config = get_model_config("qwen2-0.5b", num_layers=2)      # keyword overrides, validated again
 
 GPT-2, LLaMA, Mistral, Qwen2 and Qwen3 are one GPT definition that differs in fields (normalization, position
-embedding and its scaling, activation, biases, query/key norms, query groups, tied embeddings); BERT adds token types, a binary head and the place of its
-layer norms. Field names follow megatron-core's ``TransformerConfig`` and Megatron-LM's flags.
+embedding and its scaling, activation, biases, query/key norms, query groups, tied embeddings); BERT adds token
+types, a binary head and the place of its layer norms. Field names follow megatron-core's ``TransformerConfig``
+and Megatron-LM's flags.
 """
 
 from __future__ import annotations
