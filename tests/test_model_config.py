@@ -204,6 +204,16 @@ def test_qwen3_and_llama31_flags_reach_the_model():
         get_model_config("tiny-gpt2", rope_scaling=True)
 
 
+@pytest.mark.parametrize("name", ["tiny-qwen3", "llama3.1-8b"])
+def test_qk_norms_and_rope_scaling_survive_megatron_lm_args(name):
+    from megatron_patch.checkpoint.format import CheckpointInfo, info_from_megatron_lm, megatron_lm_common_state
+
+    config = get_model_config(name, rope_scaling_factor=32.0) if name == "llama3.1-8b" else get_model_config(name)
+    info = CheckpointInfo(format="torch_dist", model_config=config, padded_vocab_size=config.vocab_size)
+    state = megatron_lm_common_state(info, iteration=0)
+    assert info_from_megatron_lm(state, "torch_dist", "common.pt").model_config == config
+
+
 def test_a_new_shape_derives_the_default_sizes_again():
     """Failed before (get_model_config was dataclasses.replace of the entry with its sizes resolved): gpt2-124m at
     hidden 64 with 4 heads kept hidden 768's 3072-wide MLP, its 12 query groups and 64-wide heads."""
