@@ -19,6 +19,21 @@ HF_MODELS = {
                                       tie_word_embeddings=False, **_SMALL), "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", dict(num_hidden_layers=4, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
                                   intermediate_size=48, tie_word_embeddings=True, **_SMALL), "Qwen2ForCausalLM"),
+    "mistral": ("MistralConfig", dict(num_hidden_layers=4, hidden_size=32, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=48, tie_word_embeddings=False,
+                                      **_SMALL), "MistralForCausalLM"),
+    # head_dim 16, not hidden / heads = 8: the q/k norms and projections follow head_dim.
+    "qwen3": ("Qwen3Config", dict(num_hidden_layers=4, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                  head_dim=16, intermediate_size=48, tie_word_embeddings=True, **_SMALL),
+              "Qwen3ForCausalLM"),
+    # LLaMA 3.1's scaled RoPE. At 16 positions the scaled low frequencies move random-init logits by ~1e-5 only;
+    # weights of std 0.2 sharpen attention until unscaled RoPE is 3e-3 off, far above the 1e-4 the test allows.
+    "llama3.1": ("LlamaConfig", dict(num_hidden_layers=4, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                     head_dim=16, intermediate_size=48, tie_word_embeddings=False,
+                                     initializer_range=0.2, rope_parameters=dict(
+                                         rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
+                                         high_freq_factor=4.0, original_max_position_embeddings=8192), **_SMALL),
+                 "LlamaForCausalLM"),
     "bert-pretraining": ("BertConfig", _BERT, "BertForPreTraining"),
     "bert-mlm": ("BertConfig", _BERT, "BertForMaskedLM"),
     "bert-encoder": ("BertConfig", _BERT, "BertModel"),
@@ -153,6 +168,28 @@ def megatron_greedy(chunks, info, prompt: list[int], new_tokens: int) -> list[in
     return tokens[0, len(prompt):].tolist()
 
 
+def megatron_greedy_at(rank, world_size, megatron_dir, tp, prompt, new_tokens):
+    """Greedy decoding by the converted checkpoint loaded at TP=``tp`` (every rank returns the tokens)."""
+    from megatron_patch.checkpoint.format import read_info
+    from megatron_patch.convert.verify import build_and_load
+
+    info = read_info(megatron_dir)
+    return megatron_greedy(build_and_load(megatron_dir, info, tp, 1, "float32"), info, prompt, new_tokens)
+
+
+def hf_greedy(rank, world_size, hf_dir, prompt, new_tokens):
+    """transformers' greedy ``generate`` of the model in ``hf_dir``."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    # No end-of-sequence token: a random model may emit it, and generate would stop early.
+    greedy = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0)
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         generation_config=greedy)
+    return out[0, len(prompt):].tolist()
+
+
 def train_converted(rank, world_size, argv, sequences, prompt, new_tokens):
     """Train with the GPT Pretrainer (flags ``argv``: ``--load`` a converted checkpoint, ``--save``); return the
     losses and the trained model's greedy continuation of ``prompt``."""
@@ -168,7 +205,7 @@ def hf_reference(rank, world_size, original_dir, exported_dir, sequences, padded
     """transformers' loss of the original model on ``sequences`` (what the trainer's first step must report)
     and the greedy ``generate`` of the exported model."""
     import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM
 
     batch = torch.tensor(sequences)
     with torch.no_grad():
@@ -176,9 +213,4 @@ def hf_reference(rank, world_size, original_dir, exported_dir, sequences, padded
     # Megatron's softmax also spans the padded vocabulary rows, whose output weights (zeros) give logit 0.
     logits = torch.nn.functional.pad(logits, (0, padded_vocab - logits.shape[-1]))
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).item()
-    exported = AutoModelForCausalLM.from_pretrained(exported_dir).eval()
-    # No end-of-sequence token: a random model may emit it, and generate would stop early.
-    greedy = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0)
-    out = exported.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                            generation_config=greedy)
-    return {"loss": loss, "tokens": out[0, len(prompt):].tolist()}
+    return {"loss": loss, "tokens": hf_greedy(rank, world_size, exported_dir, prompt, new_tokens)}

@@ -1,11 +1,16 @@
-"""HF -> Megatron -> HF for GPT-2, LLaMA (GQA), Qwen2 and BERT (three kinds): megatron-core's forward equals
-transformers' at TP=1, TP=2, PP=2 and TP=2 x PP=2, and every tensor comes back bit for bit, through both
-checkpoint formats and after a resharded save."""
+"""HF -> Megatron -> HF for GPT-2, LLaMA (GQA, LLaMA 3.1's scaled RoPE), Mistral, Qwen2, Qwen3 and BERT (three
+kinds): megatron-core's forward equals transformers' at TP=1, TP=2, PP=2 and TP=2 x PP=2, every tensor comes back
+bit for bit, through both checkpoint formats and after a resharded save, and the decoders' greedy tokens at TP=2
+are transformers' own; Hugging Face options our model cannot compute are refused by name."""
 
 import pytest
 
+from megatron_patch.convert.families import UnsupportedCheckpoint, family_for
 from megatron_patch.testing import run_on_ranks
-from tests.convert_oracles import HF_MODELS, assert_bit_exact, cli, make_hf_model, verify_layouts
+from tests.convert_oracles import (
+    HF_MODELS, assert_bit_exact, cli, hf_greedy, make_hf_model, megatron_greedy_at, training_sequences,
+    verify_layouts,
+)
 
 LAYOUTS = [(2, 1), (1, 2), (2, 2)]
 
@@ -55,3 +60,56 @@ def test_forward_matches_transformers_at_every_layout(converted, name):
                                                "--no-progress"],))
         assert status == 0
         assert_bit_exact(hf, out)
+
+
+DECODERS = ["llama-gqa", "llama3.1", "mistral", "qwen2", "qwen3"]
+
+
+@pytest.mark.parametrize("name", DECODERS)
+def test_greedy_tokens_match_transformers_at_tp2(converted, name):
+    hf, dist, _, root = converted[name]
+    out = str(root / f"{name}-greedy-exported")
+    export = ["megatron-to-hf", "--load-dir", dist, "--save-dir", out, "--no-progress"]
+    assert run_on_ranks(cli, 1, args=(export,)) == [0]
+    prompt, new_tokens = training_sequences()[0][:6], 10
+    ranks = run_on_ranks(megatron_greedy_at, 2, args=(dist, 2, prompt, new_tokens), timeout=300)
+    [source] = run_on_ranks(hf_greedy, 1, args=(hf, prompt, new_tokens))
+    [exported] = run_on_ranks(hf_greedy, 1, args=(out, prompt, new_tokens))
+    assert ranks[0] == ranks[1] == source == exported, (ranks, source, exported)
+
+
+_LLAMA3 = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+               original_max_position_embeddings=8192)
+_LLAMA = dict(model_type="llama", num_hidden_layers=2, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+              max_position_embeddings=64, vocab_size=100)
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(model_type="mistral", sliding_window=16), "sliding_window=16"),
+    (dict(model_type="qwen3", use_sliding_window=True), "use_sliding_window=True"),
+    (dict(model_type="qwen3", attention_bias=True), "attention_bias=True"),
+    (dict(rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0)), "RoPE scaling 'yarn'"),
+    (dict(rope_parameters={**_LLAMA3, "original_max_position_embeddings": 32}), "original_max_position_embeddings=32"),
+    (dict(rope_parameters={**_LLAMA3, "high_freq_factor": 2.0}), "high_freq_factor=2.0"),
+    (dict(rope_parameters={k: v for k, v in _LLAMA3.items() if k != "factor"}), "factor=None"),
+    (dict(rope_scaling=dict(type="linear", factor=2.0)), "RoPE scaling 'linear'"),
+])
+def test_options_our_model_cannot_compute_are_refused_by_name(fields, message):
+    config = {**_LLAMA, **fields}
+    with pytest.raises(UnsupportedCheckpoint, match=message):
+        family_for(config).config_from_hf(config)
+
+
+@pytest.mark.parametrize("fields,expected", [
+    (dict(model_type="mistral", sliding_window=None), dict(rope_scaling=False, qk_layernorm=False)),
+    (dict(model_type="mistral", sliding_window=64), dict(rope_scaling=False)),
+    (dict(model_type="qwen3", head_dim=16), dict(qk_layernorm=True, kv_channels=16, add_qkv_bias=False)),
+    (dict(rope_parameters=_LLAMA3), dict(rope_scaling=True, rope_scaling_factor=8.0, rotary_base=500000)),
+    # Files written before transformers 5: a top-level rope_theta and rope_scaling.
+    (dict(rope_theta=500000.0, rope_scaling={k: v for k, v in _LLAMA3.items() if k != "rope_theta"}),
+     dict(rope_scaling=True, rotary_base=500000)),
+])
+def test_config_fields_from_hugging_face(fields, expected):
+    config = {**_LLAMA, **fields}
+    model_config = family_for(config).config_from_hf(config)
+    assert {k: getattr(model_config, k) for k in expected} == expected

@@ -21,7 +21,8 @@ from megatron_patch.model.config import model_config_from_flags
 from megatron_patch.testing import run_on_ranks
 
 # Hugging Face's parameter counts of the same shapes (unpadded vocabulary): GPT2Model, LlamaForCausalLM,
-# Qwen2ForCausalLM, BertForPreTraining (encoder + pooler + MLM transform/bias + NSP head).
+# MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, BertForPreTraining (encoder + pooler + MLM transform/bias
+# + NSP head).
 HF_PARAMETERS = {
     "gpt2-124m": 124_439_808,
     "gpt2-355m": 354_823_168,
@@ -30,9 +31,15 @@ HF_PARAMETERS = {
     "llama2-7b": 6_738_415_616,
     "llama3.2-1b": 1_235_814_400,
     "llama3-8b": 8_030_261_248,
+    "llama3.1-8b": 8_030_261_248,
+    "mistral-7b": 7_241_732_096,
     "qwen2-0.5b": 494_032_768,
     "qwen2-1.5b": 1_543_714_304,
     "qwen2-7b": 7_615_616_512,
+    "qwen3-0.6b": 596_049_920,
+    "qwen3-1.7b": 1_720_574_976,
+    "qwen3-4b": 4_022_468_096,
+    "qwen3-8b": 8_190_735_360,
     "bert-base": 110_106_428,
     "bert-large": 336_226_108,
 }
@@ -41,7 +48,7 @@ HF_PARAMETERS = {
 def test_registry_has_real_and_debug_sizes():
     names = list_model_configs()
     assert set(HF_PARAMETERS) <= set(names)
-    assert {"tiny-gpt2", "tiny-llama", "tiny-qwen2", "tiny-bert"} <= set(names)
+    assert {"tiny-gpt2", "tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-bert"} <= set(names)
 
 
 @pytest.mark.parametrize("name", sorted(HF_PARAMETERS))
@@ -74,12 +81,14 @@ def _hf_parameters(config) -> int:
             vocab_size=config.vocab_size, n_positions=config.max_positions, n_embd=config.hidden_size,
             n_layer=config.num_layers, n_head=config.num_attention_heads, n_inner=config.ffn_hidden_size, **special)
     else:
-        model_class, config_class = ((transformers.Qwen2ForCausalLM, transformers.Qwen2Config) if config.add_qkv_bias
-                                     else (transformers.LlamaForCausalLM, transformers.LlamaConfig))
+        model_class, config_class = (
+            (transformers.Qwen3ForCausalLM, transformers.Qwen3Config) if config.qk_layernorm
+            else (transformers.Qwen2ForCausalLM, transformers.Qwen2Config) if config.add_qkv_bias
+            else (transformers.LlamaForCausalLM, transformers.LlamaConfig))
         hf_config = config_class(
             hidden_size=config.hidden_size, intermediate_size=config.ffn_hidden_size,
             num_hidden_layers=config.num_layers, num_attention_heads=config.num_attention_heads,
-            num_key_value_heads=config.num_query_groups,
+            num_key_value_heads=config.num_query_groups, head_dim=config.kv_channels,
             tie_word_embeddings=not config.untie_embeddings_and_output_weights, **common)
     with torch.device("meta"):
         return sum(p.numel() for p in model_class(hf_config).parameters())
@@ -177,6 +186,32 @@ def test_flags_override_named_config():
 
 def _sizes(config) -> tuple[int, int, int]:
     return config.ffn_hidden_size, config.num_query_groups, config.kv_channels
+
+
+def test_qwen3_and_llama31_flags_reach_the_model():
+    from megatron_patch.model.builder import to_transformer_config
+
+    parser = add_model_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--model-name", "tiny-llama", "--qk-layernorm", "--use-rope-scaling",
+                              "--rope-scaling-factor", "32"])
+    config = model_config_from_args(args)
+    assert (config.qk_layernorm, config.rope_scaling, config.rope_scaling_factor) == (True, True, 32.0)
+    assert to_transformer_config(config, ParallelConfig()).qk_layernorm
+    assert get_model_config("llama3.1-8b").rope_scaling and not get_model_config("llama3-8b").rope_scaling
+    # Qwen3's heads are 128 wide whatever hidden_size / heads is (1024 / 16 = 64 for the 0.6B).
+    assert get_model_config("qwen3-0.6b").kv_channels == 128
+    with pytest.raises(ValueError, match="--use-rope-scaling.*--position-embedding-type rope"):
+        get_model_config("tiny-gpt2", rope_scaling=True)
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3", "llama3.1-8b"])
+def test_qk_norms_and_rope_scaling_survive_megatron_lm_args(name):
+    from megatron_patch.checkpoint.format import CheckpointInfo, info_from_megatron_lm, megatron_lm_common_state
+
+    config = get_model_config(name, rope_scaling_factor=32.0) if name == "llama3.1-8b" else get_model_config(name)
+    info = CheckpointInfo(format="torch_dist", model_config=config, padded_vocab_size=config.vocab_size)
+    state = megatron_lm_common_state(info, iteration=0)
+    assert info_from_megatron_lm(state, "torch_dist", "common.pt").model_config == config
 
 
 def test_a_new_shape_derives_the_default_sizes_again():

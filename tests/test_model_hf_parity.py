@@ -1,4 +1,4 @@
-"""Our GPT-2, LLaMA, Qwen2, post-LN BERT and BERT sequence classifier compute what Hugging Face transformers
+"""Our GPT-2, LLaMA, Qwen2, Qwen3, post-LN BERT and BERT sequence classifier compute what Hugging Face transformers
 computes with the same weights.
 
 Weights are copied by hand here (the converter is a separate piece of work); a wrong layer-norm placement,
@@ -85,6 +85,9 @@ def _llama_weights(hf, config):
         if config.add_qkv_bias:
             weights[ours + "self_attention.linear_qkv.bias"] = _interleave_qkv(
                 *(sd[attn + f"{p}_proj.bias"] for p in "qkv"), groups)
+        if config.qk_layernorm:
+            weights[ours + "self_attention.q_layernorm.weight"] = sd[attn + "q_norm.weight"]
+            weights[ours + "self_attention.k_layernorm.weight"] = sd[attn + "k_norm.weight"]
     return weights
 
 
@@ -149,14 +152,24 @@ def _hf_gpt2(config):
 def _hf_llama_like(config):
     import transformers
 
-    cls, config_cls = ((transformers.Qwen2ForCausalLM, transformers.Qwen2Config) if config.add_qkv_bias
+    cls, config_cls = ((transformers.Qwen3ForCausalLM, transformers.Qwen3Config) if config.qk_layernorm
+                       else (transformers.Qwen2ForCausalLM, transformers.Qwen2Config) if config.add_qkv_bias
                        else (transformers.LlamaForCausalLM, transformers.LlamaConfig))
-    return cls(config_cls(
+    hf = cls(config_cls(
         vocab_size=VOCAB, hidden_size=config.hidden_size, intermediate_size=config.ffn_hidden_size,
         num_hidden_layers=config.num_layers, num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_query_groups, max_position_embeddings=config.max_positions,
+        num_key_value_heads=config.num_query_groups, head_dim=config.kv_channels,
+        max_position_embeddings=config.max_positions,
         rms_norm_eps=config.layernorm_epsilon, rope_theta=config.rotary_base, tie_word_embeddings=False,
     ))
+    import torch
+
+    # HF initialises norm weights to ones, where a query norm mapped to the key's place would not show.
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.add_(0.5 * torch.randn_like(param))
+    return hf
 
 
 def _hf_bert_config(config, **fields):
@@ -247,6 +260,7 @@ CASES = {
     "gpt2": ("tiny-gpt2", _hf_gpt2, _gpt2_weights, _compare_gpt, _build_lm),
     "llama": ("tiny-llama", _hf_llama_like, _llama_weights, _compare_gpt, _build_lm),
     "qwen2": ("tiny-qwen2", _hf_llama_like, _llama_weights, _compare_gpt, _build_lm),
+    "qwen3": ("tiny-qwen3", _hf_llama_like, _llama_weights, _compare_gpt, _build_lm),
     "bert": ("tiny-bert", _hf_bert, _bert_weights, _compare_bert, _build_lm),
     "bert-sequence-classification": ("tiny-bert", _hf_bert_classifier, _bert_classifier_weights,
                                      _compare_classifier, _build_classifier),

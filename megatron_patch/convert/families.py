@@ -10,7 +10,8 @@ Example::
 
 A rule names the Hugging Face tensor(s), the megatron-core tensor (names of a TP=1, PP=1 model's
 ``state_dict()``; ``{}`` is the layer index) and the transforms between them (``transforms.TRANSFORMS``).
-GPT-2, LLaMA and Qwen2 differ only in their tables and config fields; nothing here branches on a model's name.
+GPT-2, LLaMA, Mistral, Qwen2 and Qwen3 differ only in their tables and config fields; nothing here branches on a
+model's name.
 """
 
 from __future__ import annotations
@@ -109,18 +110,46 @@ def _require(hf_config: dict, key: str, allowed, default=None) -> None:
         )
 
 
-def _rotary_base(hf_config: dict) -> int:
-    """RoPE theta from transformers 5's ``rope_parameters`` or the older top-level ``rope_theta``."""
-    params = hf_config.get("rope_parameters") or {}
-    rope_type = params.get("rope_type", (hf_config.get("rope_scaling") or {}).get("rope_type", "default"))
-    if rope_type != "default":
+# LLaMA 3.1's rope_scaling values megatron-core's RotaryEmbedding._apply_scaling hard-codes (only the factor is an
+# argument there, rotary_pos_embedding.py:92-99 at core_v0.16.1); transformers reads all four from config.json.
+_LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _rope_fields(hf_config: dict) -> dict:
+    """rotary_base, rope_scaling and rope_scaling_factor from transformers 5's ``rope_parameters`` or the older
+    top-level ``rope_theta`` and ``rope_scaling`` (whose type key was once ``type``)."""
+    params = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
         raise UnsupportedCheckpoint(
-            f"config.json asks for RoPE scaling {rope_type!r}; only unscaled RoPE ('default') converts exactly"
+            f"config.json asks for RoPE scaling {rope_type!r} (its rope_type); only 'default' (unscaled) and "
+            "'llama3' (LLaMA 3.1) convert exactly"
         )
     theta = params.get("rope_theta", hf_config.get("rope_theta", 10000.0))
     if theta != int(theta):
         raise UnsupportedCheckpoint(f"rope_theta {theta} is not an integer, which --rotary-base requires")
-    return int(theta)
+    if rope_type == "default":
+        return dict(rotary_base=int(theta))
+    for key, value in _LLAMA3_FIXED.items():
+        if params.get(key) != value:
+            raise UnsupportedCheckpoint(
+                f"config.json's RoPE scaling 'llama3' has {key}={params.get(key)!r}; megatron-core builds it with "
+                f"{key}={value} only (it fixes {_LLAMA3_FIXED}, LLaMA 3.1's values)"
+            )
+    if not (params.get("factor") or 0) > 0:
+        raise UnsupportedCheckpoint(f"config.json's RoPE scaling 'llama3' has factor={params.get('factor')!r}; "
+                                    "it needs a positive factor")
+    return dict(rotary_base=int(theta), rope_scaling=True, rope_scaling_factor=float(params["factor"]))
+
+
+def _rope_parameters(m: ModelConfig) -> dict:
+    """config.json's ``rope_parameters`` (transformers 5) of ``m``: the inverse of :func:`_rope_fields`."""
+    params = {"rope_theta": float(m.rotary_base), "rope_type": "default"}
+    if m.rope_scaling:
+        params.update(rope_type="llama3", factor=m.rope_scaling_factor, **_LLAMA3_FIXED)
+    if m.rotary_percent != 1.0:
+        params["partial_rotary_factor"] = m.rotary_percent
+    return params
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -195,7 +224,7 @@ register_family(Family("gpt2", _gpt2_config, _gpt2_hf, _gpt2_table, ("GPT2LMHead
 
 
 # ----------------------------------------------------------------------------------------------------------
-# LLaMA and Qwen2: one table, Qwen2 adds q/k/v biases
+# LLaMA, Mistral, Qwen2 and Qwen3: one table; Qwen2 adds q/k/v biases, Qwen3 per-head q/k norms
 # ----------------------------------------------------------------------------------------------------------
 
 
@@ -208,7 +237,7 @@ def _llama_config(c: dict, **fields) -> ModelConfig:
         num_query_groups=c.get("num_key_value_heads") or heads,
         kv_channels=c.get("head_dim") or c["hidden_size"] // heads,
         seq_length=c["max_position_embeddings"], max_position_embeddings=c["max_position_embeddings"],
-        position_embedding_type="rope", rotary_base=_rotary_base(c),
+        position_embedding_type="rope", **_rope_fields(c),
         rotary_percent=(c.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0),
         normalization="RMSNorm", layernorm_epsilon=c.get("rms_norm_eps", 1e-6), activation="swiglu",
         add_bias_linear=False, vocab_size=c["vocab_size"],
@@ -224,9 +253,29 @@ def _llama_from_hf(c: dict) -> ModelConfig:
     return _llama_config(c)
 
 
+def _mistral_from_hf(c: dict) -> ModelConfig:
+    # Mistral is LLaMA with a sliding attention window; ours attends to the whole sequence, which is the same
+    # computation only while no sequence is longer than the window (seq_length is max_position_embeddings here).
+    window = c.get("sliding_window")
+    if window is not None and window < c["max_position_embeddings"]:
+        raise UnsupportedCheckpoint(
+            f"config.json has sliding_window={window}, smaller than max_position_embeddings="
+            f"{c['max_position_embeddings']}: our attention has no sliding window; set sliding_window to null (or "
+            f"max_position_embeddings to {window} to convert for sequences the window does not cut)"
+        )
+    _require(c, "attention_bias", [False], False)
+    return _llama_config(c)
+
+
 def _qwen2_from_hf(c: dict) -> ModelConfig:
     _require(c, "use_sliding_window", [False], False)
     return _llama_config(c, add_qkv_bias=True)
+
+
+def _qwen3_from_hf(c: dict) -> ModelConfig:
+    _require(c, "use_sliding_window", [False], False)
+    _require(c, "attention_bias", [False], False)
+    return _llama_config(c, qk_layernorm=True)
 
 
 def _llama_hf(m: ModelConfig) -> dict:
@@ -234,8 +283,7 @@ def _llama_hf(m: ModelConfig) -> dict:
         num_hidden_layers=m.num_layers, hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size,
         num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_query_groups, head_dim=m.kv_channels,
         max_position_embeddings=m.max_positions, rms_norm_eps=m.layernorm_epsilon, hidden_act="silu",
-        rope_parameters={"rope_theta": float(m.rotary_base), "rope_type": "default",
-                         **({"partial_rotary_factor": m.rotary_percent} if m.rotary_percent != 1.0 else {})},
+        rope_parameters=_rope_parameters(m),
         vocab_size=m.vocab_size, tie_word_embeddings=not m.untie_embeddings_and_output_weights,
         attention_dropout=m.attention_dropout,
     )
@@ -256,16 +304,27 @@ _LLAMA_RULES = (
 )
 _QKV_BIAS = rule(tuple(_LLAMA_LAYER + f"self_attn.{p}_proj.bias" for p in "qkv"),
                  "decoder.layers.{}.self_attention.linear_qkv.bias", "fuse_qkv")
+# Qwen3's per-head RMSNorm weights ([head_dim], the same on every TP rank).
+_QK_NORMS = (rule(_LLAMA_LAYER + "self_attn.q_norm.weight", "decoder.layers.{}.self_attention.q_layernorm.weight"),
+             rule(_LLAMA_LAYER + "self_attn.k_norm.weight", "decoder.layers.{}.self_attention.k_layernorm.weight"))
 
 
 def _llama_table(m: ModelConfig, architecture: str) -> Table:
     head, ignored = _output_layer(m)
     qkv_bias = (_QKV_BIAS,) if m.add_qkv_bias else ()
-    return Table(_LLAMA_RULES + qkv_bias + head, ignored_hf=ignored + (r".*rotary_emb\.inv_freq",))
+    qk_norms = _QK_NORMS if m.qk_layernorm else ()
+    return Table(_LLAMA_RULES + qkv_bias + qk_norms + head, ignored_hf=ignored + (r".*rotary_emb\.inv_freq",))
+
+
+def _mistral_hf(m: ModelConfig) -> dict:
+    # transformers' MistralConfig defaults sliding_window to 4096; ours attends to everything.
+    return {**_llama_hf(m), "sliding_window": None}
 
 
 register_family(Family("llama", _llama_from_hf, _llama_hf, _llama_table, ("LlamaForCausalLM",)))
+register_family(Family("mistral", _mistral_from_hf, _mistral_hf, _llama_table, ("MistralForCausalLM",)))
 register_family(Family("qwen2", _qwen2_from_hf, _llama_hf, _llama_table, ("Qwen2ForCausalLM",)))
+register_family(Family("qwen3", _qwen3_from_hf, _llama_hf, _llama_table, ("Qwen3ForCausalLM",)))
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ Example::
     chunks = build_model_chunks(model_config, parallel, padded_vocab_size(128, 1, 2))
 
 Model code never branches on the backend (that is ``specs``) nor on a model's name (that is the registry):
-GPT-2, LLaMA and Qwen2 are all GPTModel with different TransformerConfig fields.
+GPT-2, LLaMA, Mistral, Qwen2 and Qwen3 are all GPTModel with different TransformerConfig fields.
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ def to_transformer_config(model_config: ModelConfig, parallel_config: ParallelCo
         normalization=m.normalization,
         add_bias_linear=m.add_bias_linear,
         add_qkv_bias=m.add_qkv_bias,
+        qk_layernorm=m.qk_layernorm,
         gated_linear_unit=gated,
         activation_func=activation_func,
         init_method_std=m.init_method_std,
@@ -133,6 +134,8 @@ def _gpt(m: ModelConfig, config: TransformerConfig, p: ParallelConfig, vocab: in
         position_embedding_type=m.position_embedding_type,
         rotary_percent=m.rotary_percent,
         rotary_base=m.rotary_base,
+        rope_scaling=m.rope_scaling,
+        rope_scaling_factor=m.rope_scaling_factor,
         **stage,
     )
 

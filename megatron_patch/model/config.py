@@ -7,9 +7,10 @@ Example::
     from megatron_patch.model.config import get_model_config
     config = get_model_config("qwen2-0.5b", num_layers=2)      # keyword overrides, validated again
 
-GPT-2, LLaMA and Qwen2 are one GPT definition that differs in fields (normalization, position embedding,
-activation, biases, query groups, tied embeddings); BERT adds token types, a binary head and the place of its
-layer norms. Field names follow megatron-core's ``TransformerConfig`` and Megatron-LM's flags.
+GPT-2, LLaMA, Mistral, Qwen2 and Qwen3 are one GPT definition that differs in fields (normalization, position
+embedding and its scaling, activation, biases, query/key norms, query groups, tied embeddings); BERT adds token
+types, a binary head and the place of its layer norms. Field names follow megatron-core's ``TransformerConfig``
+and Megatron-LM's flags.
 """
 
 from __future__ import annotations
@@ -52,6 +53,13 @@ class ModelConfig:
     """RoPE base period theta (LLaMA-2 10000, LLaMA-3 500000, Qwen2 1000000)."""
     rotary_percent: float = 1.0
     """Fraction of each head's channels that RoPE rotates."""
+    rope_scaling: bool = False
+    """LLaMA 3.1's RoPE frequency scaling (``--use-rope-scaling``, transformers' ``rope_type: llama3``).
+    megatron-core's RotaryEmbedding._apply_scaling computes transformers' ``_compute_llama3_parameters`` with
+    low_freq_factor 1, high_freq_factor 4 and original_max_position_embeddings 8192 fixed (Meta's values); only
+    the factor is a field."""
+    rope_scaling_factor: float = 8.0
+    """The llama3 scaling ``factor`` (``--rope-scaling-factor``): 8 for LLaMA 3.1, 32 for LLaMA 3.2."""
     normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
     layernorm_epsilon: float = 1e-5
     activation: Literal["gelu", "gelu_tanh", "swiglu"] = "gelu"
@@ -61,6 +69,9 @@ class ModelConfig:
     """Biases on every linear layer; ``--disable-bias-linear`` turns them off (LLaMA, Qwen2)."""
     add_qkv_bias: bool = False
     """Bias on the fused q/k/v projection even without add_bias_linear (``--add-qkv-bias``, Qwen2)."""
+    qk_layernorm: bool = False
+    """A norm (of ``normalization``'s kind) over each head's query and key, before RoPE (``--qk-layernorm``,
+    Qwen3); megatron-core's ``q_layernorm``/``k_layernorm`` attention submodules."""
     untie_embeddings_and_output_weights: bool = False
     """A separate output matrix instead of reusing the word embeddings (LLaMA, Qwen2 >= 7B)."""
     vocab_size: int | None = None
@@ -139,6 +150,12 @@ class ModelConfig:
             raise ValueError(f"--bert-layernorm-style must be 'pre' or 'post', got {self.bert_layernorm_style!r}")
         if not 0.0 < self.rotary_percent <= 1.0:
             raise ValueError(f"--rotary-percent must be in (0, 1], got {self.rotary_percent}")
+        if self.rope_scaling and self.position_embedding_type != "rope":
+            raise ValueError("--use-rope-scaling scales RoPE frequencies; it needs --position-embedding-type rope")
+        if self.rope_scaling and self.family != "gpt":
+            raise ValueError("--use-rope-scaling is built into GPT models only")
+        if self.rope_scaling_factor <= 0:
+            raise ValueError(f"--rope-scaling-factor must be positive, got {self.rope_scaling_factor}")
 
 
 # The sizes a ModelConfig may leave None and the default ModelConfig.__post_init__ gives each: megatron-core's
@@ -225,6 +242,14 @@ def _qwen2(**fields) -> ModelConfig:
     return _llama(**{**defaults, **fields})
 
 
+def _qwen3(**fields) -> ModelConfig:
+    # Qwen3 = Qwen2 without the q/k/v bias, with an RMSNorm over each head's query and key, and a head width of 128
+    # whatever hidden_size / heads is.
+    defaults = dict(add_qkv_bias=False, qk_layernorm=True, kv_channels=128, seq_length=4096,
+                    max_position_embeddings=40960)
+    return _qwen2(**{**defaults, **fields})
+
+
 def _bert(num_layers: int, hidden_size: int, num_attention_heads: int) -> ModelConfig:
     # Google's BERT: post-LN, erf-GeLU, token types, NSP head, 512 positions, WordPiece vocabulary 30522.
     return ModelConfig(
@@ -251,6 +276,17 @@ register_model_config("llama3-8b")(lambda: _llama(
     num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32, num_query_groups=8,
     seq_length=8192, rotary_base=500000, layernorm_epsilon=1e-5, vocab_size=128256,
 ))
+register_model_config("llama3.1-8b")(lambda: _llama(
+    num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32, num_query_groups=8,
+    seq_length=8192, max_position_embeddings=131072, rotary_base=500000, rope_scaling=True, rope_scaling_factor=8.0,
+    layernorm_epsilon=1e-5, vocab_size=128256,
+))
+# Mistral-7B-v0.1. Its 4096-token sliding window equals seq_length, where it masks nothing: full causal attention
+# computes the same (a query at position i sees keys i-4095..i either way).
+register_model_config("mistral-7b")(lambda: _llama(
+    num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32, num_query_groups=8,
+    seq_length=4096, max_position_embeddings=32768, layernorm_epsilon=1e-5, vocab_size=32000,
+))
 register_model_config("qwen2-0.5b")(lambda: _qwen2(
     num_layers=24, hidden_size=896, ffn_hidden_size=4864, num_attention_heads=14, num_query_groups=2,
     seq_length=4096, max_position_embeddings=32768, untie_embeddings_and_output_weights=False,
@@ -262,6 +298,21 @@ register_model_config("qwen2-1.5b")(lambda: _qwen2(
 register_model_config("qwen2-7b")(lambda: _qwen2(
     num_layers=28, hidden_size=3584, ffn_hidden_size=18944, num_attention_heads=28, num_query_groups=4,
     seq_length=4096, max_position_embeddings=32768, vocab_size=152064,
+))
+register_model_config("qwen3-0.6b")(lambda: _qwen3(
+    num_layers=28, hidden_size=1024, ffn_hidden_size=3072, num_attention_heads=16, num_query_groups=8,
+    untie_embeddings_and_output_weights=False,
+))
+register_model_config("qwen3-1.7b")(lambda: _qwen3(
+    num_layers=28, hidden_size=2048, ffn_hidden_size=6144, num_attention_heads=16, num_query_groups=8,
+    untie_embeddings_and_output_weights=False,
+))
+register_model_config("qwen3-4b")(lambda: _qwen3(
+    num_layers=36, hidden_size=2560, ffn_hidden_size=9728, num_attention_heads=32, num_query_groups=8,
+    untie_embeddings_and_output_weights=False,
+))
+register_model_config("qwen3-8b")(lambda: _qwen3(
+    num_layers=36, hidden_size=4096, ffn_hidden_size=12288, num_attention_heads=32, num_query_groups=8,
 ))
 register_model_config("bert-base")(lambda: _bert(12, 768, 12))
 register_model_config("bert-large")(lambda: _bert(24, 1024, 16))
@@ -276,6 +327,11 @@ register_model_config("tiny-llama")(lambda: _llama(
 register_model_config("tiny-qwen2")(lambda: _qwen2(
     num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2, seq_length=32,
     vocab_size=128, make_vocab_size_divisible_by=1,
+))
+# Head width 32, not hidden / heads = 16: the q/k norms and the projections must follow kv_channels.
+register_model_config("tiny-qwen3")(lambda: _qwen3(
+    num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2, kv_channels=32,
+    seq_length=32, max_position_embeddings=32, vocab_size=128, make_vocab_size_divisible_by=1,
 ))
 register_model_config("tiny-bert")(lambda: _bert(2, 64, 4).replace(
     seq_length=32, max_position_embeddings=32, vocab_size=128, make_vocab_size_divisible_by=1,
@@ -300,6 +356,7 @@ _VALUE_FLAGS = [
     ("--position-embedding-type", "position_embedding_type", dict(choices=["learned_absolute", "rope"])),
     ("--rotary-base", "rotary_base", dict(type=int)),
     ("--rotary-percent", "rotary_percent", dict(type=float)),
+    ("--rope-scaling-factor", "rope_scaling_factor", dict(type=float)),
     ("--normalization", "normalization", dict(choices=["LayerNorm", "RMSNorm"])),
     ("--norm-epsilon", "layernorm_epsilon", dict(type=float)),
     ("--make-vocab-size-divisible-by", "make_vocab_size_divisible_by", dict(type=int)),
@@ -314,6 +371,8 @@ _SWITCH_FLAGS = [
     ("--openai-gelu", "activation", "gelu_tanh"),
     ("--disable-bias-linear", "add_bias_linear", False),
     ("--add-qkv-bias", "add_qkv_bias", True),
+    ("--qk-layernorm", "qk_layernorm", True),
+    ("--use-rope-scaling", "rope_scaling", True),
     ("--untie-embeddings-and-output-weights", "untie_embeddings_and_output_weights", True),
     ("--bert-no-binary-head", "add_binary_head", False),
     ("--apply-layernorm-1p", "layernorm_zero_centered_gamma", True),

@@ -74,6 +74,10 @@ def layer_spec(model_config: ModelConfig, parallel_config: ParallelConfig | None
     # TE fuses a pre-norm into the linear layer after it; a post-norm has no linear layer after it to fuse into.
     fuse_norm = provider.fuse_layernorm_and_linear() and not post_ln
     norm_linear = provider.column_parallel_layer_norm_linear() if fuse_norm else provider.column_parallel_linear()
+    # Qwen3's per-head query/key norms; megatron-core applies them before RoPE (Attention.forward), as
+    # transformers' Qwen3Attention does.
+    qk_norm = (provider.layer_norm(rms_norm=model_config.normalization == "RMSNorm", for_qk=True)
+               if model_config.qk_layernorm else IdentityOp)
     self_attention = ModuleSpec(
         module=SelfAttention,
         params={"attn_mask_type": _ATTN_MASK_TYPE[model_config.family]},
@@ -81,8 +85,8 @@ def layer_spec(model_config: ModelConfig, parallel_config: ParallelConfig | None
             linear_qkv=norm_linear,
             core_attention=provider.core_attention(),
             linear_proj=provider.row_parallel_linear(),
-            q_layernorm=IdentityOp,
-            k_layernorm=IdentityOp,
+            q_layernorm=qk_norm,
+            k_layernorm=qk_norm,
         ),
     )
     mlp = ModuleSpec(
