@@ -142,8 +142,10 @@ def test_a_description_with_unresolved_sizes_still_reads(tmp_path):
     assert vars(megatron_lm_args(info)) == vars(megatron_lm_args(fresh))
     written = info.to_json()
     assert written.keys() == _UNRESOLVED_TINY_GPT2.keys()
+    # ...and with the fields added since (Qwen3's q/k norms, LLaMA 3.1's RoPE scaling) at their defaults.
     assert written["model_config"] == {**_UNRESOLVED_TINY_GPT2["model_config"], "ffn_hidden_size": 256,
-                                       "num_query_groups": 4, "kv_channels": 16}
+                                       "num_query_groups": 4, "kv_channels": 16, "qk_layernorm": False,
+                                       "rope_scaling": False, "rope_scaling_factor": 8.0}
     assert CheckpointInfo.from_json(written) == info
 
 

@@ -29,6 +29,8 @@ FAMILIES = {
     "gpt2": ("tiny-gpt2", {}),
     "llama-gqa": ("tiny-llama", dict(num_query_groups=2)),
     "qwen2": ("tiny-qwen2", dict(num_query_groups=2)),
+    "qwen3": ("tiny-qwen3", {}),
+    "llama3.1": ("tiny-llama", dict(rope_scaling=True, rope_scaling_factor=8.0, rotary_base=500000)),
     "bert-post-ln": ("tiny-bert", {}),
     "bert-pre-ln": ("tiny-bert", dict(bert_layernorm_style="pre", untie_embeddings_and_output_weights=True)),
 }

@@ -38,7 +38,9 @@ THRESHOLDS = {
 _HF_OUTPUTS = {
     "GPT2LMHeadModel": {"logits": "logits"},
     "LlamaForCausalLM": {"logits": "logits"},
+    "MistralForCausalLM": {"logits": "logits"},
     "Qwen2ForCausalLM": {"logits": "logits"},
+    "Qwen3ForCausalLM": {"logits": "logits"},
     "BertForPreTraining": {"logits": "prediction_logits", "binary_logits": "seq_relationship_logits"},
     "BertForMaskedLM": {"logits": "logits"},
     "BertModel": {"hidden_states": "last_hidden_state"},

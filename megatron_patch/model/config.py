@@ -271,6 +271,8 @@ register_model_config("llama3.2-1b")(lambda: _llama(
     num_layers=16, hidden_size=2048, ffn_hidden_size=8192, num_attention_heads=32, num_query_groups=8,
     seq_length=8192, max_position_embeddings=131072, rotary_base=500000, layernorm_epsilon=1e-5,
     vocab_size=128256, untie_embeddings_and_output_weights=False,
+    # Its config.json: rope_scaling {rope_type: llama3, factor: 32, low/high_freq_factor 1/4, original 8192}.
+    rope_scaling=True, rope_scaling_factor=32.0,
 ))
 register_model_config("llama3-8b")(lambda: _llama(
     num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32, num_query_groups=8,

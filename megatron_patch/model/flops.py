@@ -57,7 +57,9 @@ def layer_parameters(m: ModelConfig) -> int:
     bias = m.add_bias_linear
     attention = h * qkv_out + (qkv_out if bias or m.add_qkv_bias else 0) + q_size * h + (h if bias else 0)
     mlp = h * fc1_out + f * h + ((fc1_out + h) if bias else 0)
-    return attention + mlp + 2 * _norm_parameters(m)
+    # Qwen3's query and key norms: one weight (and a bias for LayerNorm) per head channel each.
+    qk_norms = 2 * m.kv_channels * (2 if m.normalization == "LayerNorm" else 1) if m.qk_layernorm else 0
+    return attention + mlp + 2 * _norm_parameters(m) + qk_norms
 
 
 def num_parameters(model_config: ModelConfig, padded_vocab_size: int) -> int:
