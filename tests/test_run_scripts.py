@@ -281,8 +281,7 @@ def _saved_optimizer_state(checkpoints) -> dict:
     """
     from megatron.core import dist_checkpointing
 
-    from megatron_patch.convert.mcore_io import read_tracker
-    from megatron_patch.training.checkpointing import checkpoint_dir
+    from megatron_patch.checkpoint.format import checkpoint_dir, read_tracker
 
     path = checkpoint_dir(str(checkpoints), read_tracker(str(checkpoints)))
     return dist_checkpointing.load_common_state_dict(path)["optimizer"]
