@@ -57,7 +57,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _env_int(name: str, default: int) -> int:
+def env_int(name: str, default: int) -> int:
+    """torchrun's integer variable ``name`` (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``), ``default`` when unset.
+
+    Example::
+
+        env_int("WORLD_SIZE", 1)    # 4 under torchrun --nproc-per-node 4; 1 for a plain python script.py
+    """
     value = os.environ.get(name)
     if value is None:
         return default
@@ -90,9 +96,9 @@ def initialize_distributed(
     compat.apply()
     from megatron.core import parallel_state, tensor_parallel
 
-    rank = _env_int("RANK", 0)
-    world_size = _env_int("WORLD_SIZE", 1)
-    local_rank = _env_int("LOCAL_RANK", 0)
+    rank = env_int("RANK", 0)
+    world_size = env_int("WORLD_SIZE", 1)
+    local_rank = env_int("LOCAL_RANK", 0)
     data_parallel_size = check_layout(
         world_size, tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size, context_parallel_size=context_parallel_size,

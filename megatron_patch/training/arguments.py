@@ -584,14 +584,14 @@ def _run_config(args: argparse.Namespace, model: ModelSpec, parallel: ParallelCo
     )
 
 
-def _world_size_from_environment() -> int:
-    """torchrun's ``WORLD_SIZE`` (1 for a plain ``python script.py``)."""
-    value = os.environ.get("WORLD_SIZE", "1")
+def _environment(name: str, default: int) -> int:
+    """torchrun's ``name`` (``distributed.env_int``), a wrong value refused in one line."""
+    from megatron_patch.distributed import env_int
+
     try:
-        return int(value)
-    except ValueError:
-        raise SystemExit(f"rapidformer: error: environment variable WORLD_SIZE={value!r} must be an integer "
-                         "(torchrun sets it)") from None
+        return env_int(name, default)
+    except ValueError as error:
+        _refuse(str(error))
 
 
 def _model_spec(args: argparse.Namespace) -> ModelSpec:
@@ -669,8 +669,8 @@ def _derive_run(args: argparse.Namespace, world_size: int) -> RunConfig:
         args.load = args.pretrained_model_name_or_path
     args.train_iters = config.training.train_iters
     args.data_parallel_size, args.world_size = data_parallel_size, world_size
-    args.rank = int(os.environ.get("RANK", "0"))
-    args.local_rank = int(os.environ.get("LOCAL_RANK", args.local_rank or 0))
+    args.rank = _environment("RANK", 0)
+    args.local_rank = _environment("LOCAL_RANK", args.local_rank or 0)
     return config
 
 
@@ -695,7 +695,7 @@ def parse_run(argv: list[str], world_size: int | None = None, *, hand_over: bool
     if _HANDED_OVER is not None and _HANDED_OVER[0] == key and world_size is None:
         return _HANDED_OVER[1]
     args = parse_args(argv)
-    parsed = (_derive_run(args, _world_size_from_environment() if world_size is None else world_size), args)
+    parsed = (_derive_run(args, _environment("WORLD_SIZE", 1) if world_size is None else world_size), args)
     if hand_over:
         _HANDED_OVER = (key, parsed)
     return parsed
