@@ -132,13 +132,40 @@ def _cpu_device(device):
     return device
 
 
+class _CpuStream:
+    """A CUDA stream as megatron-core's MoE all-to-all dispatcher uses one, on the CPU, where work is synchronous:
+    waiting orders nothing and an event is complete when recorded (``transformer/moe/token_dispatcher.py:445``
+    creates the stream, ``:871-899`` copies the routing counts to the host on it and synchronises)."""
+
+    def __eq__(self, other) -> bool:
+        # One CPU "stream": the dispatcher then sees it copies on the current stream (no record_stream on a CPU
+        # tensor, token_dispatcher.py:871).
+        return isinstance(other, _CpuStream)
+
+    def __hash__(self) -> int:
+        return 0
+
+    def wait_stream(self, stream) -> None:
+        return None
+
+    def record_event(self, event=None) -> types.SimpleNamespace:
+        return types.SimpleNamespace(synchronize=lambda: None)
+
+    def synchronize(self) -> None:
+        return None
+
+
+_CPU_STREAM = _CpuStream()
+
+
 class _CpuCuda(types.ModuleType):
     """``torch.cuda`` as megatron-core modules see it on a CPU-only build.
 
     megatron-core allocates on ``torch.cuda.current_device()`` at ~175 sites (e.g.
     ``tensor_parallel/utils.py:70``, ``tensor_parallel/mappings.py:91``, ``utils.py:631``),
     synchronises after p2p (``pipeline_parallel/p2p_communication.py:242,398``) and checkpoint writes
-    (``dist_checkpointing/strategies/filesystem_async.py:230``), and forks the CUDA generator for
+    (``dist_checkpointing/strategies/filesystem_async.py:230``), puts the MoE dispatcher's host copies on a side
+    stream (:class:`_CpuStream`), and forks the CUDA generator for
     tensor-parallel dropout (``tensor_parallel/random.py:243-277,422``). On CPU the current device is the CPU,
     synchronisation is a no-op and the CPU generator plays the CUDA generator's role.
     """
@@ -162,6 +189,16 @@ class _CpuCuda(types.ModuleType):
     @staticmethod
     def synchronize(device=None):
         return None
+
+    Stream = _CpuStream
+
+    @staticmethod
+    def current_stream(device=None):
+        return _CPU_STREAM
+
+    @staticmethod
+    def stream(stream):
+        return contextlib.nullcontext()
 
     @staticmethod
     def get_rng_state(device="cuda"):
@@ -307,6 +344,28 @@ def _save_a_zero_optimizer_step() -> None:
         _rewrite_function(owner, "sharded_state_dict", [("    if step:", "    if step is not None:")])
 
 
+def _moe_router_without_te() -> None:
+    """Not CPU-specific: ``transformer/moe/moe_utils.py:34`` defines ``te_general_gemm`` only when Transformer Engine
+    imports, yet the router's gating GEMM reads it unguarded (``:1192``, ``:1226``), so without TE every MoE forward
+    raises NameError. None is the value those lines test for, falling back to ``torch.mm``."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    moe_utils.__dict__.setdefault("te_general_gemm", None)
+
+
+def _moe_split_sizes_on_cpu() -> None:
+    """The all-to-all dispatcher turns its split sizes into numpy arrays (the form ``all_to_all_single`` takes) only
+    while moving them off a GPU (``transformer/moe/moe_utils.py:1093``, ``if ... tensor.is_cuda``); on the CPU they
+    stay tensors, which gloo's ``all_to_all_single`` rejects (``mappings.py:444``)."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+
+    _rewrite_function(moe_utils, "maybe_move_tensor_to_cpu", [(
+        "if torch.is_tensor(tensor) and tensor.is_cuda:", "if torch.is_tensor(tensor) and (tensor.is_cuda or as_numpy):"
+    )])
+    token_dispatcher.maybe_move_tensor_to_cpu = moe_utils.maybe_move_tensor_to_cpu
+
+
 class _MegatronTorchView(importlib.abc.MetaPathFinder):
     """Gives every megatron-core module imported from now on the CPU view of torch."""
 
@@ -378,6 +437,7 @@ def apply_cpu_shim() -> bool:
     # moved inside a tracker fork; here the CPU generator IS the forked generator, so it fires at every dropout.
     logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)
     _accept_cpu_type_strings()
+    _moe_split_sizes_on_cpu()
     _shim_applied = True
     return True
 
@@ -399,6 +459,7 @@ def apply() -> None:
     if not _fallback_fixes_applied and not (transformer_engine_available() or apex_available()):
         _skip_step_on_optimizer_load()
         _save_a_zero_optimizer_step()
+        _moe_router_without_te()
         _fallback_fixes_applied = True
 
 

@@ -40,6 +40,7 @@ class ParallelLayout:
     pipeline_model_parallel_size: int
     virtual_pipeline_model_parallel_size: int | None
     context_parallel_size: int
+    expert_model_parallel_size: int
     data_parallel_size: int
     device: torch.device
 
@@ -78,6 +79,8 @@ def initialize_distributed(
     pipeline_model_parallel_size: int = 1,
     virtual_pipeline_model_parallel_size: int | None = None,
     context_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: int | None = None,
     seed: int = 1234,
     timeout_minutes: float = 30.0,
 ) -> ParallelLayout:
@@ -103,6 +106,8 @@ def initialize_distributed(
         world_size, tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size, context_parallel_size=context_parallel_size,
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+        expert_model_parallel_size=expert_model_parallel_size,
+        expert_tensor_parallel_size=expert_tensor_parallel_size,
     )
 
     if torch.cuda.is_available():
@@ -135,6 +140,8 @@ def initialize_distributed(
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
         context_parallel_size=context_parallel_size,
+        expert_model_parallel_size=expert_model_parallel_size,
+        expert_tensor_parallel_size=expert_tensor_parallel_size,
         distributed_timeout_minutes=timeout_minutes,  # a float: timedelta(minutes=...) takes it
     )
     torch.manual_seed(seed)
@@ -147,6 +154,7 @@ def initialize_distributed(
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
         context_parallel_size=context_parallel_size,
+        expert_model_parallel_size=expert_model_parallel_size,
         data_parallel_size=data_parallel_size,
         device=device,
     )

@@ -1,5 +1,6 @@
-"""The parallel layout of a run, checked in one place: TP x PP x CP tiling the world, the model's sizes divided by
-them, and the global batch by micro batch x data-parallel size.
+"""The parallel layout of a run, checked in one place: TP x PP x CP tiling the world (and, for mixture-of-experts
+models, expert-TP x EP x PP tiling it too), the model's sizes divided by them, and the global batch by micro batch x
+data-parallel size.
 
 Example::
 
@@ -34,6 +35,34 @@ def _divides(flag: str, value: int | None, tp: int) -> None:
                           f"--tensor-model-parallel-size that divides it")
 
 
+def _check_experts(world_size, tp, pp, ep, etp, sequence_parallel, num_layers, num_moe_experts,
+                   moe_ffn_hidden_size) -> None:
+    """megatron-core's second grid, for the expert layers: ETP x EP x PP x expert-DP tiles the same world."""
+    # A caller that knows the model passes num_layers; only then does a missing num_moe_experts mean "dense".
+    if num_layers is not None and num_moe_experts is None and (ep > 1 or etp != tp):
+        flag = "--expert-model-parallel-size" if ep > 1 else "--expert-tensor-parallel-size"
+        raise LayoutError(f"{flag} splits the experts of a mixture-of-experts model, and this model has none; add "
+                          "--num-experts or drop it")
+    expert_grid = etp * ep * pp
+    if world_size is not None and world_size % expert_grid:
+        raise LayoutError(
+            f"world size {world_size} is not divisible by --expert-tensor-parallel-size {etp} x "
+            f"--expert-model-parallel-size {ep} x --pipeline-model-parallel-size {pp} = {expert_grid}; change the "
+            "sizes or the number of processes (--nproc-per-node x NNODES)"
+        )
+    if num_moe_experts is not None and num_moe_experts % ep:
+        raise LayoutError(f"--num-experts {num_moe_experts} is not divisible by --expert-model-parallel-size {ep}; "
+                          "every expert-parallel rank holds as many experts as the others, so choose a size that "
+                          "divides it")
+    if moe_ffn_hidden_size is not None and moe_ffn_hidden_size % etp:
+        raise LayoutError(f"--moe-ffn-hidden-size {moe_ffn_hidden_size} is not divisible by "
+                          f"--expert-tensor-parallel-size {etp}; choose a size that divides it")
+    # MoELayer.forward refuses to train a TP-split MoE model without it (moe_layer.py:379 at core_v0.16.1).
+    if num_moe_experts is not None and tp > 1 and not sequence_parallel:
+        raise LayoutError("mixture-of-experts layers with --tensor-model-parallel-size greater than 1 need "
+                          "--sequence-parallel (megatron-core refuses to train without it); add it")
+
+
 def check_layout(
     world_size: int | None = None,
     *,
@@ -41,6 +70,8 @@ def check_layout(
     pipeline_model_parallel_size: int = 1,
     context_parallel_size: int = 1,
     virtual_pipeline_model_parallel_size: int | None = None,
+    expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: int | None = None,
     sequence_parallel: bool = False,
     micro_batch_size: int | None = None,
     global_batch_size: int | None = None,
@@ -50,6 +81,8 @@ def check_layout(
     ffn_hidden_size: int | None = None,
     seq_length: int | None = None,
     padded_vocab_size: int | None = None,
+    num_moe_experts: int | None = None,
+    moe_ffn_hidden_size: int | None = None,
 ) -> int | None:
     """Return the data-parallel size (None when ``world_size`` is), or raise LayoutError naming the flags.
 
@@ -63,10 +96,14 @@ def check_layout(
 
     ``num_query_groups`` None means one group per head; ``virtual_pipeline_model_parallel_size`` None or 1 means no
     interleaving. ``padded_vocab_size`` is a stored checkpoint's: one padded for this run is divisible by design.
+    ``expert_tensor_parallel_size`` None means the same as ``tensor_model_parallel_size``.
     """
     tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
     vpp = 1 if virtual_pipeline_model_parallel_size is None else virtual_pipeline_model_parallel_size
+    ep = expert_model_parallel_size
+    etp = tp if expert_tensor_parallel_size is None else expert_tensor_parallel_size
     for flag, value in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
+                        ("--expert-model-parallel-size", ep), ("--expert-tensor-parallel-size", etp),
                         ("--context-parallel-size", cp), ("--virtual-pipeline-model-parallel-size", vpp),
                         ("--micro-batch-size", micro_batch_size), ("--global-batch-size", global_batch_size)):
         if value is not None and value < 1:
@@ -80,6 +117,7 @@ def check_layout(
             f"--pipeline-model-parallel-size {pp} x --context-parallel-size {cp} = {model_parallel}; change the "
             "sizes or the number of processes (--nproc-per-node x NNODES)"
         )
+    _check_experts(world_size, tp, pp, ep, etp, sequence_parallel, num_layers, num_moe_experts, moe_ffn_hidden_size)
     _divides("--num-attention-heads", num_attention_heads, tp)
     _divides("--num-query-groups", num_query_groups, tp)
     _divides("--ffn-hidden-size", ffn_hidden_size, tp)

@@ -21,8 +21,8 @@ from megatron_patch.model.config import model_config_from_flags
 from megatron_patch.testing import run_on_ranks
 
 # Hugging Face's parameter counts of the same shapes (unpadded vocabulary): GPT2Model, LlamaForCausalLM,
-# MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, BertForPreTraining (encoder + pooler + MLM transform/bias
-# + NSP head).
+# MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM (Qwen1.5-MoE-A2.7B),
+# Qwen3MoeForCausalLM, BertForPreTraining (encoder + pooler + MLM transform/bias + NSP head).
 HF_PARAMETERS = {
     "gpt2-124m": 124_439_808,
     "gpt2-355m": 354_823_168,
@@ -40,6 +40,9 @@ HF_PARAMETERS = {
     "qwen3-1.7b": 1_720_574_976,
     "qwen3-4b": 4_022_468_096,
     "qwen3-8b": 8_190_735_360,
+    "mixtral-8x7b": 46_702_792_704,
+    "qwen2-moe-a2.7b": 14_315_784_192,
+    "qwen3-moe-30b-a3b": 30_532_122_624,
     "bert-base": 110_106_428,
     "bert-large": 336_226_108,
 }
@@ -48,7 +51,8 @@ HF_PARAMETERS = {
 def test_registry_has_real_and_debug_sizes():
     names = list_model_configs()
     assert set(HF_PARAMETERS) <= set(names)
-    assert {"tiny-gpt2", "tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-bert"} <= set(names)
+    assert {"tiny-gpt2", "tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-bert", "tiny-mixtral", "tiny-qwen2-moe",
+            "tiny-qwen3-moe"} <= set(names)
 
 
 @pytest.mark.parametrize("name", sorted(HF_PARAMETERS))
@@ -80,18 +84,34 @@ def _hf_parameters(config) -> int:
         model_class, hf_config = transformers.GPT2Model, transformers.GPT2Config(
             vocab_size=config.vocab_size, n_positions=config.max_positions, n_embd=config.hidden_size,
             n_layer=config.num_layers, n_head=config.num_attention_heads, n_inner=config.ffn_hidden_size, **special)
+    elif config.num_moe_experts:
+        experts = dict(num_experts_per_tok=config.moe_router_topk, moe_intermediate_size=config.moe_ffn_hidden_size)
+        if config.moe_shared_expert_intermediate_size:
+            model_class, hf_config = transformers.Qwen2MoeForCausalLM, transformers.Qwen2MoeConfig(
+                num_experts=config.num_moe_experts,
+                shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size, **experts, **_decoder_fields(config), **common)
+        elif config.qk_layernorm:
+            model_class, hf_config = transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig(
+                num_experts=config.num_moe_experts, **experts, **_decoder_fields(config), **common)
+        else:
+            model_class, hf_config = transformers.MixtralForCausalLM, transformers.MixtralConfig(
+                num_local_experts=config.num_moe_experts, num_experts_per_tok=config.moe_router_topk,
+                **_decoder_fields(config, intermediate_size=config.moe_ffn_hidden_size), **common)
     else:
         model_class, config_class = (
             (transformers.Qwen3ForCausalLM, transformers.Qwen3Config) if config.qk_layernorm
             else (transformers.Qwen2ForCausalLM, transformers.Qwen2Config) if config.add_qkv_bias
             else (transformers.LlamaForCausalLM, transformers.LlamaConfig))
-        hf_config = config_class(
-            hidden_size=config.hidden_size, intermediate_size=config.ffn_hidden_size,
-            num_hidden_layers=config.num_layers, num_attention_heads=config.num_attention_heads,
-            num_key_value_heads=config.num_query_groups, head_dim=config.kv_channels,
-            tie_word_embeddings=not config.untie_embeddings_and_output_weights, **common)
+        hf_config = config_class(**_decoder_fields(config), **common)
     with torch.device("meta"):
         return sum(p.numel() for p in model_class(hf_config).parameters())
+
+
+def _decoder_fields(config, intermediate_size=None) -> dict:
+    return dict(hidden_size=config.hidden_size, intermediate_size=intermediate_size or config.ffn_hidden_size,
+                num_hidden_layers=config.num_layers, num_attention_heads=config.num_attention_heads,
+                num_key_value_heads=config.num_query_groups, head_dim=config.kv_channels,
+                tie_word_embeddings=not config.untie_embeddings_and_output_weights)
 
 
 def count_built_parameters(rank, world_size, padded_vocabs):

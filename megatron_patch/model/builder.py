@@ -89,6 +89,30 @@ def to_transformer_config(model_config: ModelConfig, parallel_config: ParallelCo
         masked_softmax_fusion=False,  # our SDPA core attention does the softmax
         bias_dropout_fusion=p.fused_kernels,
         attention_backend=AttnBackend[p.attention_backend],
+        **_moe_fields(m, p),
+    )
+
+
+def _moe_fields(m: ModelConfig, p: ParallelConfig) -> dict:
+    """TransformerConfig's mixture-of-experts fields (megatron-core's names are ours); none for a dense model."""
+    if m.num_moe_experts is None:
+        return {}
+    return dict(
+        num_moe_experts=m.num_moe_experts,
+        moe_router_topk=m.moe_router_topk,
+        moe_ffn_hidden_size=m.moe_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=m.moe_shared_expert_gate,
+        moe_router_pre_softmax=m.moe_router_pre_softmax,
+        moe_router_load_balancing_type=m.moe_router_load_balancing_type,
+        moe_aux_loss_coeff=m.moe_aux_loss_coeff,
+        moe_expert_capacity_factor=m.moe_expert_capacity_factor,
+        moe_pad_expert_input_to_capacity=m.moe_pad_expert_input_to_capacity,
+        moe_token_drop_policy=m.moe_token_drop_policy,
+        moe_token_dispatcher_type=p.moe_token_dispatcher_type,
+        moe_grouped_gemm=p.moe_grouped_gemm,
+        expert_model_parallel_size=p.expert_model_parallel_size,
+        expert_tensor_parallel_size=p.expert_tensor_parallel_size,
     )
 
 
@@ -100,6 +124,8 @@ def _check_parallel_state(parallel_config: ParallelConfig) -> None:
                                            parallel_state.get_pipeline_model_parallel_world_size()),
         "--virtual-pipeline-model-parallel-size": (parallel_config.virtual_pipeline_model_parallel_size,
                                                    parallel_state.get_virtual_pipeline_model_parallel_world_size()),
+        "--expert-model-parallel-size": (parallel_config.expert_model_parallel_size,
+                                         parallel_state.get_expert_model_parallel_world_size()),
     }
     for flag, (wanted, initialized) in expected.items():
         if wanted != initialized:

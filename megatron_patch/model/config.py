@@ -8,8 +8,9 @@ Example::
     config = get_model_config("qwen2-0.5b", num_layers=2)      # keyword overrides, validated again
 
 GPT-2, LLaMA, Mistral, Qwen2 and Qwen3 are one GPT definition that differs in fields (normalization, position
-embedding and its scaling, activation, biases, query/key norms, query groups, tied embeddings); BERT adds token
-types, a binary head and the place of its layer norms. Field names follow megatron-core's ``TransformerConfig``
+embedding and its scaling, activation, biases, query/key norms, query groups, tied embeddings); Mixtral, Qwen2-MoE
+and Qwen3-MoE are the same with mixture-of-experts MLPs (experts, top-k, shared expert, router options); BERT adds
+token types, a binary head and the place of its layer norms. Field names follow megatron-core's ``TransformerConfig``
 and Megatron-LM's flags.
 """
 
@@ -87,6 +88,33 @@ class ModelConfig:
     layernorm_zero_centered_gamma: bool = False
     """Norm weights store gamma - 1, initialised to 0 (``--apply-layernorm-1p``; megatron-core's
     ``layernorm_zero_centered_gamma``)."""
+    num_moe_experts: int | None = None
+    """Experts in every layer's MLP (``--num-experts``); None is a dense model. megatron-core's MoELayer: a router,
+    the routed experts and, with ``moe_shared_expert_intermediate_size``, a shared expert every token passes."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to (``--moe-router-topk``)."""
+    moe_ffn_hidden_size: int | None = None
+    """Width of one routed expert's MLP (``--moe-ffn-hidden-size``); None becomes ffn_hidden_size in a MoE model."""
+    moe_shared_expert_intermediate_size: int | None = None
+    """Width of the shared expert (``--moe-shared-expert-intermediate-size``, Qwen2-MoE); None: no shared expert."""
+    moe_shared_expert_gate: bool = False
+    """A sigmoid gate on the shared expert's output (``--moe-shared-expert-gate``, Qwen2-MoE)."""
+    moe_router_pre_softmax: bool = False
+    """Softmax over all experts before the top-k, weights not renormalised (``--moe-router-pre-softmax``, Qwen2-MoE's
+    ``norm_topk_prob: false``). Off: softmax over the k chosen logits, which equals Mixtral's and Qwen3-MoE's
+    softmax-then-top-k-then-renormalise."""
+    moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"] = (
+        "aux_loss")
+    """The router's load balancing (``--moe-router-load-balancing-type``); "aux_loss" is Switch/Mixtral's loss."""
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of the load-balancing loss added to the LM loss (``--moe-aux-loss-coeff``; Mixtral 0.02, Qwen 0.001)."""
+    moe_expert_capacity_factor: float | None = None
+    """Tokens an expert takes, as a multiple of an even share (``--moe-expert-capacity-factor``); the rest are dropped
+    by ``moe_token_drop_policy``. None: dropless (every routed token is computed)."""
+    moe_pad_expert_input_to_capacity: bool = False
+    """Pad every expert's input to its capacity (``--moe-pad-expert-input-to-capacity``; needs a capacity factor)."""
+    moe_token_drop_policy: Literal["probs", "position"] = "probs"
+    """Which tokens over capacity are dropped: lowest router probability, or last in the sequence."""
     bert_layernorm_style: Literal["pre", "post"] = "pre"
     """"pre": Megatron's BERT (norm before attention/MLP, final norm). "post": original BERT as in Hugging Face
     ``BertModel`` (norm after each residual add, a norm on the embeddings, no final norm). Real BERT checkpoints
@@ -156,6 +184,35 @@ class ModelConfig:
             raise ValueError("--use-rope-scaling is built into GPT models only")
         if self.rope_scaling_factor <= 0:
             raise ValueError(f"--rope-scaling-factor must be positive, got {self.rope_scaling_factor}")
+        self._validate_moe()
+
+    def _validate_moe(self) -> None:
+        moe_only = {"moe_ffn_hidden_size": self.moe_ffn_hidden_size,
+                    "moe_shared_expert_intermediate_size": self.moe_shared_expert_intermediate_size,
+                    "moe_expert_capacity_factor": self.moe_expert_capacity_factor}
+        if self.num_moe_experts is None:
+            given = [f"--{name.replace('_', '-')}" for name, value in moe_only.items() if value is not None]
+            if given or self.moe_shared_expert_gate:
+                raise ValueError(f"{' '.join(given) or '--moe-shared-expert-gate'} configures mixture-of-experts "
+                                 "layers; add --num-experts or drop it")
+            return
+        if self.family != "gpt":
+            raise ValueError("--num-experts: mixture-of-experts layers are built into GPT models only")
+        if self.num_moe_experts < 1:
+            raise ValueError(f"--num-experts must be at least 1, got {self.num_moe_experts}")
+        if not 1 <= self.moe_router_topk <= self.num_moe_experts:
+            raise ValueError(f"--moe-router-topk {self.moe_router_topk} must be between 1 and --num-experts "
+                             f"{self.num_moe_experts}")
+        shared = self.moe_shared_expert_intermediate_size
+        if shared is not None and shared < 1:
+            raise ValueError(f"--moe-shared-expert-intermediate-size must be at least 1, got {shared}")
+        if self.moe_expert_capacity_factor is not None and self.moe_expert_capacity_factor <= 0:
+            raise ValueError(f"--moe-expert-capacity-factor must be positive, got {self.moe_expert_capacity_factor}")
+        if self.moe_shared_expert_gate and self.moe_shared_expert_intermediate_size is None:
+            raise ValueError("--moe-shared-expert-gate gates a shared expert; add "
+                             "--moe-shared-expert-intermediate-size")
+        if self.moe_pad_expert_input_to_capacity and self.moe_expert_capacity_factor is None:
+            raise ValueError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
 
 
 # The sizes a ModelConfig may leave None and the default ModelConfig.__post_init__ gives each: megatron-core's
@@ -165,6 +222,8 @@ _DERIVED_SIZES: dict[str, Callable[[ModelConfig], int]] = {
     "ffn_hidden_size": lambda m: 4 * m.hidden_size,
     "num_query_groups": lambda m: m.num_attention_heads,
     "kv_channels": lambda m: m.hidden_size // m.num_attention_heads,
+    # Only a MoE model has experts to size (megatron-core asserts None otherwise).
+    "moe_ffn_hidden_size": lambda m: m.ffn_hidden_size if m.num_moe_experts else None,
 }
 
 
@@ -250,6 +309,28 @@ def _qwen3(**fields) -> ModelConfig:
     return _qwen2(**{**defaults, **fields})
 
 
+def _mixtral(**fields) -> ModelConfig:
+    # Mixtral = Mistral whose MLP is 8 experts, 2 per token, no shared expert, load-balancing loss weight 0.02;
+    # RoPE base 1e6.
+    defaults = dict(num_moe_experts=8, moe_router_topk=2, moe_aux_loss_coeff=0.02, rotary_base=1000000)
+    return _llama(**{**defaults, **fields})
+
+
+def _qwen2_moe(**fields) -> ModelConfig:
+    # Qwen1.5/2-MoE = Qwen2 whose every MLP is routed experts plus one shared expert behind a sigmoid gate; top-k
+    # weights taken from the softmax over all experts, not renormalised (norm_topk_prob false).
+    defaults = dict(moe_shared_expert_gate=True, moe_router_pre_softmax=True, moe_aux_loss_coeff=0.001,
+                    untie_embeddings_and_output_weights=True)
+    return _qwen2(**{**defaults, **fields})
+
+
+def _qwen3_moe(**fields) -> ModelConfig:
+    # Qwen3-MoE = Qwen3 whose every MLP is routed experts, no shared expert, top-k weights renormalised
+    # (norm_topk_prob true, which is the softmax over the k chosen logits).
+    defaults = dict(moe_aux_loss_coeff=0.001, untie_embeddings_and_output_weights=True)
+    return _qwen3(**{**defaults, **fields})
+
+
 def _bert(num_layers: int, hidden_size: int, num_attention_heads: int) -> ModelConfig:
     # Google's BERT: post-LN, erf-GeLU, token types, NSP head, 512 positions, WordPiece vocabulary 30522.
     return ModelConfig(
@@ -316,6 +397,20 @@ register_model_config("qwen3-4b")(lambda: _qwen3(
 register_model_config("qwen3-8b")(lambda: _qwen3(
     num_layers=36, hidden_size=4096, ffn_hidden_size=12288, num_attention_heads=32, num_query_groups=8,
 ))
+register_model_config("mixtral-8x7b")(lambda: _mixtral(
+    num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32, num_query_groups=8,
+    seq_length=4096, max_position_embeddings=32768, layernorm_epsilon=1e-5, vocab_size=32000,
+))
+# Qwen1.5-MoE-A2.7B (Qwen2MoeForCausalLM): 60 experts of 1408, 4 per token, a 5632-wide shared expert.
+register_model_config("qwen2-moe-a2.7b")(lambda: _qwen2_moe(
+    num_layers=24, hidden_size=2048, ffn_hidden_size=5632, num_attention_heads=16, num_query_groups=16,
+    seq_length=4096, max_position_embeddings=8192, num_moe_experts=60, moe_router_topk=4, moe_ffn_hidden_size=1408,
+    moe_shared_expert_intermediate_size=5632,
+))
+register_model_config("qwen3-moe-30b-a3b")(lambda: _qwen3_moe(
+    num_layers=48, hidden_size=2048, ffn_hidden_size=6144, num_attention_heads=32, num_query_groups=4,
+    num_moe_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768,
+))
 register_model_config("bert-base")(lambda: _bert(12, 768, 12))
 register_model_config("bert-large")(lambda: _bert(24, 1024, 16))
 # Debug shapes: seconds on a CPU, every architectural feature switched on.
@@ -334,6 +429,21 @@ register_model_config("tiny-qwen2")(lambda: _qwen2(
 register_model_config("tiny-qwen3")(lambda: _qwen3(
     num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2, kv_channels=32,
     seq_length=32, max_position_embeddings=32, vocab_size=128, make_vocab_size_divisible_by=1,
+))
+# Four experts, two per token: with EP=2 each rank holds two, and tokens cross ranks.
+register_model_config("tiny-mixtral")(lambda: _mixtral(
+    num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2, seq_length=32,
+    vocab_size=128, make_vocab_size_divisible_by=1, num_moe_experts=4, moe_ffn_hidden_size=32,
+))
+register_model_config("tiny-qwen2-moe")(lambda: _qwen2_moe(
+    num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2, seq_length=32,
+    vocab_size=128, make_vocab_size_divisible_by=1, num_moe_experts=4, moe_ffn_hidden_size=32,
+    moe_shared_expert_intermediate_size=48,
+))
+register_model_config("tiny-qwen3-moe")(lambda: _qwen3_moe(
+    num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2, kv_channels=32,
+    seq_length=32, max_position_embeddings=32, vocab_size=128, make_vocab_size_divisible_by=1, num_moe_experts=4,
+    moe_ffn_hidden_size=32,
 ))
 register_model_config("tiny-bert")(lambda: _bert(2, 64, 4).replace(
     seq_length=32, max_position_embeddings=32, vocab_size=128, make_vocab_size_divisible_by=1,
@@ -366,6 +476,15 @@ _VALUE_FLAGS = [
     ("--attention-dropout", "attention_dropout", dict(type=float)),
     ("--init-method-std", "init_method_std", dict(type=float)),
     ("--bert-layernorm-style", "bert_layernorm_style", dict(choices=["pre", "post"])),
+    ("--num-experts", "num_moe_experts", dict(type=int)),
+    ("--moe-router-topk", "moe_router_topk", dict(type=int)),
+    ("--moe-ffn-hidden-size", "moe_ffn_hidden_size", dict(type=int)),
+    ("--moe-shared-expert-intermediate-size", "moe_shared_expert_intermediate_size", dict(type=int)),
+    ("--moe-router-load-balancing-type", "moe_router_load_balancing_type",
+     dict(choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"])),
+    ("--moe-aux-loss-coeff", "moe_aux_loss_coeff", dict(type=float)),
+    ("--moe-expert-capacity-factor", "moe_expert_capacity_factor", dict(type=float)),
+    ("--moe-token-drop-policy", "moe_token_drop_policy", dict(choices=["probs", "position"])),
 ]
 # (flag, field, value it sets)
 _SWITCH_FLAGS = [
@@ -378,6 +497,9 @@ _SWITCH_FLAGS = [
     ("--untie-embeddings-and-output-weights", "untie_embeddings_and_output_weights", True),
     ("--bert-no-binary-head", "add_binary_head", False),
     ("--apply-layernorm-1p", "layernorm_zero_centered_gamma", True),
+    ("--moe-shared-expert-gate", "moe_shared_expert_gate", True),
+    ("--moe-router-pre-softmax", "moe_router_pre_softmax", True),
+    ("--moe-pad-expert-input-to-capacity", "moe_pad_expert_input_to_capacity", True),
 ]
 
 

@@ -32,13 +32,16 @@ def num_floating_point_operations(
     h, layers = m.hidden_size, m.num_layers
     query_projection_ratio = m.kv_channels * m.num_attention_heads / h
     gated_linear_multiplier = 3 / 2 if m.activation == "swiglu" else 1
+    # A token passes through its top-k experts and the shared expert (Megatron-LM's count; the router left out).
+    mlp_width = (m.moe_router_topk * m.moe_ffn_hidden_size + (m.moe_shared_expert_intermediate_size or 0)
+                 if m.num_moe_experts else m.ffn_hidden_size)
     return (
         12 * batch_size * seq_length * layers * h * h
         * (
             # attention: q/k/v and output projections, scores and the weighted sum of values
             (1 + m.num_query_groups / m.num_attention_heads + seq_length / h) * query_projection_ratio
             # MLP
-            + (m.ffn_hidden_size / h) * gated_linear_multiplier
+            + (mlp_width / h) * gated_linear_multiplier
             # logits
             + padded_vocab_size / (2 * layers * h)
         )
@@ -49,14 +52,24 @@ def _norm_parameters(m: ModelConfig) -> int:
     return m.hidden_size * (2 if m.normalization == "LayerNorm" else 1)
 
 
+def _mlp_parameters(m: ModelConfig, f: int) -> int:
+    h, fc1_out = m.hidden_size, 2 * f if m.activation == "swiglu" else f
+    return h * fc1_out + f * h + ((fc1_out + h) if m.add_bias_linear else 0)
+
+
 def layer_parameters(m: ModelConfig) -> int:
-    h, f = m.hidden_size, m.ffn_hidden_size
+    h = m.hidden_size
     q_size, kv_size = m.kv_channels * m.num_attention_heads, m.kv_channels * m.num_query_groups
     qkv_out = q_size + 2 * kv_size
-    fc1_out = 2 * f if m.activation == "swiglu" else f
     bias = m.add_bias_linear
     attention = h * qkv_out + (qkv_out if bias or m.add_qkv_bias else 0) + q_size * h + (h if bias else 0)
-    mlp = h * fc1_out + f * h + ((fc1_out + h) if bias else 0)
+    if m.num_moe_experts:
+        shared = m.moe_shared_expert_intermediate_size
+        # the router's expert scores, the experts, the shared expert and its one-output gate
+        mlp = (h * m.num_moe_experts + m.num_moe_experts * _mlp_parameters(m, m.moe_ffn_hidden_size)
+               + (_mlp_parameters(m, shared) if shared else 0) + (h if m.moe_shared_expert_gate else 0))
+    else:
+        mlp = _mlp_parameters(m, m.ffn_hidden_size)
     # Qwen3's query and key norms: one weight (and a bias for LayerNorm) per head channel each.
     qk_norms = 2 * m.kv_channels * (2 if m.normalization == "LayerNorm" else 1) if m.qk_layernorm else 0
     return attention + mlp + 2 * _norm_parameters(m) + qk_norms

@@ -44,6 +44,17 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """Split norm/dropout activations along the sequence over the TP group (needs TP > 1)."""
     context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    """Ranks the experts of a MoE layer are split over (EP); the expert layers' data-parallel size is what
+    world / (expert_tensor_parallel_size x EP x PP) leaves."""
+    expert_tensor_parallel_size: int | None = None
+    """Tensor parallelism inside each expert (ETP); None means the same as tensor_model_parallel_size."""
+    moe_token_dispatcher_type: Literal["allgather", "alltoall", "flex"] = "allgather"
+    """How tokens reach the experts of other EP ranks (megatron-core's dispatchers; Megatron-LM's default).
+    "allgather" gathers every token to every EP rank and works at any layout on gloo; "alltoall" sends each rank
+    only its experts' tokens (less traffic at large EP) and on gloo needs expert TP 1; "flex" needs DeepEP on GPUs."""
+    moe_grouped_gemm: bool = False
+    """One grouped GEMM for a rank's experts (Transformer Engine's TEGroupedMLP) instead of a loop over them."""
     recompute_granularity: Literal["full", "selective"] | None = None
     """"full" recomputes whole layers, "selective" only core attention (Korthikanti et al. 2022,
     https://arxiv.org/abs/2205.05198)."""
@@ -89,6 +100,9 @@ class ParallelConfig:
             pipeline_model_parallel_size=self.pipeline_model_parallel_size,
             context_parallel_size=self.context_parallel_size,
             virtual_pipeline_model_parallel_size=self.virtual_pipeline_model_parallel_size,
+            expert_model_parallel_size=self.expert_model_parallel_size,
+            expert_tensor_parallel_size=self.expert_tensor_parallel_size,
+            num_moe_experts=m.num_moe_experts, moe_ffn_hidden_size=m.moe_ffn_hidden_size,
             sequence_parallel=self.sequence_parallel, micro_batch_size=micro_batch_size,
             global_batch_size=global_batch_size, num_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
             num_query_groups=m.num_query_groups, ffn_hidden_size=m.ffn_hidden_size, seq_length=m.seq_length,
@@ -107,6 +121,25 @@ class ParallelConfig:
         if self.context_parallel_size > 1 and not compat.transformer_engine_available():
             raise ValueError("--context-parallel-size greater than 1 needs Transformer Engine, which is not installed")
         self.check_options(model_config)
+        self._check_moe_backend(model_config)
+
+    def _check_moe_backend(self, model_config: ModelConfig) -> None:
+        """The MoE kernels that need a package this machine lacks are refused by name."""
+        if model_config.num_moe_experts is None:
+            return
+        if self.moe_grouped_gemm and not compat.transformer_engine_available():
+            raise ValueError("--moe-grouped-gemm needs Transformer Engine's grouped GEMM, which is not installed; "
+                             "drop it (each rank then loops over its experts)")
+        if self.moe_token_dispatcher_type == "flex":
+            raise ValueError("--moe-token-dispatcher-type flex needs DeepEP or HybridEP on GPUs; use alltoall or "
+                             "allgather")
+        expert_tp = self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+        # Across expert-TP ranks the all-to-all dispatcher gathers unequal token counts (token_dispatcher.py:666 ->
+        # mappings.py:150 with output_split_sizes), which gloo's all_gather cannot: every tensor must be the same size.
+        if self.moe_token_dispatcher_type == "alltoall" and expert_tp > 1 and not torch.cuda.is_available():
+            raise ValueError(f"--moe-token-dispatcher-type alltoall with expert tensor parallelism {expert_tp} needs "
+                             "NCCL (gloo cannot gather unequal token counts); use --moe-token-dispatcher-type "
+                             "allgather or --expert-tensor-parallel-size 1")
 
     def check_options(self, model_config: ModelConfig) -> None:
         """Raise ValueError, naming the flags, when the precision or recompute options contradict each other or
@@ -154,6 +187,12 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
                        help="Megatron-LM's way to ask for virtual pipeline stages")
     group.add_argument("--sequence-parallel", action="store_true")
     group.add_argument("--context-parallel-size", type=int, default=1)
+    group.add_argument("--expert-model-parallel-size", type=int, default=1)
+    group.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                       help="tensor parallelism inside each expert (default: --tensor-model-parallel-size)")
+    group.add_argument("--moe-token-dispatcher-type", choices=["allgather", "alltoall", "flex"], default="allgather")
+    group.add_argument("--moe-grouped-gemm", action="store_true",
+                       help="one grouped GEMM over a rank's experts (needs Transformer Engine)")
     group.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
     group.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
     group.add_argument("--recompute-num-layers", type=int, default=None)
@@ -198,6 +237,10 @@ def parallel_config_from_args(args: argparse.Namespace, num_layers: int) -> Para
         virtual_pipeline_model_parallel_size=vpp,
         sequence_parallel=args.sequence_parallel,
         context_parallel_size=args.context_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+        moe_grouped_gemm=args.moe_grouped_gemm,
         recompute_granularity=granularity,
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
+from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
@@ -89,9 +90,19 @@ def layer_spec(model_config: ModelConfig, parallel_config: ParallelConfig | None
             k_layernorm=qk_norm,
         ),
     )
-    mlp = ModuleSpec(
-        module=MLP, submodules=MLPSubmodules(linear_fc1=norm_linear, linear_fc2=provider.row_parallel_linear())
-    )
+    moe = model_config.num_moe_experts is not None
+    if moe:
+        # megatron-core's MoELayer (router, experts, shared expert) from the same provider; its experts are a loop
+        # of local MLPs (SequentialMLP) unless grouped GEMM is asked for. Nothing fuses into a router, so the MLP's
+        # norm stays a module of its own, as in megatron-core's TE spec for experts.
+        mlp = get_moe_module_spec_for_backend(
+            provider, num_experts=model_config.num_moe_experts,
+            moe_grouped_gemm=parallel_config is not None and parallel_config.moe_grouped_gemm,
+        )
+    else:
+        mlp = ModuleSpec(
+            module=MLP, submodules=MLPSubmodules(linear_fc1=norm_linear, linear_fc2=provider.row_parallel_linear())
+        )
     common = dict(self_attention=self_attention, self_attn_bda=get_bias_dropout_add, mlp=mlp,
                   mlp_bda=get_bias_dropout_add)
     if post_ln:
@@ -102,18 +113,18 @@ def layer_spec(model_config: ModelConfig, parallel_config: ParallelConfig | None
             ),
         )
     pre_norm = IdentityOp if fuse_norm else norm
+    # Checkpoint keys as with TE's fused norm+linear, so local and TE checkpoints load into each other (as
+    # megatron-core's own local spec does, gpt_layer_specs.py:417-420); a MoE layer's MLP norm is unfused in both.
+    keys_map = {} if fuse_norm else {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
+    if not fuse_norm and not moe:
+        keys_map["pre_mlp_layernorm."] = "mlp.linear_fc1.layer_norm_"
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
             **common,
             input_layernorm=pre_norm,
-            pre_mlp_layernorm=pre_norm,
-            # Checkpoint keys as with TE's fused norm+linear, so local and TE checkpoints load into each other
-            # (as megatron-core's own local spec does, gpt_layer_specs.py:417-420).
-            sharded_state_dict_keys_map={} if fuse_norm else {
-                "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
-                "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
-            },
+            pre_mlp_layernorm=norm if moe else pre_norm,
+            sharded_state_dict_keys_map=keys_map,
         ),
     )
 
