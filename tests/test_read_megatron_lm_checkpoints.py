@@ -413,3 +413,34 @@ def test_megatron_lm_optimizer_buckets_reshard_across_data_parallel_ranks_only(c
     assert flattened.startswith(f"--load {old}: ") and flattened.endswith(
         "('fully_sharded_model_space', Megatron-LM's before megatron-core 0.13), which megatron-core 0.16.1 no longer "
         "reads; pass --finetune or --no-load-optim to load the model alone"), flattened
+
+
+def resume_at_recorded_samples(rank, world_size, load, save, sequences):
+    """The losses of resuming ``load`` for one iteration (saving it in ``save``), and the first loss of the
+    loaded weights on the data from sample 12 on (a --finetune run that starts there: the reference)."""
+    resumed = _run(load, SAVED_AT + 1, sequences, ["--save", save])
+    losses = resumed.train().train_losses
+    reference = _run(load, 1, sequences[12:], ["--finetune"]).train().train_losses
+    return {"losses": losses, "consumed": resumed.consumed_samples, "reference": reference}
+
+
+def test_resume_continues_at_the_samples_the_checkpoint_records(checkpoints, tmp_path):
+    """A run whose batch ramped up (or whose --global-batch-size changed) consumed other than iteration x batch
+    samples; Megatron-LM's load_checkpoint resumes its data at the args' consumed_train_samples and carries
+    skipped_train_samples. Failed before: the trainer recomputed 2 x 4 = 8 from the iteration, so it trained on
+    samples 8-11 instead of 12-15 and saved consumed_train_samples 12, skipped_train_samples 0."""
+    _, made = checkpoints
+    converted, _ = made["torch_dist-tp2"]
+    out, resaved = str(tmp_path / "megatron-lm"), str(tmp_path / "resumed")
+    sequences = training_sequences(16)  # 16 distinct samples: from sample 8 and from 12 are other batches
+    run_on_ranks(train_and_save_as_megatron_lm, 1, args=(converted, out, sequences, []), timeout=400)
+    path = os.path.join(out, f"iter_{SAVED_AT:07d}", "common.pt")
+    common = load_megatron_file(path)
+    common["args"].consumed_train_samples, common["args"].skipped_train_samples = 12, 3
+    torch.save(common, path)
+    [result] = run_on_ranks(resume_at_recorded_samples, 1, args=(out, resaved, sequences), timeout=400)
+    # The first resumed iteration's loss is the loaded weights' on samples 12-15 (before its update).
+    assert result["losses"][0] == (SAVED_AT + 1, result["reference"][0][1]), result
+    assert result["consumed"] == 16
+    args = load_megatron_file(os.path.join(resaved, f"iter_{SAVED_AT + 1:07d}", "common.pt"))["args"]
+    assert (args.consumed_train_samples, args.skipped_train_samples) == (16, 3)
