@@ -304,8 +304,8 @@ def load_megatron_checkpoint(root: str, chunks: list, optimizer, scheduler, **op
     """Load ``root``'s latest checkpoint into model chunks (``options``: training/checkpointing.py
     ``load_checkpoint``'s): ours or Megatron-LM's torch_dist with its optimizer and scheduler, their sharded state
     built with the metadata the checkpoint records (``_saved_metadata``: ours load at any TP/PP/DP, Megatron-LM's
-    default distributed-optimizer state at its TP/PP and any DP), or the model alone of a converted (``release``)
-    or Megatron-LM per-rank checkpoint.
+    default distributed-optimizer state at its TP/PP and any DP), Megatron-LM's per-rank files likewise (at their
+    TP/PP and any DP: ``_load_legacy``), or the model alone of a converted (``release``) checkpoint.
 
     Example::
 
