@@ -11,7 +11,9 @@ hold no optimizer state (as Megatron-LM's --no-save-optim), and the trainer load
 
 A training run's save with its optimizer is written as Megatron-LM 0.16.1 writes one (``save_as_megatron_lm_run``:
 the distributed optimizer's state in its ``dp_reshardable`` buckets, the content metadata, scheduler, iteration and
-consumed samples in common.pt); a plain ``--load`` resumes it where the saving run would have gone on.
+consumed samples in common.pt); a plain ``--load`` resumes it where the saving run would have gone on. So does one
+saved as Megatron-LM's per-rank files (``save_as_megatron_lm_legacy_run``: each rank file with its optimizer's
+``state_dict`` and scheduler, the distributed optimizer's state in ``distrib_optim.pt`` beside it).
 """
 
 import argparse
@@ -163,7 +165,7 @@ def test_trainer_loads_megatron_lm_checkpoints(checkpoints):
     for checkpoint in (dist_lm, legacy_lm):
         assert f"successfully loaded checkpoint from {checkpoint} at iteration {ITERATION}" in messages, messages
     # ... and resuming their optimizer is refused in one line: the torch_dist one has none (saved as by
-    # Megatron-LM's --no-save-optim), Megatron-LM's per-rank optimizer state is not read.
+    # Megatron-LM's --no-save-optim), the per-rank one was saved at TP=2 x PP=2, where its state would be indexed.
     assert dist_refusal.endswith("has no optimizer state; pass --finetune or --no-load-optim to load its model")
     assert "Megatron-LM per-rank" in legacy_refusal and "pass --finetune or --no-load-optim" in legacy_refusal
 
@@ -413,3 +415,159 @@ def test_megatron_lm_optimizer_buckets_reshard_across_data_parallel_ranks_only(c
     assert flattened.startswith(f"--load {old}: ") and flattened.endswith(
         "('fully_sharded_model_space', Megatron-LM's before megatron-core 0.13), which megatron-core 0.16.1 no longer "
         "reads; pass --finetune or --no-load-optim to load the model alone"), flattened
+
+
+def resume_at_recorded_samples(rank, world_size, load, save, sequences):
+    """The losses of resuming ``load`` for one iteration (saving it in ``save``), and the first loss of the
+    loaded weights on the data from sample 12 on (a --finetune run that starts there: the reference)."""
+    resumed = _run(load, SAVED_AT + 1, sequences, ["--save", save])
+    losses = resumed.train().train_losses
+    reference = _run(load, 1, sequences[12:], ["--finetune"]).train().train_losses
+    return {"losses": losses, "consumed": resumed.consumed_samples, "reference": reference}
+
+
+def test_resume_continues_at_the_samples_the_checkpoint_records(checkpoints, tmp_path):
+    """A run whose batch ramped up (or whose --global-batch-size changed) consumed other than iteration x batch
+    samples; Megatron-LM's load_checkpoint resumes its data at the args' consumed_train_samples and carries
+    skipped_train_samples. Failed before: the trainer recomputed 2 x 4 = 8 from the iteration, so it trained on
+    samples 8-11 instead of 12-15 and saved consumed_train_samples 12, skipped_train_samples 0."""
+    _, made = checkpoints
+    converted, _ = made["torch_dist-tp2"]
+    out, resaved = str(tmp_path / "megatron-lm"), str(tmp_path / "resumed")
+    sequences = training_sequences(16)  # 16 distinct samples: from sample 8 and from 12 are other batches
+    run_on_ranks(train_and_save_as_megatron_lm, 1, args=(converted, out, sequences, []), timeout=400)
+    path = os.path.join(out, f"iter_{SAVED_AT:07d}", "common.pt")
+    common = load_megatron_file(path)
+    common["args"].consumed_train_samples, common["args"].skipped_train_samples = 12, 3
+    torch.save(common, path)
+    [result] = run_on_ranks(resume_at_recorded_samples, 1, args=(out, resaved, sequences), timeout=400)
+    # The first resumed iteration's loss is the loaded weights' on samples 12-15 (before its update).
+    assert result["losses"][0] == (SAVED_AT + 1, result["reference"][0][1]), result
+    assert result["consumed"] == 16
+    args = load_megatron_file(os.path.join(resaved, f"iter_{SAVED_AT + 1:07d}", "common.pt"))["args"]
+    assert (args.consumed_train_samples, args.skipped_train_samples) == (16, 3)
+
+
+def save_as_megatron_lm_legacy_run(trainer, out: str) -> None:
+    """Save ``trainer``'s model, optimizer and scheduler in ``out`` as Megatron-LM 0.16.1's ``save_checkpoint``
+    does with --ckpt-format torch (megatron/training/checkpointing.py at core_v0.16.1): with the distributed
+    optimizer every data-parallel rank takes part in ``save_parameter_state`` (gathered into ``distrib_optim.pt``
+    by DP rank 0), then DP rank 0 of each TP x PP rank writes ``mp_rank_TT[_PPP]/model_optim_rng.pt``: args,
+    checkpoint_version, iteration, the unwrapped model's ``state_dict_for_save_checkpoint``, the optimizer's
+    ``state_dict``, ``opt_param_scheduler`` and ``rng_state`` (``get_rng_state``'s list, one per DP rank saved)."""
+    import random
+
+    from megatron.core import parallel_state, tensor_parallel
+
+    from megatron_patch.checkpoint.format import megatron_lm_common_state
+    from megatron_patch.checkpoint.legacy import rank_dir_name
+
+    training = trainer.config.training
+    state = megatron_lm_common_state(
+        trainer.checkpoint_info, trainer.iteration, consumed_train_samples=trainer.consumed_samples,
+        use_distributed_optimizer=training.use_distributed_optimizer, ckpt_format="torch",
+        data_parallel_size=parallel_state.get_data_parallel_world_size(), world_size=torch.distributed.get_world_size())
+    del state["args"].megatron_patch  # our own field; Megatron-LM's args lack it
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    here = os.path.join(out, f"iter_{trainer.iteration:07d}", rank_dir_name(
+        parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank(), pp))
+    os.makedirs(here, exist_ok=True)
+    if training.use_distributed_optimizer:
+        trainer.optimizer.save_parameter_state(os.path.join(here, "distrib_optim.pt"))
+    if parallel_state.get_data_parallel_rank() == 0:
+        [chunk] = trainer.model
+        while hasattr(chunk, "module"):  # Megatron-LM's unwrap_model: DDP and Float16Module off
+            chunk = chunk.module
+        rng = {"random_rng_state": random.getstate(), "np_rng_state": numpy.random.get_state(),
+               "torch_rng_state": torch.get_rng_state(),
+               "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}
+        torch.save({**state, "model": chunk.state_dict_for_save_checkpoint(),
+                    "optimizer": trainer.optimizer.state_dict(),
+                    "opt_param_scheduler": trainer.lr_scheduler.state_dict(), "rng_state": [rng],
+                    "num_floating_point_operations_so_far": 0},
+                   os.path.join(here, "model_optim_rng.pt"))
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:
+        with open(os.path.join(out, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(trainer.iteration))
+    torch.distributed.barrier()
+
+
+def train_and_save_as_megatron_lm_legacy(rank, world_size, converted, out, sequences, flags):
+    """As train_and_save_as_megatron_lm, saved as Megatron-LM's per-rank (--ckpt-format torch) files."""
+    saving = _run(converted, SAVED_AT, sequences, flags)
+    losses = saving.train().train_losses
+    save_as_megatron_lm_legacy_run(saving, out)
+    return {"losses": losses, "saved": _optimizer_state(saving),
+            "unbroken": _run(converted, 4, sequences, flags).train().train_losses}
+
+
+@pytest.mark.parametrize("world_size, flags", [
+    (1, ["--bf16"]), (2, ["--tensor-model-parallel-size", "2"]), (2, ["--use-distributed-optimizer", "--bf16"]),
+], ids=["plain-bf16", "plain-tp2-fp32", "distributed-dp2-bf16"])
+def test_trainer_resumes_megatron_lm_legacy_optimizer_state(checkpoints, tmp_path, world_size, flags):
+    """Failed before: a plain --load of Megatron-LM's per-rank files was refused ("... whose optimizer state is not
+    read; pass --finetune or --no-load-optim"); now each rank resumes its own file's optimizer (with the
+    distributed optimizer's distrib_optim.pt) and scheduler where the saving run would have gone on."""
+    _, made = checkpoints
+    converted, _ = made["torch_dist-tp2"]  # our TP=1 conversion
+    out = str(tmp_path / "megatron-lm")
+    sequences = training_sequences()
+    saves = run_on_ranks(train_and_save_as_megatron_lm_legacy, world_size,
+                         args=(converted, out, sequences, flags), timeout=400)
+    resumes = run_on_ranks(resume, world_size, args=(out, sequences, flags), timeout=400)
+    assert read_info(out).format == "torch"
+    for rank, (save, resumed) in enumerate(zip(saves, resumes)):
+        saved, loaded = save["saved"], resumed["loaded"]
+        assert (loaded["iteration"], loaded["consumed_samples"]) == (SAVED_AT, SAVED_AT * 4)
+        assert loaded["scheduler"] == saved["scheduler"] and saved["scheduler"]["num_steps"] == SAVED_AT * 4
+        assert len(loaded["adam"]) == len(saved["adam"]) > 0
+        for got, expected in zip(loaded["adam"], saved["adam"]):
+            assert got.keys() == expected.keys() >= {"param", "exp_avg", "exp_avg_sq", "step"}
+            assert int(got["step"]) == SAVED_AT, (rank, got["step"])
+            for key in expected:
+                assert torch.equal(got[key], expected[key]), (rank, key)
+        # Iterations 3 and 4 are those of the run that did not stop.
+        assert resumed["losses"] == save["unbroken"][SAVED_AT:], (resumed["losses"], save["unbroken"])
+    assert any("loaded the model, optimizer and scheduler of" in m for m in resumes[-1]["messages"])
+
+
+def test_megatron_lm_legacy_optimizer_state_at_another_layout_or_kind_is_refused(checkpoints, tmp_path):
+    """The per-rank optimizer state is indexed by the saved layout's parameters and shaped by the optimizer's kind
+    and precision: another layout, optimizer or precision is refused by name before anything is loaded."""
+    _, made = checkpoints
+    converted, _ = made["torch_dist-tp2"]
+    out = str(tmp_path / "megatron-lm")
+    sequences = training_sequences()
+    run_on_ranks(train_and_save_as_megatron_lm_legacy, 1, args=(converted, out, sequences, ["--bf16"]), timeout=400)
+    at_tp2, distributed, fp32 = run_on_ranks(refusals, 2, args=(sequences, [
+        (out, ["--bf16", "--tensor-model-parallel-size", "2"]), (out, ["--bf16", "--use-distributed-optimizer"]),
+        (out, [])]), timeout=400)[0]
+    path = os.path.join(out, f"iter_{SAVED_AT:07d}")
+    model_alone = "pass --finetune or --no-load-optim to load its model"
+    assert at_tp2 == (
+        f"--load {out}: {path} holds Megatron-LM per-rank (--ckpt-format torch) optimizer state of TP=1 PP=1, "
+        f"indexed by that layout's parameters; requested TP=2 PP=1: resume at TP=1 PP=1, or {model_alone}")
+    rank_file = os.path.join(path, "mp_rank_00", "model_optim_rng.pt")
+    assert distributed == (
+        f"--load {out}: {rank_file} holds the state of an optimizer run with --bf16, which does not load into one "
+        f"run with --use-distributed-optimizer --bf16: resume with the saving run's flags, or {model_alone}")
+    assert fp32.endswith("which does not load into one run with neither --use-distributed-optimizer nor "
+                         f"--bf16/--fp16: resume with the saving run's flags, or {model_alone}"), fp32
+
+
+@pytest.mark.parametrize("flags", [["--use-distributed-optimizer"], []], ids=["distributed", "plain"])
+def test_megatron_lm_legacy_optimizer_state_resumes_at_another_data_parallel_size(checkpoints, tmp_path, flags):
+    """Saved at DP=1, resumed at DP=2: megatron-core scatters distrib_optim.pt's buckets over the two ranks (a
+    plain optimizer's state is the same on both); the resumed iterations are the unbroken run's, to float rounding
+    (the same global batch is reduced over two ranks)."""
+    _, made = checkpoints
+    converted, _ = made["torch_dist-tp2"]
+    out = str(tmp_path / "megatron-lm")
+    sequences = training_sequences()
+    [save] = run_on_ranks(train_and_save_as_megatron_lm_legacy, 1, args=(converted, out, sequences, flags),
+                          timeout=400)
+    for rank in run_on_ranks(resume, 2, args=(out, sequences, flags), timeout=400):
+        assert [i for i, _ in rank["losses"]] == [3, 4]
+        assert [loss for _, loss in rank["losses"]] == pytest.approx(
+            [loss for _, loss in save["unbroken"][SAVED_AT:]], rel=1e-5)

@@ -255,10 +255,39 @@ def find_info(megatron_dir: str) -> tuple[CheckpointInfo, str] | None:
     fmt = checkpoint_format(weights)
     if fmt is None:
         return None
-    # Every rank file carries the same args; the first one is there at any TP/PP.
-    source = (os.path.join(weights, "common.pt") if fmt == "torch_dist"
-              else sorted(glob.glob(os.path.join(weights, "mp_rank_00*", "model_optim_rng.pt")))[0])
+    source = _args_source(weights, fmt)
     return info_from_megatron_lm(load_megatron_file(source), fmt, source), source
+
+
+def _args_source(weights: str, fmt: str) -> str:
+    """The file of an iteration directory that holds Megatron-LM's ``args``: common.pt (torch_dist), else the
+    first rank file (every rank file carries the same args; the first one is there at any TP/PP)."""
+    if fmt == "torch_dist":
+        return os.path.join(weights, "common.pt")
+    return sorted(glob.glob(os.path.join(weights, "mp_rank_00*", "model_optim_rng.pt")))[0]
+
+
+def recorded_train_samples(weights: str) -> tuple[int, int] | None:
+    """``(consumed_train_samples, skipped_train_samples)`` as the Megatron-LM ``args`` of the iteration directory
+    ``weights`` record them (ours and Megatron-LM's saves write them); None when it has no args or they count
+    nothing (a plain model's save, or a Megatron-LM run older than these fields).
+
+    Example::
+
+        recorded_train_samples("ckpt/iter_0000100")    # (1520, 0): a ramp-up took fewer samples than 100 x 16
+
+    Megatron-LM's ``load_checkpoint`` resumes its data and batch ramp-up from these
+    (megatron/training/checkpointing.py at core_v0.16.1), not from the iteration: after a ramp-up or a change of
+    --global-batch-size the iteration does not tell them.
+    """
+    fmt = checkpoint_format(weights)
+    if fmt is None:
+        return None
+    args = load_megatron_file(_args_source(weights, fmt)).get("args")
+    consumed = getattr(args, "consumed_train_samples", None)
+    if not consumed:  # Megatron-LM too counts a 0 at a later iteration as unrecorded (its backward compatibility)
+        return None
+    return consumed, getattr(args, "skipped_train_samples", None) or 0
 
 
 def _read_args_file(path: str) -> CheckpointInfo:
@@ -321,7 +350,11 @@ def info_from_megatron_lm(state: dict, fmt: str, source: str) -> CheckpointInfo:
 
         info_from_megatron_lm(torch.load("ckpt/iter_0000100/common.pt"), "torch_dist", "ckpt/iter_0000100/common.pt")
 
-    The family is GPT: Megatron-LM's args do not say which model script trained them.
+    Megatron-LM's args do not say which model script trained them (every run's args hold pretrain_bert.py's
+    ``bert_binary_head``, True by default); its tensors do. megatron-core's ``BertModel`` (pretrain_bert.py) names
+    its layers ``encoder.layers.*``, its ``GPTModel`` ``decoder.layers.*``: an encoder is our pre-LN BERT (the
+    layer spec Megatron-LM trains BERT with normalises before each sublayer), with pretrain_bert.py's heads and
+    token types (``num_tokentypes = 2 if args.bert_binary_head else 0``).
     """
     args = state.get("args")
     if not isinstance(args, argparse.Namespace):
@@ -339,7 +372,7 @@ def info_from_megatron_lm(state: dict, fmt: str, source: str) -> CheckpointInfo:
     for name, what in _UNSUPPORTED_ARGS.items():
         if arg(name):
             raise CheckpointMismatch(f"{source}: args.{name}={arg(name)!r} ({what}) is not supported by our model; "
-                                     "only dense GPT checkpoints are read")
+                                     "only dense GPT and BERT checkpoints are read")
     if fmt == "torch" and arg("virtual_pipeline_model_parallel_size"):
         raise CheckpointMismatch(f"{source}: args.virtual_pipeline_model_parallel_size="
                                  f"{arg('virtual_pipeline_model_parallel_size')}: per-rank files of an interleaved "
@@ -353,12 +386,20 @@ def info_from_megatron_lm(state: dict, fmt: str, source: str) -> CheckpointInfo:
         if value not in allowed:
             raise CheckpointMismatch(f"{source}: args.{name}={value!r} is not supported by our model (one of "
                                      f"{', '.join(allowed)})")
-    padded = arg("padded_vocab_size")
+    shapes = _tensor_shapes(state, fmt, source)
+    # The rows of the stored embedding, which args.padded_vocab_size records; Megatron-LM's args keep the
+    # tokenizer's own vocab_size only with --vocab-size (None otherwise), so the padded rows are the vocabulary.
+    padded = arg("padded_vocab_size") or _embedding_rows(shapes, arg("tensor_model_parallel_size", 1), fmt)
     if padded is None:
-        raise CheckpointMismatch(f"{source}: args.padded_vocab_size is missing; the embedding's size is unknown")
+        raise CheckpointMismatch(f"{source}: args.padded_vocab_size is missing and no embedding.word_embeddings.weight "
+                                 "is stored; the vocabulary is unknown")
+    bert = any(name.startswith("encoder.") for name in shapes)
+    binary_head = bool(bert and arg("bert_binary_head", True))
+    token_types = arg("num_tokentypes", 2 if binary_head else 0) if bert else 0
     try:
         model_config = ModelConfig(
-            family="gpt", num_layers=args.num_layers, hidden_size=args.hidden_size,
+            family="bert" if bert else "gpt", num_tokentypes=token_types, add_binary_head=binary_head,
+            bert_layernorm_style="pre", num_layers=args.num_layers, hidden_size=args.hidden_size,
             num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
             ffn_hidden_size=arg("ffn_hidden_size"),
             num_query_groups=arg("num_query_groups") if arg("group_query_attention") else None,
@@ -377,7 +418,8 @@ def info_from_megatron_lm(state: dict, fmt: str, source: str) -> CheckpointInfo:
             layernorm_zero_centered_gamma=arg("apply_layernorm_1p", False),
         )
     except AttributeError as error:  # one of the shape fields every Megatron-LM run has
-        raise CheckpointMismatch(f"{source}: args lack {error.name}; not a Megatron-LM GPT checkpoint") from None
+        raise CheckpointMismatch(f"{source}: args lack {error.name}; not a Megatron-LM GPT or BERT checkpoint"
+                                 ) from None
     except ValueError as error:
         raise CheckpointMismatch(f"{source}: its args describe no model: {error}") from None
     return CheckpointInfo(
@@ -386,6 +428,26 @@ def info_from_megatron_lm(state: dict, fmt: str, source: str) -> CheckpointInfo:
         tensor_model_parallel_size=arg("tensor_model_parallel_size", 1),
         pipeline_model_parallel_size=arg("pipeline_model_parallel_size", 1),
     )
+
+
+def _tensor_shapes(state: dict, fmt: str, source: str) -> dict[str, tuple[int, ...]]:
+    """The stored tensors' names and shapes: a rank file's own (``state["model"]``, one TP x PP shard), or the
+    global shapes of torch_dist's metadata beside ``source`` (its common.pt)."""
+    if fmt == "torch":
+        return {name: tuple(t.shape) for name, t in state.get("model", {}).items() if isinstance(t, torch.Tensor)}
+    if not os.path.isfile(os.path.join(os.path.dirname(source), "metadata.json")):
+        return {}  # a common.pt read on its own: its args alone describe the model
+    from megatron.core import dist_checkpointing
+
+    return {name: tuple(t.global_shape) for name, t in
+            dist_checkpointing.load_tensors_metadata(os.path.dirname(source)).items() if hasattr(t, "global_shape")}
+
+
+def _embedding_rows(shapes: dict[str, tuple[int, ...]], tensor_parallel: int, fmt: str) -> int | None:
+    """The word embedding's rows over all TP ranks (a rank file holds 1/TP of them: megatron-core's
+    VocabParallelEmbedding splits the vocabulary evenly); None where the first file holds no embedding."""
+    rows = shapes.get("embedding.word_embeddings.weight", (None,))[0]
+    return rows * tensor_parallel if rows is not None and fmt == "torch" else rows
 
 
 def megatron_lm_args(info: CheckpointInfo, **training) -> argparse.Namespace:

@@ -5,12 +5,17 @@ Example::
     save_legacy(model, "out/release", info)           # a TP=1, PP=1 model cut into info's TP x PP rank files
     full = merge_legacy("ckpt/iter_0000100", info, partition_dims(model))   # the rank files -> full tensors
     load_legacy(model, "ckpt/iter_0000100", info)     # the same, checked and copied into a TP=1, PP=1 model
+    load_legacy_optimizer("ckpt/iter_0000100", info, optimizer, scheduler, fix="pass --finetune")  # each rank's own
 
 Each rank file holds that rank's shards under the names of its own stage (layers numbered from 0 on every
 stage) plus Megatron-LM's common state (:func:`format.megatron_lm_common_state`). TP shards are cut along the
 dimension megatron-core splits each tensor on (:func:`format.partition_dims`); a swiglu ``linear_fc1`` holds
 ``[gate_shard; up_shard]`` on each rank. With tied embeddings and PP > 1 the last stage keeps its own copy of the
 word embeddings as ``output_layer.weight``.
+
+A Megatron-LM training run's rank file also holds its optimizer's ``state_dict`` and ``opt_param_scheduler``, and
+with the distributed optimizer a ``distrib_optim.pt`` beside it; they resume at the saved TP x PP layout
+(:func:`load_legacy_optimizer`).
 """
 
 from __future__ import annotations
@@ -152,3 +157,76 @@ def _copy_full_tensors(model, full: dict[str, torch.Tensor], source: str) -> Non
     with torch.no_grad():
         for name, tensor in target.items():
             tensor.copy_(full[name])
+
+
+DISTRIBUTED_OPTIMIZER_FILE = "distrib_optim.pt"
+"""Beside each rank file: the distributed optimizer's parameter state, gathered to data-parallel rank 0
+(megatron-core's ``save_parameter_state``; Megatron-LM's get_distributed_optimizer_checkpoint_name)."""
+
+
+def load_legacy_optimizer(weights: str, info: CheckpointInfo, optimizer, scheduler, fix: str) -> None:
+    """This rank's optimizer and scheduler from Megatron-LM's per-rank files in ``weights`` (described by
+    ``info``), as its ``load_checkpoint`` reads them for ``--ckpt-format torch`` (megatron/training/checkpointing.py
+    at core_v0.16.1): ``optimizer.load_state_dict`` of the rank file's ``optimizer`` (the whole state of a
+    non-distributed optimizer, the distributed one's groups and grad scaler), its ``load_parameter_state`` of
+    ``distrib_optim.pt`` (the distributed optimizer's moments and main parameters), and the scheduler's
+    ``opt_param_scheduler``. Every rank of the world calls it.
+
+    Example::
+
+        load_legacy_optimizer("ckpt/iter_0000100", read_info("ckpt"), optimizer, scheduler, fix="pass --finetune")
+
+    The state is indexed by the optimizer's parameter order at the saved tensor/pipeline layout, so it loads only
+    at that layout and into the same kind of optimizer at the same precision; any other is refused here, naming
+    what differs (``fix``: how to load the model alone). A non-distributed optimizer's state is the same on every
+    data-parallel rank and megatron-core scatters the distributed one's over the ranks present, so the
+    data-parallel size may change.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from megatron_patch import compat
+
+    saved = (info.tensor_model_parallel_size, info.pipeline_model_parallel_size)
+    requested = (parallel_state.get_tensor_model_parallel_world_size(),
+                 parallel_state.get_pipeline_model_parallel_world_size())
+    if saved != requested:
+        raise CheckpointMismatch(
+            f"{weights} holds Megatron-LM per-rank (--ckpt-format torch) optimizer state of TP={saved[0]} "
+            f"PP={saved[1]}, indexed by that layout's parameters; requested TP={requested[0]} PP={requested[1]}: "
+            f"resume at TP={saved[0]} PP={saved[1]}, or {fix}")
+    here = os.path.join(weights, rank_dir_name(parallel_state.get_tensor_model_parallel_rank(),
+                                               parallel_state.get_pipeline_model_parallel_rank(), saved[1]))
+    path = os.path.join(here, "model_optim_rng.pt")
+    state = load_megatron_file(path)
+    if "optimizer" not in state or "opt_param_scheduler" not in state:
+        raise CheckpointMismatch(f"{path} has no optimizer or scheduler state (saved with --no-save-optim?); {fix}")
+    distributed = all(isinstance(part, DistributedOptimizer)
+                      for part in getattr(optimizer, "chained_optimizers", [optimizer]))
+    saved_flags = _optimizer_flags(getattr(state.get("args"), "use_distributed_optimizer", False), state.get("args"))
+    requested_flags = _optimizer_flags(distributed, optimizer.config)
+    if saved_flags != requested_flags:
+        raise CheckpointMismatch(f"{path} holds the state of an optimizer run with {saved_flags}, which does not "
+                                 f"load into one run with {requested_flags}: resume with the saving run's flags, "
+                                 f"or {fix}")
+    parameter_state = os.path.join(here, DISTRIBUTED_OPTIMIZER_FILE)
+    if distributed and not os.path.isfile(parameter_state):
+        raise CheckpointMismatch(f"{parameter_state} is missing: the distributed optimizer's state is not all "
+                                 f"there; {fix}")
+    compat.load_optimizer_state(optimizer, state["optimizer"])
+    if distributed:
+        # Without autograd, as compat.load_optimizer_state loads the groups: in fp32 the main parameters are views
+        # of the model's, and load_parameter_state_from_dp_zero copies into them in place
+        # (distrib_optimizer.py:2067 at megatron-core 0.16.1, no torch.no_grad() there).
+        with torch.no_grad():
+            optimizer.load_parameter_state(parameter_state)
+    compat.restore_adam_step(optimizer)
+    if scheduler is not None:
+        scheduler.load_state_dict(state["opt_param_scheduler"])
+
+
+def _optimizer_flags(distributed: bool, config) -> str:
+    """The flags that shape an optimizer's state, from Megatron-LM's args or a megatron-core OptimizerConfig."""
+    flags = ["--use-distributed-optimizer"] if distributed else []
+    flags += [f"--{precision}" for precision in ("bf16", "fp16") if getattr(config, precision, False)]
+    return " ".join(flags) or "neither --use-distributed-optimizer nor --bf16/--fp16"

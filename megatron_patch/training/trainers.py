@@ -34,7 +34,7 @@ import torch
 from torch.utils.data import default_collate
 
 from megatron_patch.distributed import record_progress, sum_over_data_parallel
-from megatron_patch.checkpoint.format import read_tracker
+from megatron_patch.checkpoint.format import checkpoint_dir, read_tracker, recorded_train_samples
 from megatron_patch.training.engine import Engine
 from megatron_patch.training.metrics import TrainingLog
 from megatron_patch.training.schedule import consumed_samples
@@ -108,6 +108,7 @@ class _Trainer:
         self.backend = None  # set by _compose: backends.MegatronBackend or backends.PlainBackend
         self.iteration = 0
         self.consumed_samples = 0  # samples of the iterations done (Megatron-LM's consumed_train_samples)
+        self.skipped_samples = 0  # Megatron-LM's skipped_train_samples of the run resumed; this one skips none
         self._last_saved = None  # the iteration of the last save (so nothing is saved twice)
         self._bad_steps = 0  # consecutive steps skipped for NaN/Inf gradients (bf16/fp32)
         self._exit_signal = None  # signals.ExitSignal with --exit-signal-handler
@@ -171,7 +172,15 @@ class _Trainer:
                 checkpoints.load, load_optim=not checkpoints.no_load_optim, load_rng=not checkpoints.no_load_rng,
                 finetune=checkpoints.finetune, load_fallback=checkpoints.load_fallback,
                 verify_checksums=not checkpoints.no_verify_checksums, logger=self.engine.logger)
-        self.consumed_samples = consumed_samples(self.config.training, self.iteration)
+        self.consumed_samples, self.skipped_samples = self._resumed_samples()
+
+    def _resumed_samples(self) -> tuple[int, int]:
+        """Megatron-LM's ``consumed_train_samples`` and ``skipped_train_samples`` at the loaded iteration: as the
+        checkpoint's args record them (a ramp-up or a change of --global-batch-size makes them differ from the
+        iteration times this run's batch), else the samples this run's schedule takes in as many iterations."""
+        recorded = (recorded_train_samples(checkpoint_dir(self.config.checkpointing.load, self.iteration))
+                    if self.iteration else None)
+        return recorded or (consumed_samples(self.config.training, self.iteration), 0)
 
     def _chunks(self) -> list:
         return self.backend.chunks()
@@ -287,7 +296,8 @@ class _Trainer:
         """What Megatron-LM's ``args`` in a save need from the run, not the model (its resume reads
         ``consumed_train_samples``). Validation restarts at its first sample on our resume, so 0 valid samples."""
         training = self.config.training
-        return dict(consumed_train_samples=self.consumed_samples, consumed_valid_samples=0,
+        return dict(consumed_train_samples=self.consumed_samples, skipped_train_samples=self.skipped_samples,
+                    consumed_valid_samples=0,
                     tokenizer_type=self.config.tokenizer_type, global_batch_size=training.global_batch_size,
                     micro_batch_size=training.micro_batch_size,
                     virtual_pipeline_model_parallel_size=self.config.parallel.virtual_pipeline_model_parallel_size,
@@ -364,23 +374,26 @@ class Pretrainer(_Trainer):
         return make() if len(self._chunks()) == 1 else [make() for _ in self._chunks()]
 
     def _flops_per_sample(self) -> float | None:
-        seq_length, model = self.config.data.seq_length, self.config.model
-        if not (self.megatron and seq_length and model.described):
+        seq_length = self.config.data.seq_length
+        if not (self.megatron and seq_length and self.config.model.described):
             return None
         from megatron_patch.model import num_floating_point_operations
-        from megatron_patch.model.builder import padded_vocab_size
+        from megatron_patch.training.models import model_config_and_vocab
 
-        # The formula counts the logit layer over the padded vocabulary (Megatron-LM: args.padded_vocab_size).
+        # The formula counts the logit layer over the padded vocabulary (Megatron-LM: args.padded_vocab_size): the
+        # model provider's record of what it built, else the model the flags describe, padded by the rule that
+        # builds it (model_config_and_vocab).
         if self.checkpoint_info is not None:
             info = self.checkpoint_info
             return num_floating_point_operations(info.model_config, 1, seq_length, info.padded_vocab_size)
+        loaded, tokenizer = self.config.checkpoint_info, self.engine.tokenizer if self.config.tokenizer_type else None
+        if loaded is None and tokenizer is None:
+            return None  # no vocabulary to count the logit layer over
+        family = loaded.model_config.family if loaded is not None else self.config.model.family or "gpt"
         try:
-            config = model.build(family="gpt")
-        except (ValueError, TypeError):
+            config, vocab = model_config_and_vocab(self.config, tokenizer, family)
+        except (ValueError, TypeError):  # the flags describe no model (the user's provider built its own)
             return None
-        vocab = getattr(self.engine.tokenizer, "vocab_size", None) if self.config.tokenizer_type else config.vocab_size
-        vocab = padded_vocab_size(vocab or 0, config.make_vocab_size_divisible_by,
-                                  self.config.parallel.tensor_model_parallel_size)
         return num_floating_point_operations(config, 1, seq_length, vocab)
 
     def evaluate(self, data_iterator) -> float | None:

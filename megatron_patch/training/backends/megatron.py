@@ -27,10 +27,11 @@ import torch
 
 from megatron_patch import compat
 from megatron_patch.checkpoint.format import (
-    RELEASE, CheckpointInfo, checkpoint_dir, load_megatron_file, megatron_lm_common_state, read_info,
-    weights_dir,
+    RELEASE, CheckpointInfo, CheckpointMismatch, checkpoint_dir, load_megatron_file, megatron_lm_common_state,
+    read_info, weights_dir,
 )
 from megatron_patch.checkpoint.integrity import write_and_checksum, write_rank_checksums
+from megatron_patch.checkpoint.legacy import load_legacy_optimizer
 from megatron_patch.checkpoint.load import load_into_chunks
 from megatron_patch.errors import UserError
 from megatron_patch.model.forward import forward_only_step
@@ -303,8 +304,8 @@ def load_megatron_checkpoint(root: str, chunks: list, optimizer, scheduler, **op
     """Load ``root``'s latest checkpoint into model chunks (``options``: training/checkpointing.py
     ``load_checkpoint``'s): ours or Megatron-LM's torch_dist with its optimizer and scheduler, their sharded state
     built with the metadata the checkpoint records (``_saved_metadata``: ours load at any TP/PP/DP, Megatron-LM's
-    default distributed-optimizer state at its TP/PP and any DP), or the model alone of a converted (``release``)
-    or Megatron-LM per-rank checkpoint.
+    default distributed-optimizer state at its TP/PP and any DP), Megatron-LM's per-rank files likewise (at their
+    TP/PP and any DP: ``_load_legacy``), or the model alone of a converted (``release``) checkpoint.
 
     Example::
 
@@ -344,10 +345,9 @@ def load_megatron_checkpoint(root: str, chunks: list, optimizer, scheduler, **op
     def load_converted(root: str, iteration, with_optimizer: bool, finetune: bool) -> int:
         if iteration == RELEASE:
             start = _load_release(root, chunks, logger)
-        else:
-            start = _load_legacy(root, iteration, chunks, with_optimizer, finetune, logger)
-        _reload_main_params(optimizer)
-        return start
+            _reload_main_params(optimizer)
+            return start
+        return _load_legacy(root, iteration, chunks, optimizer, scheduler, with_optimizer, finetune, logger)
 
     logger = options.get("logger") or logging.getLogger(__name__)
     return checkpointing.load_checkpoint(root, read_state, megatron=True, load_converted=load_converted, **options)
@@ -482,22 +482,41 @@ def _load_release(root: str, model, logger) -> int:
     return 0
 
 
-def _load_legacy(root: str, iteration: int, model, with_optimizer: bool, finetune: bool, logger) -> int:
-    """The model of a Megatron-LM ``--ckpt-format torch`` save (``iter_N/mp_rank_*/model_optim_rng.pt``); its
-    optimizer state, kept per rank in Megatron-LM's own layout, is not read, so only --finetune or --no-load-optim
-    (as Megatron-LM's own flags, which skip the optimizer and scheduler alike) load it."""
+def _load_legacy(root: str, iteration: int, model, optimizer, scheduler, with_optimizer: bool, finetune: bool,
+                 logger) -> int:
+    """A Megatron-LM ``--ckpt-format torch`` save (``iter_N/mp_rank_*/model_optim_rng.pt``): its model and, unless
+    --finetune or --no-load-optim (Megatron-LM's own flags, which skip the optimizer and scheduler alike) leave
+    ``with_optimizer`` off, its optimizer and scheduler state at the layout it was saved at
+    (``legacy.load_legacy_optimizer``). Its RNG state is not read."""
     path = checkpoint_dir(root, iteration)
+    info = _load_model_only(root, model)
     if with_optimizer:
-        raise UserError(f"--load {root}: {path} holds Megatron-LM per-rank (--ckpt-format torch) files, whose "
-                        "optimizer state is not read; pass --finetune or --no-load-optim to load its model")
-    _load_model_only(root, model)
+        try:
+            load_legacy_optimizer(path, info, optimizer, scheduler,
+                                  fix="pass --finetune or --no-load-optim to load its model")
+        except CheckpointMismatch as error:
+            raise UserError(f"--load {root}: {error}") from None
+        what = "the model, optimizer and scheduler"
+    else:
+        _reload_main_params(optimizer)
+        what = "the model"
+    torch.distributed.barrier()
     start = 0 if finetune else iteration
-    logger.info(f"--load {root}: loaded the model of {path} (Megatron-LM per-rank files) without optimizer, "
-                f"scheduler or RNG state, starting at iteration {start}")
+    logger.info(f"--load {root}: loaded {what} of {path} (Megatron-LM per-rank files) without its RNG state (the "
+                f"seeded RNG is kept, as --no-load-rng), starting at iteration {start}")
     return start
 
 
-def _load_model_only(root: str, model) -> None:
-    # Reads both formats a conversion or Megatron-LM writes (torch_dist, the legacy per-rank files).
-    load_into_chunks([_unwrap(chunk) for chunk in model], root, read_info(root))
+def _load_model_only(root: str, model) -> CheckpointInfo:
+    """Load ``root``'s model, either format a conversion or Megatron-LM writes (torch_dist, the legacy per-rank
+    files); return its description."""
+    info = read_info(root)
+    modules = []
+    for chunk in model:
+        # The bare model: the legacy files are merged by parameter name, which Float16Module prefixes.
+        while hasattr(chunk, "module"):
+            chunk = chunk.module
+        modules.append(chunk)
+    load_into_chunks(modules, root, info)
     torch.distributed.barrier()
+    return info
