@@ -191,12 +191,15 @@ def _check_memory_options_reached_the_model(chunks, parallel) -> None:
 def _check_expert_options_reached_the_model(chunks, parallel) -> None:
     """Both token dispatchers compute the same thing, so a layout whose dispatcher or expert split was dropped on the
     way to megatron-core would still match the oracle; check the built MoE layers."""
+    from megatron.core import parallel_state
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.moe.token_dispatcher import (MoEAllGatherTokenDispatcher,
                                                                 MoEAlltoAllTokenDispatcher)
 
     dispatcher = {"allgather": MoEAllGatherTokenDispatcher,
                   "alltoall": MoEAlltoAllTokenDispatcher}[parallel.moe_token_dispatcher_type]
+    expert_tp = parallel.expert_tensor_parallel_size or parallel.tensor_model_parallel_size
+    assert parallel_state.get_expert_tensor_parallel_world_size() == expert_tp
     for chunk in chunks:
         layers = [m for m in chunk.modules() if isinstance(m, MoELayer)]
         assert layers and all(type(m.token_dispatcher) is dispatcher for m in layers)
@@ -226,7 +229,8 @@ def _aux_loss(config, num_microbatches: int) -> float:
 
 
 def loss_and_grads(rank, world_size, name, overrides, layouts):
-    """For each ``(label, ParallelConfig kwargs)``: mean loss over the global batch and global grads by key.
+    """For each ``(label, ParallelConfig kwargs)``: mean loss over the global batch (for MoE models with the
+    load-balancing loss) and global grads by key.
 
     Returns ``{label: (loss, grads)}`` on rank 0 (loss from the last pipeline stage); other ranks return None.
     """
@@ -268,6 +272,8 @@ def loss_and_grads(rank, world_size, name, overrides, layouts):
         # With virtual stages every chunk reads its own copy of the microbatch stream (masks, labels).
         data = [batches(dp_rank, dp) for _ in ddp_chunks] if len(ddp_chunks) > 1 else batches(dp_rank, dp)
         _clear_aux_loss_tracker()
+        # The schedule itself scales the load-balancing loss's backward (MoEAuxLossAutoScaler.set_loss_scale with
+        # 1 / num_microbatches); with DDP's average over DP it weighs 1 / GLOBAL_BATCH per microbatch at every layout.
         reports = get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=data, model=ddp_chunks,
             num_microbatches=num_microbatches, seq_length=SEQ, micro_batch_size=1, forward_only=False,
