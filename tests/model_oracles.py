@@ -3,7 +3,10 @@
 Weights are the same under every layout because each parameter shard is cut out of a global tensor generated
 from the shard's megatron-core checkpoint key (``model.sharded_state_dict()``, the mapping dist_checkpointing
 uses to reshard). Gradients are gathered back into global tensors with the same mapping, so layouts compare key
-by key with the single-process run.
+by key with the single-process run. That holds for experts too: under expert parallelism a rank's local expert
+maps to its global expert's key, and replicas over the expert-data-parallel group are read once.
+
+The loss of a mixture-of-experts model includes megatron-core's load-balancing loss, read from its tracker.
 """
 
 from __future__ import annotations
@@ -185,8 +188,49 @@ def _check_memory_options_reached_the_model(chunks, parallel) -> None:
             m.checkpoint_core_attention == (parallel.recompute_granularity == "selective") for m in attentions)
 
 
+def _check_expert_options_reached_the_model(chunks, parallel) -> None:
+    """Both token dispatchers compute the same thing, so a layout whose dispatcher or expert split was dropped on the
+    way to megatron-core would still match the oracle; check the built MoE layers."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.moe.token_dispatcher import (MoEAllGatherTokenDispatcher,
+                                                                MoEAlltoAllTokenDispatcher)
+
+    dispatcher = {"allgather": MoEAllGatherTokenDispatcher,
+                  "alltoall": MoEAlltoAllTokenDispatcher}[parallel.moe_token_dispatcher_type]
+    expert_tp = parallel.expert_tensor_parallel_size or parallel.tensor_model_parallel_size
+    assert parallel_state.get_expert_tensor_parallel_world_size() == expert_tp
+    for chunk in chunks:
+        layers = [m for m in chunk.modules() if isinstance(m, MoELayer)]
+        assert layers and all(type(m.token_dispatcher) is dispatcher for m in layers)
+        assert all(m.num_local_experts == chunk.config.num_moe_experts // parallel.expert_model_parallel_size
+                   for m in layers)
+
+
+def _clear_aux_loss_tracker() -> None:
+    """Forget the load-balancing losses of earlier layouts: values and the (since destroyed) groups they name."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    get_moe_layer_wise_logging_tracker().clear()
+
+
+def _aux_loss(config, num_microbatches: int) -> float:
+    """The load-balancing loss the backward pass added, as megatron-core's tracker recorded it: per layer, the sum
+    over this rank's microbatches of ``aux_loss / coeff``, reduced over PP, TP x CP and averaged over DP. Divided by
+    the microbatches it is the mean over the global batch, the weight the schedule gives it in backward."""
+    from megatron.core.transformer.moe.moe_utils import (get_moe_layer_wise_logging_tracker,
+                                                         reduce_aux_losses_tracker_across_ranks)
+
+    if not config.moe_aux_loss_coeff:
+        return 0.0
+    reduce_aux_losses_tracker_across_ranks(["load_balancing_loss"])
+    values = get_moe_layer_wise_logging_tracker()["load_balancing_loss"]["values"]
+    return (config.moe_aux_loss_coeff * values.sum() / num_microbatches).item()
+
+
 def loss_and_grads(rank, world_size, name, overrides, layouts):
-    """For each ``(label, ParallelConfig kwargs)``: mean loss over the global batch and global grads by key.
+    """For each ``(label, ParallelConfig kwargs)``: mean loss over the global batch (for MoE models with the
+    load-balancing loss) and global grads by key.
 
     Returns ``{label: (loss, grads)}`` on rank 0 (loss from the last pipeline stage); other ranks return None.
     """
@@ -207,12 +251,16 @@ def loss_and_grads(rank, world_size, name, overrides, layouts):
             tensor_model_parallel_size=parallel.tensor_model_parallel_size,
             pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
             virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+            expert_model_parallel_size=parallel.expert_model_parallel_size,
+            expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
             seed=7,
         )
         config = model_config(name, **overrides)
         chunks = build_model_chunks(config, parallel,
                                     padded_vocab_size(VOCAB, 1, parallel.tensor_model_parallel_size))
         _check_memory_options_reached_the_model(chunks, parallel)
+        if config.num_moe_experts is not None:
+            _check_expert_options_reached_the_model(chunks, parallel)
         init_weights(chunks)
         ddp_chunks = wrap_model(chunks, DistributedDataParallelConfig())
         for chunk in ddp_chunks:
@@ -223,6 +271,9 @@ def loss_and_grads(rank, world_size, name, overrides, layouts):
         num_microbatches = GLOBAL_BATCH // dp
         # With virtual stages every chunk reads its own copy of the microbatch stream (masks, labels).
         data = [batches(dp_rank, dp) for _ in ddp_chunks] if len(ddp_chunks) > 1 else batches(dp_rank, dp)
+        _clear_aux_loss_tracker()
+        # The schedule itself scales the load-balancing loss's backward (MoEAuxLossAutoScaler.set_loss_scale with
+        # 1 / num_microbatches); with DDP's average over DP it weighs 1 / GLOBAL_BATCH per microbatch at every layout.
         reports = get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=data, model=ddp_chunks,
             num_microbatches=num_microbatches, seq_length=SEQ, micro_batch_size=1, forward_only=False,
@@ -232,7 +283,7 @@ def loss_and_grads(rank, world_size, name, overrides, layouts):
             total = torch.stack([r["loss"] for r in reports]).sum(dim=0)
         # Sum over DP, then take it from the last stage: every rank learns the loss.
         torch.distributed.all_reduce(total)
-        loss = (total[0] / total[1]).item()
+        loss = (total[0] / total[1]).item() + _aux_loss(config, num_microbatches)
         grads = gather_grads(ddp_chunks)
         results[label] = (loss, grads)
     return results if rank == 0 else None

@@ -229,6 +229,42 @@ def test_interleaved_pipeline_on_gloo_matches_one_process():
         assert np.linalg.norm(grads[key] - expected) <= 1e-5 * np.linalg.norm(expected), key
 
 
+def moe_patches(rank, world_size):
+    """What megatron-core's MoE code meets on this machine, each fact the work of one patch."""
+    import torch
+
+    compat.apply()
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+
+    # _moe_router_without_te: the router's gating GEMM falls back to torch (NameError without the patch).
+    inp = torch.randn(5, 8, requires_grad=True)
+    weight = torch.randn(4, 8, requires_grad=True)
+    logits = moe_utils.router_gating_linear(inp, weight, None, torch.float32)
+    logits.sum().backward()
+    gemm = (torch.allclose(logits, inp @ weight.T) and torch.allclose(inp.grad, weight.sum(0).expand(5, 8))
+            and torch.allclose(weight.grad, inp.sum(0).expand(4, 8)))
+    # _moe_split_sizes_on_cpu: the split sizes the dispatcher hands all_to_all_single are numpy, as gloo wants,
+    # also in the name token_dispatcher.py imported.
+    splits = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([3, 1]), as_numpy=True)
+    numpy_splits = isinstance(splits, np.ndarray) and splits.tolist() == [3, 1]
+    # _CpuStream: the dispatcher's device-to-host stream as token_dispatcher.py:445 and :871-899 use it.
+    cuda = token_dispatcher.torch.cuda
+    side = cuda.Stream()
+    side.wait_stream(cuda.current_stream())
+    with cuda.stream(side):
+        pass
+    side.record_event().synchronize()
+    one_stream = cuda.current_stream() == side
+    return gemm, numpy_splits, one_stream
+
+
+def test_moe_patches_are_in_place():
+    """The MoE layers' three patches (docs/megatron-core-on-cpu.md, item 12); tests/test_model_layouts.py shows both
+    dispatchers then give the single-process gradients."""
+    assert run_on_ranks(moe_patches, 1) == [(True, True, True)]
+
+
 # A markdown file under the docs folder, optionally followed by ", item N" or "#N"; not part of a longer path or URL.
 _DOC_CITATION = re.compile(r"(?<![\w./-])(docs/[\w./-]+?\.md)(?:#(\d+)|,? items? (\d+))?")
 _SHARED_CITATION = re.compile(r"\bshared[/]")  # written so that this file does not cite it
