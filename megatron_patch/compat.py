@@ -459,8 +459,9 @@ def apply() -> None:
     if not _fallback_fixes_applied and not (transformer_engine_available() or apex_available()):
         _skip_step_on_optimizer_load()
         _save_a_zero_optimizer_step()
-        _moe_router_without_te()
         _fallback_fixes_applied = True
+    if not transformer_engine_available():  # apex or not: the name comes only with TE
+        _moe_router_without_te()
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -121,9 +121,9 @@ class ParallelConfig:
         if self.context_parallel_size > 1 and not compat.transformer_engine_available():
             raise ValueError("--context-parallel-size greater than 1 needs Transformer Engine, which is not installed")
         self.check_options(model_config)
-        self._check_moe_backend(model_config)
+        self.check_moe_backend(model_config)
 
-    def _check_moe_backend(self, model_config: ModelConfig) -> None:
+    def check_moe_backend(self, model_config: ModelConfig) -> None:
         """The MoE kernels that need a package this machine lacks are refused by name."""
         if model_config.num_moe_experts is None:
             return
@@ -134,8 +134,8 @@ class ParallelConfig:
             raise ValueError("--moe-token-dispatcher-type flex needs DeepEP or HybridEP on GPUs; use alltoall or "
                              "allgather")
         expert_tp = self.expert_tensor_parallel_size or self.tensor_model_parallel_size
-        # Across expert-TP ranks the all-to-all dispatcher gathers unequal token counts (token_dispatcher.py:666 ->
-        # mappings.py:150 with output_split_sizes), which gloo's all_gather cannot: every tensor must be the same size.
+        # Across expert-TP ranks the all-to-all dispatcher gathers unequal token counts (token_dispatcher.py:693-697
+        # -> mappings.py:149-150 with output_split_sizes), which gloo's all_gather cannot: its tensors must be equal.
         if self.moe_token_dispatcher_type == "alltoall" and expert_tp > 1 and not torch.cuda.is_available():
             raise ValueError(f"--moe-token-dispatcher-type alltoall with expert tensor parallelism {expert_tp} needs "
                              "NCCL (gloo cannot gather unequal token counts); use --moe-token-dispatcher-type "
