@@ -101,7 +101,7 @@ class MegatronBackend(Backend):
         from megatron.core.optimizer import OptimizerConfig
         from megatron.core.utils import get_model_config
 
-        from megatron_patch.training.step import build_optimizer, wrap_model
+        from megatron_patch.training.step import RoutingStatistics, build_optimizer, wrap_model
 
         training = self.config.training
         if training.memory_optimization in ("zero-3", "fsdp"):
@@ -132,6 +132,7 @@ class MegatronBackend(Backend):
             overlap_param_gather=training.overlap_param_gather,
         )
         model = wrap_model(chunks, ddp_config)
+        self.routing = RoutingStatistics(model)
         if optimizer is None:
             optimizer = build_optimizer(model, OptimizerConfig(
                 optimizer="adam", lr=training.lr, min_lr=training.min_lr, weight_decay=training.weight_decay,
@@ -183,9 +184,10 @@ class MegatronBackend(Backend):
         training = self.config.training
         stats = train_step(self.forward_step(forward), data_iterator, self.model, self.optimizer, num_microbatches,
                            self.config.data.seq_length or 1, training.micro_batch_size, scheduler=self.scheduler,
-                           count_input_tokens=count_tokens, empty_cache_level=training.empty_unused_memory_level)
+                           count_input_tokens=count_tokens, empty_cache_level=training.empty_unused_memory_level,
+                           routing=self.routing)
         return StepResult(stats.loss, stats.grad_norm, stats.skipped, stats.loss_scale, stats.input_tokens,
-                          stats.other_losses)
+                          stats.other_losses, stats.routing)
 
     def evaluation_losses(self, forward: Callable, data_iterator, eval_iters: int, num_microbatches: int
                           ) -> list[float] | None:
