@@ -368,7 +368,10 @@ def _require_optimizer_state(root: str, path: str) -> None:
     e.g. Megatron-LM's with --no-save-optim), before megatron-core's loader fails on the missing keys."""
     from megatron.core import dist_checkpointing
 
-    if not any(key.startswith("optimizer.") for key in dist_checkpointing.load_tensors_metadata(path)):
+    # A ChainedOptimizer (a mixture of experts' dense and expert parameters) prefixes each part's keys with
+    # chained_N. (megatron/core/optimizer/optimizer.py, ChainedOptimizer.sharded_state_dict at core_v0.16.1).
+    if not any(key.startswith("optimizer.") or (key.startswith("chained_") and ".optimizer." in key)
+               for key in dist_checkpointing.load_tensors_metadata(path)):
         raise UserError(f"--load {root}: {path} has no optimizer state; pass --finetune or --no-load-optim to load "
                         "its model")
 
