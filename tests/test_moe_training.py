@@ -1,0 +1,183 @@
+"""Mixture-of-experts training through the run_*.sh recipe: a short tiny-mixtral pretraining run on 2 CPU processes
+with expert parallelism 2 whose loss falls and whose log carries the routing statistics; its resume from a middle
+checkpoint at EP 2 repeats the uninterrupted run's records bitwise; the --dry-run plan's expert groups and expert
+memory against arithmetic done here; the launcher's parent check refuses expert layouts that do not divide; and at
+4 processes (EP 2 x expert-DP 2) the dense parameters stay equal on every rank and each expert on its expert-data-
+parallel replicas, while the experts of different EP ranks differ.
+
+    python -m pytest -q -p no:cacheprovider tests/test_moe_training.py
+"""
+
+import json
+import os
+import re
+import shutil
+
+import pytest
+from seed_scripts.assets import rapidformer_assets
+from test_run_scripts import GPT, _command_words, _field, _losses, _number, _recipe
+
+from megatron_patch.testing import run_on_ranks
+
+# tiny-mixtral (megatron_patch/model/config.py): 2 layers, hidden 64, 4 experts of width 32, top-2, SwiGLU.
+HIDDEN, EXPERTS, EXPERT_FFN, TOPK, LAYERS = 64, 4, 32, 2, 2
+SEQ, MICRO, GLOBAL, ITERS, RESUME_AT = 32, 4, 8, 16, 8
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    return rapidformer_assets(tmp_path_factory)
+
+
+def _flags(assets, *extra):
+    return ["--cpu", "--nproc-per-node", "2", "--model-size", "tiny-mixtral", "--ep", "2", "--seq-length", str(SEQ),
+            "--data-path", assets.gpt_prefix, "--vocab-file", assets.gpt_options["vocab_file"],
+            "--merge-file", assets.gpt_options["merge_file"], "--micro-batch-size", str(MICRO),
+            "--global-batch-size", str(GLOBAL), "--lr", "3e-3", *extra,
+            "--", "--log-interval", "4", "--split", "98,2,0", "--lr-decay-style", "constant"]
+
+
+def _records(output_dir) -> list[dict]:
+    with open(os.path.join(output_dir, "logs", "iterations.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def run(assets, tmp_path_factory):
+    """One uninterrupted run (checkpoints at RESUME_AT and at the end) and its --dry-run, shared by the tests."""
+    root = tmp_path_factory.mktemp("moe")
+    out = root / "out"
+    flags = _flags(assets, "--train-iters", str(ITERS), "--save-interval", str(RESUME_AT), "--output-dir", str(out))
+    code, dry = _recipe(GPT, "--dry-run", *flags, cwd=root, timeout=120)
+    assert code == 0, dry
+    code, output = _recipe(GPT, *flags, cwd=root, timeout=300)
+    assert code == 0, output[-5000:]
+    log = (out / "logs" / "pretrain_gpt_node0.log").read_text()
+    return {"root": root, "out": out, "dry": dry, "output": output, "log": log, "records": _records(out)}
+
+
+def test_the_loss_falls_and_the_log_has_the_routing_statistics(run):
+    losses = _losses(run["log"])
+    assert len(losses) == ITERS // 4 and losses[-1] < losses[0], losses
+    # Megatron-LM's name for the load-balancing loss, in the iteration line beside the LM loss.
+    balancing = [float(x) for x in re.findall(r"\| lm loss: [0-9.E+-]+ \| load_balancing_loss: ([0-9.E+-]+) \|",
+                                              run["log"])]
+    assert len(balancing) == ITERS // 4
+    routing = re.findall(r"routing of layer (\d+) at iteration (\d+) \| load_balancing_loss: ([0-9.E+-]+) \| "
+                         r"tokens per expert per iteration: ([0-9. ]+)$", run["log"], re.M)
+    assert len(routing) == LAYERS * ITERS // 4, run["log"][-3000:]
+    by_iteration = {}
+    for layer, iteration, loss, tokens in routing:
+        counts = [float(x) for x in tokens.split()]
+        assert len(counts) == EXPERTS and min(counts) >= 0
+        # Every token of the global batch goes to top-k experts (no capacity factor drops any).
+        assert sum(counts) == pytest.approx(GLOBAL * SEQ * TOPK)
+        by_iteration.setdefault(int(iteration), []).append(float(loss))
+    assert sorted(by_iteration) == list(range(4, ITERS + 1, 4))
+    # The iteration line's value is the mean over the MoE layers of the per-layer ones (both printed to 7 digits).
+    for (iteration, per_layer), mean in zip(sorted(by_iteration.items()), balancing):
+        assert len(per_layer) == LAYERS and sum(per_layer) / LAYERS == pytest.approx(mean, rel=1e-5)
+    # The switch loss is E x sum_i f_i P_i / k (f_i: token share routed to expert i, P_i: its mean probability):
+    # near 1 for a router spreading tokens evenly, E / k at worst.
+    assert all(0.5 < value <= EXPERTS / TOPK for value in balancing), balancing
+    assert all("load_balancing_loss" in record for record in run["records"])
+
+
+def test_the_dry_run_plans_the_expert_groups_and_memory_and_shows_the_command_that_runs(run):
+    dry = run["dry"]
+    assert _field(dry, "layout").startswith("TP 1 x CP 1 x DP 2 x PP 1")  # DP for the batch: world / (TP x PP x CP)
+    assert _number(_field(dry, "gradient accumulation steps")) == GLOBAL // (MICRO * 2)
+    assert _field(dry, "expert-parallel groups") == "[0, 1]"  # both ranks share the experts of each layer
+    assert _field(dry, "expert-data-parallel groups") == "[0] [1]"  # world / (ETP 1 x EP 2 x PP 1) = 1
+    assert _field(dry, "experts").startswith(f"{EXPERTS} per MoE layer, top-{TOPK}; {EXPERTS // 2} per rank (EP 2")
+    # A SwiGLU expert: fc1 h -> 2 x ffn (gate and up), fc2 ffn -> h, no biases; each rank holds half of them.
+    per_expert = HIDDEN * 2 * EXPERT_FFN + EXPERT_FFN * HIDDEN
+    experts = LAYERS * EXPERTS * per_expert
+    total = _number(_field(dry, "parameters"))
+    per_gpu = _field(dry, "parameters per GPU")
+    assert per_gpu.endswith(f"routed experts / (expert TP 1 x EP 2) = {experts // 2:,})")
+    assert _number(per_gpu) == total - experts // 2
+    # fp32 on CPU without the distributed optimizer: 4 bytes of weights, 4 of gradients and 8 of Adam's moments.
+    memory = [float(x) for x in re.findall(r"(\d+\.\d+)", _field(dry, "memory per GPU"))[:1]]
+    assert memory == pytest.approx([(total - experts // 2) * 16 / 2 ** 30], abs=0.006)
+    would_run = dry.split("the command it would run:\n", 1)[1].splitlines()[0]
+    printed = next(line for line in run["output"].splitlines() if line.startswith("+ "))
+    assert printed == would_run
+    command = _command_words(printed)
+    assert command[command.index("--expert-model-parallel-size") + 1] == "2"
+    stored = json.loads((run["out"] / "checkpoints" / "megatron_patch_args.json").read_text())
+    assert stored["model_config"]["num_moe_experts"] == EXPERTS
+
+
+def test_a_resume_at_ep2_repeats_the_uninterrupted_records(assets, run):
+    from megatron_patch.checkpoint.format import write_tracker
+
+    saved = run["root"] / "saved"
+    shutil.copytree(run["out"] / "checkpoints", saved)
+    write_tracker(str(saved), RESUME_AT)  # resume from the middle, not the last save
+    resumed = run["root"] / "resumed"
+    code, output = _recipe(GPT, *_flags(assets, "--train-iters", str(ITERS), "--load", str(saved), "--output-dir",
+                                        str(resumed)), cwd=run["root"], timeout=300)
+    assert code == 0, output[-5000:]
+    records = _records(resumed)
+    assert [r["iteration"] for r in records] == list(range(RESUME_AT + 1, ITERS + 1))
+    assert records == run["records"][RESUME_AT:]
+
+
+@pytest.mark.parametrize("flags, world_size, message", [
+    (["--expert-model-parallel-size", "3"], 3, "--num-experts 4 is not divisible by --expert-model-parallel-size 3"),
+    (["--expert-model-parallel-size", "4"], 2, "world size 2 is not divisible by --expert-tensor-parallel-size 1 x "
+                                               "--expert-model-parallel-size 4"),
+    (["--tensor-model-parallel-size", "2"], 2, "need --sequence-parallel"),
+])
+def test_the_launcher_refuses_an_expert_layout_before_any_rank_starts(flags, world_size, message):
+    from megatron_patch.training.arguments import check_launch_layout, parse_args
+
+    with pytest.raises(SystemExit) as error:
+        check_launch_layout(parse_args(["--model-name", "tiny-mixtral", *flags]), world_size)
+    assert message in str(error.value)
+
+
+def _train_and_gather(rank, world_size, argv):
+    """Train, then every rank's parameters by name (with the overlapped parameter gather finished)."""
+    import torch
+    from megatron.core import parallel_state
+
+    from megatron_patch.training.engine import Engine
+    from megatron_patch.training.tasks import MegatronGPTPretrainer
+
+    trainer = MegatronGPTPretrainer(engine=Engine(argv))
+    trainer.train()
+    with trainer.backend.parameters_in_sync():
+        params = {name: p.detach().clone() for name, p in trainer.model[0].module.named_parameters()}
+    gathered = [None] * world_size
+    torch.distributed.all_gather_object(gathered, params)
+    return {"params": gathered if rank == 0 else None,
+            "ep_rank": parallel_state.get_expert_model_parallel_rank(),
+            "expert_dp_group": torch.distributed.get_process_group_ranks(
+                parallel_state.get_expert_data_parallel_group())}
+
+
+def test_expert_gradients_are_reduced_over_the_expert_data_parallel_group(assets):
+    import torch
+
+    argv = ["--model-name", "tiny-mixtral", "--seq-length", str(SEQ), "--tokenizer-type", "GPT2BPETokenizer",
+            "--vocab-file", assets.gpt_options["vocab_file"], "--merge-file", assets.gpt_options["merge_file"],
+            "--data-path", assets.gpt_prefix, "--split", "98,2,0", "--micro-batch-size", "2",
+            "--global-batch-size", "8", "--train-iters", "3", "--lr", "3e-3", "--expert-model-parallel-size", "2",
+            "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
+    results = run_on_ranks(_train_and_gather, 4, args=(argv,), timeout=300)
+    params = results[0]["params"]
+    groups = {tuple(r["expert_dp_group"]) for r in results}
+    assert groups == {(0, 2), (1, 3)}  # megatron-core's order tp-ep-dp: EP ranks adjacent
+    experts = [name for name in params[0] if ".experts." in name]
+    assert experts and len(experts) < len(params[0])
+    for name in params[0]:
+        if name in experts:
+            # Each rank's data differ, so replicas that did not average their gradients would differ too.
+            for a, b in groups:
+                assert torch.equal(params[a][name], params[b][name]), name
+            assert not torch.equal(params[0][name], params[1][name]), name  # other experts, by design
+        else:
+            for rank in range(1, 4):
+                assert torch.equal(params[0][name], params[rank][name]), name
