@@ -181,3 +181,35 @@ def test_expert_gradients_are_reduced_over_the_expert_data_parallel_group(assets
         else:
             for rank in range(1, 4):
                 assert torch.equal(params[0][name], params[rank][name]), name
+
+
+def _losses_of(rank, world_size, argv):
+    from megatron_patch.training.engine import Engine
+    from megatron_patch.training.tasks import MegatronGPTPretrainer
+
+    log = MegatronGPTPretrainer(engine=Engine(argv)).train()
+    return [loss for _, loss in log.train_losses]
+
+
+@pytest.mark.parametrize("per_token", [[], ["--calculate-per-token-loss"]], ids=["per-microbatch", "per-token"])
+def test_ep2_trains_as_one_rank_with_the_load_balancing_loss_scaled_as_megatron_lm_scales_it(assets, tmp_path,
+                                                                                               per_token):
+    """Megatron-LM's aux loss is each microbatch's, averaged over microbatches and data-parallel ranks (the
+    schedules' MoEAuxLossAutoScaler scale). So one rank's two microbatches make the updates of one microbatch on
+    each of two ranks (EP 2 x DP 2): a scale that forgot the microbatches would double the router's aux gradient
+    on one rank only, which a coefficient of 1 makes visible in the next steps' losses. EP ranks initialise their
+    experts from seeds of their own, so both runs start from one checkpoint's weights with a fresh optimizer."""
+    save = str(tmp_path / "ckpt")
+    argv = ["--seq-length", str(SEQ), "--tokenizer-type", "GPT2BPETokenizer",
+            "--vocab-file", assets.gpt_options["vocab_file"], "--merge-file", assets.gpt_options["merge_file"],
+            "--data-path", assets.gpt_prefix, "--split", "98,2,0", "--micro-batch-size", str(MICRO),
+            "--global-batch-size", str(GLOBAL), "--lr", "1e-2", "--lr-decay-style", "constant",
+            "--hidden-dropout", "0", "--attention-dropout", "0", *per_token]
+    run_on_ranks(_losses_of, 1, args=(["--model-name", "tiny-mixtral", "--moe-aux-loss-coeff", "1.0", *argv,
+                                       "--train-iters", "1", "--save", save],), timeout=300)
+    resume = argv + ["--train-iters", "4", "--load", save, "--no-load-optim"]
+    [single] = run_on_ranks(_losses_of, 1, args=(resume,), timeout=300)
+    parallel = run_on_ranks(_losses_of, 2, args=(resume + ["--expert-model-parallel-size", "2"],), timeout=300)
+    assert len(single) == 3
+    # The gradient reduction over two ranks sums in another order: equal to float rounding.
+    assert parallel[-1] == pytest.approx(single, rel=1e-5)
