@@ -109,6 +109,30 @@ def test_the_dry_run_plans_the_expert_groups_and_memory_and_shows_the_command_th
     assert stored["model_config"]["num_moe_experts"] == EXPERTS
 
 
+def test_the_plan_of_mixtral_8x7b_shards_expert_optimizer_state_over_expert_data_parallel_ranks():
+    """Mixtral-8x7B from its published shape (32 layers, hidden 4096, 8 SwiGLU experts of 14336, top-2, 32 heads
+    in 8 KV groups, 32000-token vocabulary, untied output) on 2 nodes of 8: TP 2 with SP, PP 2, EP 8 with expert
+    TP 1, so DP 16 / (2 x 2) = 4 for the rest but expert DP 16 / (1 x 8 x 2) = 1."""
+    from megatron_patch.training.plan import build_plan
+
+    h, ffn, experts, layers, vocab = 4096, 14336, 8, 32, 32000
+    plan = build_plan(["--model-name", "mixtral-8x7b", "--nproc-per-node", "8", "--bf16", "--sequence-parallel",
+                       "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                       "--expert-model-parallel-size", "8", "--expert-tensor-parallel-size", "1",
+                       "--use-distributed-optimizer", "--global-batch-size", "64"], nnodes=2)
+    assert (plan.dp, plan.expert_dp) == (4, 1)
+    assert plan.ep_groups == [list(range(8)), list(range(8, 16))]  # each node holds every expert of its stage
+    attention = h * (h + 2 * 1024) + h * h  # q, k, v (8 groups of 128) and the output projection
+    dense_layer, expert_layer = attention + experts * h + 2 * h, experts * 3 * h * ffn  # + router, two RMSNorms
+    last = layers // 2 * dense_layer + h + vocab * h  # the final norm and the output layer besides
+    others, routed = last / 2, layers // 2 * expert_layer / 8
+    assert plan.parameters_per_gpu == others + routed
+    # bf16 weights 2 + fp32 gradients 4 + fp32 master weights and moments 12 over the data-parallel ranks: DP 4 for
+    # the rest, expert DP 1 for the experts.
+    expected = (others * (6 + 12 / 4) + routed * (6 + 12 / 1)) / 2 ** 30
+    assert sum(plan.memory_gib().values()) == pytest.approx(expected)
+
+
 def test_a_resume_at_ep2_repeats_the_uninterrupted_records(assets, run):
     from megatron_patch.checkpoint.format import write_tracker
 
