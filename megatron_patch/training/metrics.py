@@ -193,9 +193,9 @@ class TrainingLog:
 
 class RoutingLog:
     """The routing statistics of a mixture-of-experts model beside a ``TrainingLog``: per MoE layer, its
-    load-balancing loss and the tokens per expert, averaged over each log interval and printed after the
-    iteration line (which carries Megatron-LM's ``load_balancing_loss``, the mean over the MoE layers, as one of
-    the step's other losses); TensorBoard gets each layer's loss every iteration under Megatron-LM's names
+    auxiliary losses and the tokens per expert, averaged over each log interval and printed after the iteration
+    line (which carries Megatron-LM's ``load_balancing_loss``, the mean over the MoE layers, as one of the step's
+    other losses); TensorBoard gets each layer's losses every iteration under Megatron-LM's names
     (``moe/load_balancing_loss_layer_{i}``, i from 0, as megatron-core's ``track_moe_metrics`` writes them).
 
     Example::
@@ -214,16 +214,17 @@ class RoutingLog:
         if routing is None:
             return
         self._window.append(routing)
-        for layer, loss in routing.load_balancing_loss.items():
-            self.log._scalar(f"moe/load_balancing_loss_layer_{layer - 1}", loss, iteration)
+        for name, per_layer in routing.aux_losses.items():
+            for layer, loss in per_layer.items():
+                self.log._scalar(f"moe/{name}_layer_{layer - 1}", loss, iteration)
         if iteration % self.log.log_interval and iteration != self.log.train_iters:
             return
         window, self._window = self._window, []
         for layer in window[-1].tokens_per_expert:
             parts = [f" routing of layer {layer} at iteration {iteration}"]
-            losses = [w.load_balancing_loss[layer] for w in window if layer in w.load_balancing_loss]
-            if losses:
-                parts.append(f"load_balancing_loss: {sum(losses) / len(losses):.6E}")
+            for name in window[-1].aux_losses:
+                losses = [w.aux_losses[name][layer] for w in window if layer in w.aux_losses.get(name, {})]
+                parts.append(f"{name}: {sum(losses) / len(losses):.6E}")
             counts = [w.tokens_per_expert[layer] for w in window if layer in w.tokens_per_expert]
             means = [sum(column) / len(counts) for column in zip(*counts)]
             parts.append("tokens per expert per iteration: " + " ".join(f"{mean:g}" for mean in means))

@@ -109,10 +109,11 @@ def _finalize_model_grads(*args, **kwargs):
 class RoutingStep:
     """One step's routing over the whole global batch, per MoE layer (global layer numbers from 1)."""
 
-    load_balancing_loss: dict[int, float]
-    """Each layer's switch load-balancing loss without its coefficient (megatron-core's tracker holds
-    ``switch_load_balancing_loss_func`` / ``moe_aux_loss_coeff``), averaged over the step's microbatches; empty
-    when ``--moe-router-load-balancing-type`` is not aux_loss."""
+    aux_losses: dict[str, dict[int, float]]
+    """Each auxiliary loss megatron-core's routers tracked, by its name there (``load_balancing_loss`` for
+    ``--moe-router-load-balancing-type aux_loss``, ``seq_load_balancing_loss``, ``global_load_balancing_loss``),
+    per layer, without its coefficient (the tracker holds the loss / ``moe_aux_loss_coeff``), averaged over the
+    step's microbatches."""
     tokens_per_expert: dict[int, list[int]]
     """Tokens routed to each expert, summed over microbatches and ranks: each layer's sum is tokens x top-k
     (less what a capacity factor drops)."""
@@ -170,16 +171,17 @@ class RoutingStatistics:
         torch.distributed.all_reduce(counts)
         layers = [index + 1 for index in range(self.num_layers) if bool(counts[index].any())]
         tracker = get_moe_layer_wise_logging_tracker()
+        # megatron-core's track_moe_metrics without its writers: summed over pipeline stages and TP x CP, averaged
+        # over data-parallel ranks, scaled by 1 / microbatches as Megatron-LM's training_log does. Every rank
+        # tracks the same names (each has MoE layers), so the reductions match up.
+        names = sorted(tracker)
+        reduce_aux_losses_tracker_across_ranks(names)
         losses = {}
-        if "load_balancing_loss" in tracker:
-            # megatron-core's track_moe_metrics without its writers: summed over pipeline stages and TP x CP,
-            # averaged over data-parallel ranks, scaled by 1 / microbatches as Megatron-LM's training_log does.
-            reduce_aux_losses_tracker_across_ranks(["load_balancing_loss"])
-            values = (tracker["load_balancing_loss"]["values"].float() / num_microbatches).tolist()
-            losses = {layer: values[layer - 1] for layer in layers}
-            clear_aux_losses_tracker()
-        return RoutingStep(load_balancing_loss=losses,
-                           tokens_per_expert={layer: counts[layer - 1].tolist() for layer in layers})
+        for name in names:
+            values = (tracker[name]["values"].float() / num_microbatches).tolist()
+            losses[name] = {layer: values[layer - 1] for layer in layers}
+        clear_aux_losses_tracker()
+        return RoutingStep(aux_losses=losses, tokens_per_expert={layer: counts[layer - 1].tolist() for layer in layers})
 
 
 @dataclasses.dataclass
@@ -195,7 +197,8 @@ class StepStats:
     input_tokens: int | None = None
     other_losses: dict[str, float] = dataclasses.field(default_factory=dict)
     """Losses the loss function reports beside "lm loss" (BERT's "sop loss"), averaged the same way, and a
-    mixture-of-experts model's "load_balancing_loss" (Megatron-LM's name: the mean over its MoE layers)."""
+    mixture-of-experts model's auxiliary losses, e.g. "load_balancing_loss" (Megatron-LM's names: the mean over its
+    MoE layers)."""
     routing: RoutingStep | None = None
     """What a mixture-of-experts model's routers did in this step (None for a dense model)."""
 
@@ -269,8 +272,8 @@ def train_step(
     ``count_input_tokens()``, called after the backward passes, gives this rank's input tokens of the step;
     ``StepStats.input_tokens`` is their sum over data-parallel ranks. ``empty_cache_level`` is Megatron-LM's
     ``--empty-unused-memory-level`` (GPUs): 1 empties the CUDA cache after the backward passes, 2 also after the
-    optimizer step. ``routing`` (a mixture-of-experts model's) adds the step's ``RoutingStep`` and the mean
-    "load_balancing_loss" over its MoE layers.
+    optimizer step. ``routing`` (a mixture-of-experts model's) adds the step's ``RoutingStep`` and each auxiliary
+    loss's mean over the MoE layers ("load_balancing_loss").
     """
     for chunk in chunks:
         chunk.zero_grad_buffer()
@@ -294,9 +297,10 @@ def train_step(
         else (None, 0, None, {})
     )
     routed = None if routing is None else routing.take(num_microbatches)
-    if routed is not None and routed.load_balancing_loss:
-        values = routed.load_balancing_loss.values()
-        other_losses = {**other_losses, "load_balancing_loss": sum(values) / len(values)}
+    if routed is not None:
+        # Megatron-LM logs each auxiliary loss as its mean over the MoE layers, under its tracker name.
+        other_losses = {**other_losses, **{name: sum(per_layer.values()) / len(per_layer)
+                                           for name, per_layer in routed.aux_losses.items() if per_layer}}
     if empty_cache_level >= 1:
         torch.cuda.empty_cache()
     update_successful, grad_norm, loss_scale = optimizer_step(optimizer)

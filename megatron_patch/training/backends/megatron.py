@@ -207,7 +207,9 @@ class MegatronBackend(Backend):
     @contextlib.contextmanager
     def parameters_in_sync(self):
         """With ``--overlap-param-gather`` the updated parameters arrive during the next forward pass; saving or
-        evaluating needs them now (Megatron-LM's disable_forward_pre_hook around both)."""
+        evaluating needs them now (Megatron-LM's disable_forward_pre_hook around both). "In sync" means per group:
+        a mixture of experts' routed experts differ across expert-parallel ranks by design and agree within their
+        expert-data-parallel group, whose buffers megatron-core's DDP keeps apart and gathers over that group."""
         overlapped = self.config.training.overlap_param_gather
         if overlapped:
             for chunk in self.model:
