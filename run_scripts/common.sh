@@ -37,8 +37,10 @@ $RECIPE_SUMMARY
 
 model and precision
   --model-size NAME          a registered model (megatron-patch: megatron_patch/model/config.py), e.g. gpt2-124m,
-                             llama2-7b, llama3-8b, qwen2-7b, bert-base, tiny-gpt2, tiny-bert (default $DEFAULT_MODEL,
-                             $CPU_MODEL with --cpu); omitted when the checkpoint to load describes its model
+                             llama2-7b, llama3-8b, qwen2-7b, qwen3-0.6b, bert-base, tiny-gpt2, tiny-bert; mixtures
+                             of experts mixtral-8x7b, qwen2-moe-a2.7b, qwen3-moe-30b-a3b, tiny-mixtral,
+                             tiny-qwen2-moe (default $DEFAULT_MODEL, $CPU_MODEL with --cpu); omitted when the
+                             checkpoint to load describes its model
   --precision fp16|bf16|fp32 (default bf16, fp32 with --cpu)
   --seq-length N             sequence length (default: the model's)
 parallelism and memory
@@ -46,7 +48,10 @@ parallelism and memory
   --pp N                     pipeline-parallel size (--pipeline-model-parallel-size; default 1)
   --vpp N                    model chunks per pipeline rank, interleaved 1F1B (--virtual-pipeline-model-parallel-size)
   --cp N                     context-parallel size (needs Transformer Engine; default 1)
-  --sp                       sequence parallelism (needs --tp > 1)
+  --sp                       sequence parallelism (needs --tp > 1; a mixture of experts with --tp > 1 needs it)
+  --ep N                     expert-parallel size: each rank holds experts / N of every MoE layer
+                             (--expert-model-parallel-size; default 1)
+  --etp N                    tensor parallelism inside each expert (--expert-tensor-parallel-size; default --tp)
   --distributed-optimizer    shard optimizer state over data-parallel ranks (--use-distributed-optimizer)
   --recompute selective|full|none   activation checkpointing (default none)
 batches and schedule
@@ -70,7 +75,8 @@ launch
   --dry-run                  print the plan (world size, layout, batches, memory per GPU) and the command; run
                              nothing
   -h, --help                 this help
-  --                         everything after it goes to rapidformer unchanged (rapidformer --help lists them)
+  --                         everything after it goes to rapidformer unchanged (rapidformer --help lists them),
+                             e.g. a mixture of experts' model flags: -- --num-experts 16 --moe-router-topk 2
 
 environment: CUDA_VISIBLE_DEVICES MASTER_ADDR MASTER_PORT NNODES NODE_RANK (one node on this host by default;
 for NNODES > 1 set MASTER_ADDR and MASTER_PORT to node 0's address and a free port, NODE_RANK per node), PYTHON
@@ -89,7 +95,7 @@ _one_of() {  # flag value choices...
 }
 
 parse_flags() {
-  MODEL_SIZE="" PRECISION="" SEQ_LENGTH="" TP=1 PP=1 VPP="" CP=1 SP=0 DISTRIBUTED_OPTIMIZER=0 RECOMPUTE=none
+  MODEL_SIZE="" PRECISION="" SEQ_LENGTH="" TP=1 PP=1 VPP="" CP=1 EP=1 ETP="" SP=0 DISTRIBUTED_OPTIMIZER=0 RECOMPUTE=none
   MICRO_BATCH_SIZE=1 GLOBAL_BATCH_SIZE="" TRAIN_ITERS="" TRAIN_TOKENS="" LR=$DEFAULT_LR MIN_LR=$DEFAULT_MIN_LR
   LR_WARMUP_ITERS=0 DATA_PATH=() TOKENIZER_TYPE="" VOCAB_FILE="" MERGE_FILE="" TOKENIZER_MODEL="" LOAD=""
   SAVE_INTERVAL="" OUTPUT_DIR="" NPROC_PER_NODE="" CPU=0 DRY_RUN=0 EXTRA=() DATA_NAME="" EPOCHS=""
@@ -114,6 +120,8 @@ parse_flags() {
       --pp) var=PP ;;
       --vpp) var=VPP ;;
       --cp) var=CP ;;
+      --ep) var=EP ;;
+      --etp) var=ETP ;;
       --recompute) var=RECOMPUTE ;;
       --micro-batch-size) var=MICRO_BATCH_SIZE ;;
       --global-batch-size) var=GLOBAL_BATCH_SIZE ;;
@@ -147,8 +155,8 @@ parse_flags() {
 
   # The form of the recipe's own flags only: whether the sizes fit the processes, the model and the batch is
   # megatron_patch/layout.py's to say, which the launcher asks before torchrun starts (and the plan for --dry-run).
-  for var in TP PP CP MICRO_BATCH_SIZE; do _positive "--$(_flag_of $var)" "${!var}"; done
-  for var in VPP GLOBAL_BATCH_SIZE SEQ_LENGTH TRAIN_ITERS TRAIN_TOKENS SAVE_INTERVAL NPROC_PER_NODE EPOCHS; do
+  for var in TP PP CP EP MICRO_BATCH_SIZE; do _positive "--$(_flag_of $var)" "${!var}"; done
+  for var in VPP ETP GLOBAL_BATCH_SIZE SEQ_LENGTH TRAIN_ITERS TRAIN_TOKENS SAVE_INTERVAL NPROC_PER_NODE EPOCHS; do
     [[ -z ${!var} ]] || _positive "--$(_flag_of $var)" "${!var}"
   done
   _positive --lr-warmup-iters "$LR_WARMUP_ITERS" 0
@@ -201,6 +209,8 @@ _rapidformer_flags() {
   FLAGS+=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP")
   [[ -z $VPP ]] || FLAGS+=(--virtual-pipeline-model-parallel-size "$VPP")
   ((CP == 1)) || FLAGS+=(--context-parallel-size "$CP")
+  ((EP == 1)) || FLAGS+=(--expert-model-parallel-size "$EP")
+  [[ -z $ETP ]] || FLAGS+=(--expert-tensor-parallel-size "$ETP")
   ((!SP)) || FLAGS+=(--sequence-parallel)
   ((!DISTRIBUTED_OPTIMIZER)) || FLAGS+=(--use-distributed-optimizer)
   [[ $RECOMPUTE == none ]] || FLAGS+=(--recompute-granularity "$RECOMPUTE")

@@ -8,6 +8,8 @@
 #       --tokenizer-type Llama2Tokenizer --tokenizer-model tokenizer.model --data-path data/corpus_text_document \
 #       --global-batch-size 256 --train-tokens 100000000000 --output-dir /ckpt/llama2-7b      # on each node
 #   examples/gpt/run_pretrain_gpt.sh --cpu --nproc-per-node 2 --tp 2 ...       # a tiny model on CPU processes
+#   examples/gpt/run_pretrain_gpt.sh --model-size mixtral-8x7b --tp 2 --sp --ep 8 --etp 1 --pp 4 \
+#       --distributed-optimizer ... -- --moe-aux-loss-coeff 0.01     # experts split over 8 ranks (on 64 GPUs)
 #
 # --help lists the flags; anything after -- goes to rapidformer (e.g. -- --eval-interval 100 --split 98,2,0).
 RECIPE=pretrain_gpt

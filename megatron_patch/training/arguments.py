@@ -621,11 +621,14 @@ def _check_layout(args: argparse.Namespace, spec: ModelSpec, world_size: int | N
             pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
             context_parallel_size=parallel.context_parallel_size,
             virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+            expert_model_parallel_size=parallel.expert_model_parallel_size,
+            expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
             sequence_parallel=parallel.sequence_parallel, micro_batch_size=args.micro_batch_size,
             global_batch_size=args.global_batch_size,
             num_layers=model and model.num_layers, num_attention_heads=model and model.num_attention_heads,
             num_query_groups=model and model.num_query_groups, ffn_hidden_size=model and model.ffn_hidden_size,
-            seq_length=model and model.seq_length, padded_vocab_size=loaded and loaded.padded_vocab_size)
+            seq_length=model and model.seq_length, padded_vocab_size=loaded and loaded.padded_vocab_size,
+            num_moe_experts=model and model.num_moe_experts, moe_ffn_hidden_size=model and model.moe_ffn_hidden_size)
     except ValueError as error:
         _refuse(str(error))
     return parallel, data_parallel_size

@@ -168,6 +168,8 @@ class Engine:
             pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
             virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
             context_parallel_size=parallel.context_parallel_size,
+            expert_model_parallel_size=parallel.expert_model_parallel_size,
+            expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
             seed=config.training.seed,
             timeout_minutes=config.training.distributed_timeout_minutes,
         )

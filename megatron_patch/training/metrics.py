@@ -189,3 +189,43 @@ class TrainingLog:
         plt.close(figure)
         self.logger.info(f"loss curves: {path}")
         return path
+
+
+class RoutingLog:
+    """The routing statistics of a mixture-of-experts model beside a ``TrainingLog``: per MoE layer, its
+    auxiliary losses and the tokens per expert, averaged over each log interval and printed after the iteration
+    line (which carries Megatron-LM's ``load_balancing_loss``, the mean over the MoE layers, as one of the step's
+    other losses); TensorBoard gets each layer's losses every iteration under Megatron-LM's names
+    (``moe/load_balancing_loss_layer_{i}``, i from 0, as megatron-core's ``track_moe_metrics`` writes them).
+
+    Example::
+
+        routing = RoutingLog(log)
+        routing.step(10, stats.routing)     # a training/step.py RoutingStep, or None for a dense model
+        # [rapidformer]  routing of layer 1 at iteration 10 | load_balancing_loss: 1.012000E+00 | tokens per
+        #   expert per iteration: 130 120 126 136        (each layer's sum: the global batch's tokens x top-k)
+    """
+
+    def __init__(self, log: TrainingLog):
+        self.log = log
+        self._window: list = []
+
+    def step(self, iteration: int, routing) -> None:
+        if routing is None:
+            return
+        self._window.append(routing)
+        for name, per_layer in routing.aux_losses.items():
+            for layer, loss in per_layer.items():
+                self.log._scalar(f"moe/{name}_layer_{layer - 1}", loss, iteration)
+        if iteration % self.log.log_interval and iteration != self.log.train_iters:
+            return
+        window, self._window = self._window, []
+        for layer in window[-1].tokens_per_expert:
+            parts = [f" routing of layer {layer} at iteration {iteration}"]
+            for name in window[-1].aux_losses:
+                losses = [w.aux_losses[name][layer] for w in window if layer in w.aux_losses.get(name, {})]
+                parts.append(f"{name}: {sum(losses) / len(losses):.6E}")
+            counts = [w.tokens_per_expert[layer] for w in window if layer in w.tokens_per_expert]
+            means = [sum(column) / len(counts) for column in zip(*counts)]
+            parts.append("tokens per expert per iteration: " + " ".join(f"{mean:g}" for mean in means))
+            self.log.logger.info(" | ".join(parts))

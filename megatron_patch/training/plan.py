@@ -15,6 +15,11 @@ The run_scripts/ recipes call this for ``--dry-run`` and to turn ``--train-token
 ``megatron/training/theoretical_memory_usage.py`` (``compute_weight_and_optimizer_memory``): the most loaded
 pipeline stage's parameters divided by TP, times bytes per parameter. Activations are left out (they depend on
 the schedule, recompute and sequence parallelism; the same file's ``compute_activation_memory`` estimates them).
+
+A mixture-of-experts model's routed experts live on megatron-core's second grid: each rank holds experts / EP of
+every MoE layer, each split over the expert TP, and the distributed optimizer shards their state over the
+expert-data-parallel ranks (world / (expert TP x EP x PP)) instead of the data-parallel ones; the plan lists the
+expert-parallel and expert-data-parallel groups and counts the experts' memory that way.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import os
 import sys
 
 from megatron_patch.model import ModelConfig, model_config_from_args, num_parameters, parallel_config_from_args
-from megatron_patch.model.flops import layer_parameters
+from megatron_patch.model.flops import _mlp_parameters, layer_parameters
 from megatron_patch.tokenizer.registry import build_tokenizer, padded_vocab_size, tokenizer_options
 from megatron_patch.training.arguments import parse_args
 from megatron_patch.training.launcher import processes_per_node
@@ -46,6 +51,8 @@ class Stage:
     extras: list[str]
     parameters: int
     """All parameters of the stage (every TP shard together)."""
+    expert_parameters: int = 0
+    """The routed experts among them (every EP and expert-TP shard together)."""
 
 
 @dataclasses.dataclass
@@ -70,6 +77,15 @@ class Plan:
     stages: list[Stage]
     tp_groups: list[list[int]]
     dp_groups: list[list[int]]
+    ep: int = 1
+    etp: int = 1
+    ep_groups: list[list[int]] = dataclasses.field(default_factory=list)
+    expert_dp_groups: list[list[int]] = dataclasses.field(default_factory=list)
+
+    @property
+    def expert_dp(self) -> int:
+        """The experts' data-parallel size: world / (expert TP x EP x PP)."""
+        return self.world_size // (self.etp * self.ep * self.pp)
 
     @property
     def world_size(self) -> int:
@@ -83,17 +99,26 @@ class Plan:
     def total_parameters(self) -> int:
         return num_parameters(self.model, self.padded_vocab)
 
+    def _per_gpu(self, stage: Stage) -> tuple[float, float]:
+        """(other parameters, routed experts) of one GPU of ``stage``: as Megatron-LM, the stage's parameters / TP
+        (norms, replicated over TP, are a rounding error here); the experts / (expert TP x EP)."""
+        return (stage.parameters - stage.expert_parameters) / self.tp, stage.expert_parameters / (self.etp * self.ep)
+
     @property
     def most_loaded_stage(self) -> int:
-        return max(range(self.pp), key=lambda s: self.stages[s].parameters)
+        return max(range(self.pp), key=lambda s: sum(self._per_gpu(self.stages[s])))
 
     @property
     def parameters_per_gpu(self) -> float:
-        # As Megatron-LM: the stage's parameters / TP (norms, replicated over TP, are a rounding error here).
-        return self.stages[self.most_loaded_stage].parameters / self.tp
+        return sum(self._per_gpu(self.stages[self.most_loaded_stage]))
 
-    def bytes_per_parameter(self) -> dict[str, float]:
-        """Weights, gradients and optimizer state in bytes per parameter, as Megatron-LM counts them.
+    @property
+    def expert_parameters_per_gpu(self) -> float:
+        return self._per_gpu(self.stages[self.most_loaded_stage])[1]
+
+    def bytes_per_parameter(self, data_parallel_size: int | None = None) -> dict[str, float]:
+        """Weights, gradients and optimizer state in bytes per parameter, as Megatron-LM counts them, the
+        optimizer's sharded over ``data_parallel_size`` (default DP; the routed experts': the expert DP).
 
         Mixed precision with Adam: 2 (bf16/fp16 weights) + 4 (fp32 gradients: the engine reduces gradients in
         fp32) + 12 (fp32 master weights, Adam's two moments) = 18; the distributed optimizer shards the 12 over
@@ -102,11 +127,15 @@ class Plan:
         """
         mixed = self.precision in ("bf16", "fp16")
         optimizer = 12 if mixed else 8
+        shards = data_parallel_size or self.dp
         return {"weights": 2 if mixed else 4, "gradients": 4,
-                "optimizer": optimizer / self.dp if self.distributed_optimizer else optimizer}
+                "optimizer": optimizer / shards if self.distributed_optimizer else optimizer}
 
     def memory_gib(self) -> dict[str, float]:
-        return {name: self.parameters_per_gpu * size / GIB for name, size in self.bytes_per_parameter().items()}
+        others, experts = self._per_gpu(self.stages[self.most_loaded_stage])
+        expert_bytes = self.bytes_per_parameter(self.expert_dp)
+        return {name: (others * size + experts * expert_bytes[name]) / GIB
+                for name, size in self.bytes_per_parameter().items()}
 
     def render(self) -> str:
         m, node = self.model, lambda rank: rank // self.nproc_per_node
@@ -129,7 +158,14 @@ class Plan:
             lines.append(
                 f"pipeline stage {index}: ranks {_spans(stage.ranks)} (node {_spans(nodes)}), layers "
                 f"{_spans(stage.layers)}{''.join(' + ' + e for e in stage.extras)}: {stage.parameters:,} parameters")
-        for name, found in (("tensor", self.tp_groups), ("data", self.dp_groups)):
+        groups = [("tensor", self.tp_groups), ("data", self.dp_groups)]
+        if m.num_moe_experts:
+            lines.append(
+                f"experts: {m.num_moe_experts} per MoE layer, top-{m.moe_router_topk}; {m.num_moe_experts // self.ep} "
+                f"per rank (EP {self.ep}, expert TP {self.etp}, expert DP {self.expert_dp} = {self.world_size} / "
+                f"({self.etp} x {self.ep} x PP {self.pp}))")
+            groups += [("expert", self.ep_groups), ("expert-data", self.expert_dp_groups)]
+        for name, found in groups:
             shown = " ".join(str(g) for g in found[:4]) + (f" ... ({len(found)} groups)" if len(found) > 4 else "")
             lines.append(f"{name}-parallel groups: {shown}")
         if any(len({node(r) for r in group}) > 1 for group in self.tp_groups):
@@ -147,12 +183,20 @@ class Plan:
         size, memory = self.bytes_per_parameter(), self.memory_gib()
         optimizer = (f"{size['optimizer']:g} (fp32 master weights and Adam moments / DP {self.dp}, distributed "
                      "optimizer)" if self.distributed_optimizer else f"{size['optimizer']:g} (Adam, not sharded)")
+        per_gpu = f"(pipeline stage {self.most_loaded_stage} / TP {self.tp})"
+        if m.num_moe_experts:
+            per_gpu = (f"(pipeline stage {self.most_loaded_stage}: others / TP {self.tp}, routed experts / (expert TP "
+                       f"{self.etp} x EP {self.ep}) = {round(self.expert_parameters_per_gpu):,})")
         lines += [
             f"parameters: {self.total_parameters:,} total",
-            f"parameters per GPU: {round(self.parameters_per_gpu):,} (pipeline stage {self.most_loaded_stage} / "
-            f"TP {self.tp})",
+            f"parameters per GPU: {round(self.parameters_per_gpu):,} {per_gpu}",
             f"bytes per parameter: {sum(size.values()):g} = weights {size['weights']:g} ({self.precision}) + "
             f"gradients {size['gradients']:g} (fp32) + optimizer {optimizer}",
+        ]
+        if m.num_moe_experts and self.distributed_optimizer:
+            lines.append(f"routed experts: optimizer {self.bytes_per_parameter(self.expert_dp)['optimizer']:g} "
+                         f"bytes per parameter (sharded over expert DP {self.expert_dp})")
+        lines += [
             f"memory per GPU: {sum(memory.values()):.2f} GiB = weights {memory['weights']:.2f} + gradients "
             f"{memory['gradients']:.2f} + optimizer {memory['optimizer']:.2f} GiB; activations, buffers and "
             "the CUDA context not included",
@@ -194,6 +238,7 @@ def _stages(model: ModelConfig, vocab: int, pp: int, vpp: int, stage_ranks: list
     word embeddings as the output layer (megatron-core's ``setup_embeddings_and_output_layer``)."""
     m, h = model, model.hidden_size
     per_layer = layer_parameters(m)
+    experts_per_layer = m.num_moe_experts * _mlp_parameters(m, m.moe_ffn_hidden_size) if m.num_moe_experts else 0
     embedding = vocab * h + m.num_tokentypes * h + (m.max_positions * h if m.position_embedding_type ==
                                                     "learned_absolute" else 0)
     output = vocab * h if m.untie_embeddings_and_output_weights or pp > 1 else 0
@@ -215,7 +260,8 @@ def _stages(model: ModelConfig, vocab: int, pp: int, vpp: int, stage_ranks: list
                 extras.append("output layer" if m.untie_embeddings_and_output_weights else
                               "output layer (a copy of the tied embedding)")
                 parameters += output
-        stages.append(Stage(ranks=sorted(stage_ranks[s]), layers=layers, extras=extras, parameters=parameters))
+        stages.append(Stage(ranks=sorted(stage_ranks[s]), layers=layers, extras=extras, parameters=parameters,
+                            expert_parameters=len(layers) * experts_per_layer))
     return stages
 
 
@@ -247,6 +293,10 @@ def build_plan(argv: list[str], nnodes: int = 1, train_tokens: int | None = None
                           pp=parallel.pipeline_model_parallel_size, cp=parallel.context_parallel_size,
                           order=RANK_ORDER)
     pp = parallel.pipeline_model_parallel_size
+    ep = parallel.expert_model_parallel_size
+    etp = parallel.expert_tensor_parallel_size or parallel.tensor_model_parallel_size
+    # megatron-core's second grid for the expert layers (parallel_state.initialize_model_parallel).
+    expert_ranks = RankGenerator(tp=etp, ep=ep, dp=nnodes * nproc // (etp * ep * pp), pp=pp, cp=1, order=RANK_ORDER)
     # get_ranks("pp") lists the pipelines; stage s holds the s-th rank of every pipeline.
     stage_ranks = [[pipeline[s] for pipeline in ranks.get_ranks("pp")] for s in range(pp)]
     precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
@@ -258,7 +308,8 @@ def build_plan(argv: list[str], nnodes: int = 1, train_tokens: int | None = None
         recompute=parallel.recompute_granularity or "none", micro_batch_size=args.micro_batch_size,
         global_batch_size=gbs, train_iters=train_iters, precision=precision,
         distributed_optimizer=args.use_distributed_optimizer, stages=_stages(model, vocab, pp, vpp, stage_ranks),
-        tp_groups=ranks.get_ranks("tp"), dp_groups=ranks.get_ranks("dp"),
+        tp_groups=ranks.get_ranks("tp"), dp_groups=ranks.get_ranks("dp"), ep=ep, etp=etp,
+        ep_groups=expert_ranks.get_ranks("ep"), expert_dp_groups=expert_ranks.get_ranks("dp"),
     )
 
 

@@ -14,6 +14,12 @@ This follows Megatron-LM's ``training.train_step``: zero the grad buffers, run
 A step whose gradients hold NaN/Inf is skipped (``StepStats.skipped``) and leaves the weights and the optimizer
 state as they were: in fp16 megatron-core's loss scaler finds the overflow (and lowers the scale); in bf16/fp32
 there is no scaler, so ``optimizer_step`` reads the global gradient norm the optimizer computes anyway.
+
+Mixture-of-experts models add megatron-core's load-balancing loss in the backward pass (``MoEAuxLossAutoScaler``);
+the schedules scale it by the loss scale / microbatches (the loss scale alone with ``calculate_per_token_loss``,
+where the router multiplies it by its tokens instead) as in Megatron-LM, because ``build_optimizer`` hands them
+the optimizer's ``scale_loss``. ``RoutingStatistics`` reads what each step routed: the load-balancing loss of
+each MoE layer (megatron-core's tracker) and the tokens each expert received.
 """
 
 from __future__ import annotations
@@ -100,6 +106,85 @@ def _finalize_model_grads(*args, **kwargs):
 
 
 @dataclasses.dataclass
+class RoutingStep:
+    """One step's routing over the whole global batch, per MoE layer (global layer numbers from 1)."""
+
+    aux_losses: dict[str, dict[int, float]]
+    """Each auxiliary loss megatron-core's routers tracked, by its name there (``load_balancing_loss`` for
+    ``--moe-router-load-balancing-type aux_loss``, ``seq_load_balancing_loss``, ``global_load_balancing_loss``),
+    per layer, without its coefficient (the tracker holds the loss / ``moe_aux_loss_coeff``), averaged over the
+    step's microbatches."""
+    tokens_per_expert: dict[int, list[int]]
+    """Tokens routed to each expert, summed over microbatches and ranks: each layer's sum is tokens x top-k
+    (less what a capacity factor drops)."""
+
+
+class RoutingStatistics:
+    """Counts the tokens the routers of ``chunks`` send to each expert and reads megatron-core's per-layer
+    load-balancing losses; ``take()`` after each step gives them (collectives: every rank calls it).
+
+    Example::
+
+        routing = RoutingStatistics(chunks)
+        train_step(...)
+        routing.take(num_microbatches).tokens_per_expert[1]    # [130, 120, 126, 136]: layer 1's four experts
+
+    A router counts in training forwards only (grad enabled), the condition under which megatron-core tracks its
+    aux loss: under full recompute the first forward runs without grad, so the recompute counts each token once.
+    """
+
+    def __init__(self, chunks: list[torch.nn.Module]):
+        from megatron.core.transformer.moe.router import Router
+
+        config = get_model_config(chunks[0])
+        self.num_layers = config.num_layers
+        self.num_experts = getattr(config, "num_moe_experts", None)
+        self._counts: dict[int, torch.Tensor] = {}
+        for chunk in chunks:
+            for module in chunk.modules():
+                if isinstance(module, Router):
+                    module.register_forward_hook(self._count)
+
+    def _count(self, router, inputs, outputs) -> None:
+        if not (router.training and torch.is_grad_enabled()):
+            return
+        counts = outputs[1].sum(dim=0)  # the routing map: tokens x experts, True where a token goes
+        layer = router.layer_number
+        self._counts[layer] = counts + self._counts[layer] if layer in self._counts else counts
+
+    def take(self, num_microbatches: int) -> RoutingStep | None:
+        """This step's routing over every rank, the counters cleared; None for a dense model."""
+        from megatron.core.transformer.moe.moe_utils import (
+            clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker, reduce_aux_losses_tracker_across_ranks,
+        )
+
+        if self.num_experts is None:
+            return None
+        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        counts = torch.zeros(self.num_layers, self.num_experts, dtype=torch.int64, device=device)
+        for layer, found in self._counts.items():
+            counts[layer - 1] = found
+        self._counts.clear()
+        # A MoE model trains with TP > 1 only under sequence parallelism (layout.check_layout), so each rank's
+        # routers saw other tokens than its peers' (or, across pipeline stages, other layers): the sum over all
+        # ranks is the step's.
+        torch.distributed.all_reduce(counts)
+        layers = [index + 1 for index in range(self.num_layers) if bool(counts[index].any())]
+        tracker = get_moe_layer_wise_logging_tracker()
+        # megatron-core's track_moe_metrics without its writers: summed over pipeline stages and TP x CP, averaged
+        # over data-parallel ranks, scaled by 1 / microbatches as Megatron-LM's training_log does. Every rank
+        # tracks the same names (each has MoE layers), so the reductions match up.
+        names = sorted(tracker)
+        reduce_aux_losses_tracker_across_ranks(names)
+        losses = {}
+        for name in names:
+            values = (tracker[name]["values"].float() / num_microbatches).tolist()
+            losses[name] = {layer: values[layer - 1] for layer in layers}
+        clear_aux_losses_tracker()
+        return RoutingStep(aux_losses=losses, tokens_per_expert={layer: counts[layer - 1].tolist() for layer in layers})
+
+
+@dataclasses.dataclass
 class StepStats:
     """What one optimiser step reports; ``loss`` (and ``input_tokens``) is None off the last pipeline stage;
     ``loss_scale`` is the scale after this step's update (1.0 without a loss scaler)."""
@@ -111,7 +196,11 @@ class StepStats:
     loss_scale: float = 1.0
     input_tokens: int | None = None
     other_losses: dict[str, float] = dataclasses.field(default_factory=dict)
-    """Losses the loss function reports beside "lm loss" (BERT's "sop loss"), averaged the same way."""
+    """Losses the loss function reports beside "lm loss" (BERT's "sop loss"), averaged the same way, and a
+    mixture-of-experts model's auxiliary losses, e.g. "load_balancing_loss" (Megatron-LM's names: the mean over its
+    MoE layers)."""
+    routing: RoutingStep | None = None
+    """What a mixture-of-experts model's routers did in this step (None for a dense model)."""
 
 
 def _reduce_loss_reports(reports: list[dict], input_tokens: int | None
@@ -174,6 +263,7 @@ def train_step(
     scheduler=None,
     count_input_tokens: Callable[[], int] | None = None,
     empty_cache_level: int = 0,
+    routing: RoutingStatistics | None = None,
 ) -> StepStats:
     """Forward and backward over ``num_microbatches`` microbatches, then one optimiser (and scheduler) step.
 
@@ -182,7 +272,8 @@ def train_step(
     ``count_input_tokens()``, called after the backward passes, gives this rank's input tokens of the step;
     ``StepStats.input_tokens`` is their sum over data-parallel ranks. ``empty_cache_level`` is Megatron-LM's
     ``--empty-unused-memory-level`` (GPUs): 1 empties the CUDA cache after the backward passes, 2 also after the
-    optimizer step.
+    optimizer step. ``routing`` (a mixture-of-experts model's) adds the step's ``RoutingStep`` and each auxiliary
+    loss's mean over the MoE layers ("load_balancing_loss").
     """
     for chunk in chunks:
         chunk.zero_grad_buffer()
@@ -205,6 +296,11 @@ def train_step(
         if parallel_state.is_pipeline_last_stage(ignore_virtual=True)
         else (None, 0, None, {})
     )
+    routed = None if routing is None else routing.take(num_microbatches)
+    if routed is not None:
+        # Megatron-LM logs each auxiliary loss as its mean over the MoE layers, under its tracker name.
+        other_losses = {**other_losses, **{name: sum(per_layer.values()) / len(per_layer)
+                                           for name, per_layer in routed.aux_losses.items() if per_layer}}
     if empty_cache_level >= 1:
         torch.cuda.empty_cache()
     update_successful, grad_norm, loss_scale = optimizer_step(optimizer)
@@ -221,6 +317,7 @@ def train_step(
         loss_scale=loss_scale,
         input_tokens=input_tokens,
         other_losses=other_losses,
+        routing=routed,
     )
 
 

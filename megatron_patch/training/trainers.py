@@ -36,7 +36,7 @@ from torch.utils.data import default_collate
 from megatron_patch.distributed import record_progress, sum_over_data_parallel
 from megatron_patch.checkpoint.format import checkpoint_dir, read_tracker, recorded_train_samples
 from megatron_patch.training.engine import Engine
-from megatron_patch.training.metrics import TrainingLog
+from megatron_patch.training.metrics import RoutingLog, TrainingLog
 from megatron_patch.training.schedule import consumed_samples
 
 
@@ -204,6 +204,7 @@ class _Trainer:
             gc.disable()
             gc.collect()
         update_num_microbatches(self.consumed_samples, consistency_check=False)
+        routing = RoutingLog(log)
         while self.iteration < train_iters:
             num_microbatches = get_num_microbatches()
             update_num_microbatches(self.consumed_samples, consistency_check=True)
@@ -222,6 +223,7 @@ class _Trainer:
             tokens = batch_size * (self.config.data.seq_length or 0) if counter is None else result.input_tokens
             log.step(self.iteration, self.consumed_samples, self._lr(), result.loss, result.grad_norm,
                      result.loss_scale, result.skipped, elapsed, tokens or 0, batch_size, result.other_losses)
+            routing.step(self.iteration, result.routing)
             self._count_bad_step(result.skipped)
             if after_step is not None:
                 after_step(self.iteration)

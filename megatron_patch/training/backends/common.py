@@ -12,11 +12,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from megatron_patch.training.config import RunConfig
+
+if TYPE_CHECKING:
+    from megatron_patch.training.step import RoutingStep
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +35,10 @@ class StepResult:
     input_tokens: int | None
     """Input tokens of the global batch as counted by the trainer's counter (None: not counted)."""
     other_losses: dict[str, float]
-    """Further losses the forward step reported (BERT's ``sop loss``)."""
+    """Further losses the forward step reported (BERT's ``sop loss``; a mixture-of-experts model's
+    ``load_balancing_loss``)."""
+    routing: RoutingStep | None = None
+    """A mixture-of-experts model's routing of the step (training/step.py ``RoutingStep``)."""
 
 
 class Backend:

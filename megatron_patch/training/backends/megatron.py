@@ -102,7 +102,7 @@ class MegatronBackend(Backend):
         from megatron.core.optimizer import OptimizerConfig
         from megatron.core.utils import get_model_config
 
-        from megatron_patch.training.step import build_optimizer, wrap_model
+        from megatron_patch.training.step import RoutingStatistics, build_optimizer, wrap_model
 
         training = self.config.training
         if training.memory_optimization in ("zero-3", "fsdp"):
@@ -133,6 +133,7 @@ class MegatronBackend(Backend):
             overlap_param_gather=training.overlap_param_gather,
         )
         model = wrap_model(chunks, ddp_config)
+        self.routing = RoutingStatistics(model)
         if optimizer is None:
             optimizer = build_optimizer(model, OptimizerConfig(
                 optimizer="adam", lr=training.lr, min_lr=training.min_lr, weight_decay=training.weight_decay,
@@ -184,9 +185,10 @@ class MegatronBackend(Backend):
         training = self.config.training
         stats = train_step(self.forward_step(forward), data_iterator, self.model, self.optimizer, num_microbatches,
                            self.config.data.seq_length or 1, training.micro_batch_size, scheduler=self.scheduler,
-                           count_input_tokens=count_tokens, empty_cache_level=training.empty_unused_memory_level)
+                           count_input_tokens=count_tokens, empty_cache_level=training.empty_unused_memory_level,
+                           routing=self.routing)
         return StepResult(stats.loss, stats.grad_norm, stats.skipped, stats.loss_scale, stats.input_tokens,
-                          stats.other_losses)
+                          stats.other_losses, stats.routing)
 
     def evaluation_losses(self, forward: Callable, data_iterator, eval_iters: int, num_microbatches: int
                           ) -> list[float] | None:
@@ -206,7 +208,9 @@ class MegatronBackend(Backend):
     @contextlib.contextmanager
     def parameters_in_sync(self):
         """With ``--overlap-param-gather`` the updated parameters arrive during the next forward pass; saving or
-        evaluating needs them now (Megatron-LM's disable_forward_pre_hook around both)."""
+        evaluating needs them now (Megatron-LM's disable_forward_pre_hook around both). "In sync" means per group:
+        a mixture of experts' routed experts differ across expert-parallel ranks by design and agree within their
+        expert-data-parallel group, whose buffers megatron-core's DDP keeps apart and gathers over that group."""
         overlapped = self.config.training.overlap_param_gather
         if overlapped:
             for chunk in self.model:
@@ -366,7 +370,10 @@ def _require_optimizer_state(root: str, path: str) -> None:
     e.g. Megatron-LM's with --no-save-optim), before megatron-core's loader fails on the missing keys."""
     from megatron.core import dist_checkpointing
 
-    if not any(key.startswith("optimizer.") for key in dist_checkpointing.load_tensors_metadata(path)):
+    # A ChainedOptimizer (a mixture of experts' dense and expert parameters) prefixes each part's keys with
+    # chained_N. (megatron/core/optimizer/optimizer.py, ChainedOptimizer.sharded_state_dict at core_v0.16.1).
+    if not any(key.startswith("optimizer.") or (key.startswith("chained_") and ".optimizer." in key)
+               for key in dist_checkpointing.load_tensors_metadata(path)):
         raise UserError(f"--load {root}: {path} has no optimizer state; pass --finetune or --no-load-optim to load "
                         "its model")
 
