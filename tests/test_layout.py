@@ -247,10 +247,6 @@ _MOE_REFUSALS = [
 ]
 
 
-# raises: only "DID NOT RAISE" is the known gap; a refusal with the wrong message fails.
-@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception,
-                   reason="training/arguments.py's _check_layout passes no expert sizes to check_layout and does not "
-                          "check the MoE kernels (ParallelConfig)")
 @pytest.mark.parametrize("flags, message", _MOE_REFUSALS)
 def test_the_launcher_refuses_a_bad_expert_layout_before_torchrun(monkeypatch, flags, message):
     """launch_command is the launcher's check (check_launch_layout) before it builds the torchrun command; in this
