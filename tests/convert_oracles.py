@@ -100,14 +100,15 @@ def cli(rank, world_size, argv):
 
 
 def verify_layouts(rank, world_size, hf_dir, megatron_dir, layouts, resave_dir=None):
-    """verify_on_rank at each (tp, pp); optionally re-save the checkpoint from the last layout (a reshard)."""
+    """verify_on_rank at each (tp, pp) or (tp, pp, ep); optionally re-save the checkpoint from the last layout (a
+    reshard)."""
     from megatron_patch.convert.verify import verify_on_rank
 
     results = {}
-    for tp, pp in layouts:
-        comparisons = verify_on_rank(hf_dir, megatron_dir, tp, pp)
+    for layout in layouts:
+        comparisons = verify_on_rank(hf_dir, megatron_dir, *layout[:2], ep=(*layout, 1)[2])
         if comparisons is not None:
-            results.setdefault((tp, pp), comparisons)
+            results.setdefault(layout, comparisons)
     gathered = [None] * world_size
     import torch
 
@@ -120,8 +121,26 @@ def verify_layouts(rank, world_size, hf_dir, megatron_dir, layouts, resave_dir=N
     return merged if rank == 0 else None
 
 
-def resave(megatron_dir, out_dir, tp, pp):
-    """Load at TP x PP and save a torch_dist checkpoint from all ranks (what a trainer's save does)."""
+def verify_each(rank, world_size, jobs):
+    """:func:`verify_layouts` for each ``(hf_dir, megatron_dir, layouts, resave_dir)`` in one start of the ranks."""
+    return [verify_layouts(rank, world_size, *job) for job in jobs]
+
+
+def local_expert_weights(rank, world_size, megatron_dir, ep):
+    """This rank's expert parallel rank and its experts' linear_fc2 weights in layer 0, loaded at EP=``ep``."""
+    from megatron.core import parallel_state
+
+    from megatron_patch.checkpoint.format import read_info
+    from megatron_patch.convert.verify import build_and_load
+
+    info = read_info(megatron_dir)
+    [chunk] = build_and_load(megatron_dir, info, 1, 1, "float32", ep)
+    local = chunk.decoder.layers[0].mlp.experts.local_experts
+    return parallel_state.get_expert_model_parallel_rank(), [e.linear_fc2.weight.detach().clone() for e in local]
+
+
+def resave(megatron_dir, out_dir, tp, pp, ep=1):
+    """Load at TP x PP x EP and save a torch_dist checkpoint from all ranks (what a trainer's save does)."""
     import shutil
 
     import torch
@@ -131,7 +150,7 @@ def resave(megatron_dir, out_dir, tp, pp):
     from megatron_patch.convert.verify import build_and_load
 
     info = read_info(megatron_dir)
-    [chunk] = build_and_load(megatron_dir, info, tp, pp, "float32")
+    [chunk] = build_and_load(megatron_dir, info, tp, pp, "float32", ep)
     if torch.distributed.get_rank() == 0:
         os.makedirs(os.path.join(out_dir, "release"), exist_ok=True)
         for name in (ARGS_FILE, TRACKER_FILE):

@@ -95,7 +95,8 @@ def verify(args) -> int:
 
     check_pair(args.hf_dir, args.megatron_dir)  # from the config files, before megatron-core's seconds of import
     world = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.expert_model_parallel_size
-    if world > 1 and "WORLD_SIZE" not in os.environ:
+    # Not already a rank of such a world (torchrun's): a conversion's own one-rank world, or none, starts one.
+    if world > 1 and os.environ.get("WORLD_SIZE") != str(world):
         from megatron_patch.cli import launch
         from megatron_patch.distributed import free_port
 
