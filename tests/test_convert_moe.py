@@ -179,7 +179,8 @@ def test_megatron_lm_args_carry_the_moe_fields_both_ways(model_config):
 _MEGATRON_LM_MOE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, padded_vocab_size=128,
                         ffn_hidden_size=128, swiglu=True, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
                         moe_layer_freq=1, moe_router_score_function="softmax",
-                        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01, moe_router_pre_softmax=True, moe_shared_expert_intermediate_size=48)
+                        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01, moe_router_pre_softmax=True,
+                        moe_shared_expert_intermediate_size=48)
 
 
 @pytest.mark.parametrize("field,value,fmt", [

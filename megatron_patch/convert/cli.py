@@ -7,7 +7,7 @@ Example::
         --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
     megatron-patch convert megatron-to-hf --load-dir qwen2-mcore --save-dir qwen2-hf-again
     megatron-patch convert verify --hf-dir qwen2-hf --megatron-dir qwen2-mcore --tensor-model-parallel-size 2
-    megatron-patch convert hf-to-megatron --hf-dir mixtral-hf --save-dir mixtral-mcore \
+    megatron-patch convert hf-to-megatron --hf-dir mixtral-hf --save-dir mixtral-mcore \\
         --target-expert-model-parallel-size 2          # verified with each of 2 ranks holding half the experts
 
 ``verify`` with more than one rank (TP x PP x EP) relaunches itself under torchrun (one per rank); exit status 1 when

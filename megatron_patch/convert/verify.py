@@ -4,7 +4,7 @@ Example::
 
     megatron-patch convert verify --hf-dir llama-hf --megatron-dir llama-mcore \\
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2          # torchrun on 4 processes
-    megatron-patch convert verify --hf-dir mixtral-hf --megatron-dir mixtral-mcore \
+    megatron-patch convert verify --hf-dir mixtral-hf --megatron-dir mixtral-mcore \\
         --expert-model-parallel-size 2                                          # each rank runs half the experts
 
     logits: max abs diff 3.1e-07, max rel diff 2.4e-07, cosine 1.0000000, top-1 100.0%, top-5 100.0%  PASS
