@@ -12,8 +12,10 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_patch.checkpoint.format import CheckpointInfo, CheckpointMismatch, info_from_megatron_lm, megatron_lm_args
-from megatron_patch.convert.core import ConversionError, hf_to_megatron
+from megatron_patch.checkpoint.format import (
+    CheckpointInfo, CheckpointMismatch, info_from_megatron_lm, megatron_lm_args, write_info,
+)
+from megatron_patch.convert.core import ConversionError, check_pair, hf_to_megatron
 from megatron_patch.convert.families import UnsupportedCheckpoint, family_for
 from megatron_patch.model.config import get_model_config
 from megatron_patch.testing import run_on_ranks
@@ -146,6 +148,22 @@ def test_moe_fields_from_hugging_face(config, expected):
 def test_export_refuses_what_the_model_type_cannot_express(model_type, config, message):
     with pytest.raises(UnsupportedCheckpoint, match=message):
         family_for({"model_type": model_type}).config_to_hf(config)
+
+
+def test_a_model_trained_from_scratch_pairs_with_its_mixtral_export(tmp_path):
+    """tiny-mixtral's ffn_hidden_size (128) is no expert's width (32), which is all Mixtral's config.json holds."""
+    from transformers import AutoConfig
+
+    model_config = get_model_config("tiny-mixtral")
+    (tmp_path / "mcore").mkdir()
+    write_info(str(tmp_path / "mcore"), CheckpointInfo(format="torch_dist", model_config=model_config,
+                                                       padded_vocab_size=128, dtype="float32"))
+    fields = family_for({"model_type": "mixtral"}).config_to_hf(model_config)
+    AutoConfig.for_model("mixtral", **fields).save_pretrained(str(tmp_path / "hf"))
+    assert check_pair(str(tmp_path / "hf"), str(tmp_path / "mcore"))[1] == "MixtralForCausalLM"
+    with pytest.raises(CheckpointMismatch, match="moe_ffn_hidden_size 48 vs 32"):
+        AutoConfig.for_model("mixtral", **{**fields, "intermediate_size": 48}).save_pretrained(str(tmp_path / "hf"))
+        check_pair(str(tmp_path / "hf"), str(tmp_path / "mcore"))
 
 
 def test_conversion_targets_are_checked_before_anything_is_written(tmp_path):

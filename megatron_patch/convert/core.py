@@ -222,7 +222,11 @@ def check_pair(hf_dir: str, megatron_dir: str) -> tuple[CheckpointInfo, str]:
         pairs.append(("model_type", src.hf_config.get("model_type"), info.hf_config["model_type"]))
     if info.hf_architecture:
         pairs.append(("architecture", src.architecture, info.hf_architecture))
-    pairs += [(name, getattr(src.model_config, name), getattr(info.model_config, name)) for name in _PAIRED_FIELDS]
+    # Every MLP of a MoE model is experts: no tensor has ffn_hidden_size's shape (Mixtral's config.json has only the
+    # experts' width, which a model trained with a wider ffn_hidden_size exports as its intermediate_size).
+    all_experts = info.model_config.num_moe_experts is not None
+    pairs += [(name, getattr(src.model_config, name), getattr(info.model_config, name)) for name in _PAIRED_FIELDS
+              if not (all_experts and name == "ffn_hidden_size")]
     differing = [f"{name} {hf} vs {megatron}" for name, hf, megatron in pairs if hf != megatron]
     if differing:
         raise CheckpointMismatch(
