@@ -388,13 +388,8 @@ def _moe_mlp(m: ModelConfig, experts: _Experts) -> tuple[Rule, ...]:
 
 
 def _moe_table(experts: _Experts) -> Callable[[ModelConfig, str], Table]:
-    def table(m: ModelConfig, architecture: str) -> Table:
-        if m.num_moe_experts is None:
-            raise UnsupportedCheckpoint("the model is dense (no --num-experts): export it with the --model-type of "
-                                        "its dense family (llama, mistral, qwen2, qwen3)")
-        return _llama_table(m, architecture, _moe_mlp(m, experts))
-
-    return table
+    """The table of a MoE family (its config_to_hf has refused a dense model before a table is asked for)."""
+    return lambda m, architecture: _llama_table(m, architecture, _moe_mlp(m, experts))
 
 
 def _require_every_layer_sparse(c: dict) -> None:
@@ -418,7 +413,8 @@ def _mixtral_from_hf(c: dict) -> ModelConfig:
 def _qwen_moe_fields(c: dict) -> dict:
     _require(c, "use_sliding_window", [False], False)
     _require_every_layer_sparse(c)
-    return dict(num_moe_experts=c.get("num_experts", c.get("num_local_experts")),
+    # transformers 5 saves Qwen3-MoE's num_experts under its attribute_map name, num_local_experts.
+    return dict(num_moe_experts=c["num_experts"] if "num_experts" in c else c["num_local_experts"],
                 moe_router_topk=c["num_experts_per_tok"], moe_ffn_hidden_size=c["moe_intermediate_size"],
                 moe_router_pre_softmax=not c.get("norm_topk_prob", False),
                 moe_aux_loss_coeff=c.get("router_aux_loss_coef", 0.001))
