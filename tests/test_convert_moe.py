@@ -213,5 +213,5 @@ def test_megatron_lm_moe_options_our_layer_cannot_compute_are_refused_by_name(fi
     config = info_from_megatron_lm(state, "torch_dist", "common.pt").model_config
     assert (config.num_moe_experts, config.moe_ffn_hidden_size, config.moe_router_pre_softmax) == (4, 32, True)
     state["args"] = argparse.Namespace(**{**_MEGATRON_LM_MOE, field: value})
-    with pytest.raises(CheckpointMismatch, match="common.pt: " + ("args." + field if fmt != "torch" else "per-rank")):
+    with pytest.raises(CheckpointMismatch, match="^common.pt: " + ("args." + field if fmt != "torch" else "per-rank")):
         info_from_megatron_lm(state, fmt, "common.pt")

@@ -409,6 +409,7 @@ def info_from_megatron_lm(state: dict, fmt: str, source: str) -> CheckpointInfo:
     padded = arg("padded_vocab_size")
     if padded is None:
         raise CheckpointMismatch(f"{source}: args.padded_vocab_size is missing; the embedding's size is unknown")
+    moe = _moe_from_megatron_lm(arg, source, fmt)
     try:
         model_config = ModelConfig(
             family="gpt", num_layers=args.num_layers, hidden_size=args.hidden_size,
@@ -427,7 +428,7 @@ def info_from_megatron_lm(state: dict, fmt: str, source: str) -> CheckpointInfo:
             vocab_size=arg("vocab_size", padded), make_vocab_size_divisible_by=arg("make_vocab_size_divisible_by", 128),
             hidden_dropout=arg("hidden_dropout", 0.1), attention_dropout=arg("attention_dropout", 0.1),
             init_method_std=arg("init_method_std", 0.02),
-            layernorm_zero_centered_gamma=arg("apply_layernorm_1p", False), **_moe_from_megatron_lm(arg, source, fmt),
+            layernorm_zero_centered_gamma=arg("apply_layernorm_1p", False), **moe,
         )
     except AttributeError as error:  # one of the shape fields every Megatron-LM run has
         raise CheckpointMismatch(f"{source}: args lack {error.name}; not a Megatron-LM GPT checkpoint") from None
