@@ -39,6 +39,23 @@ HF_MODELS = {
     "bert-encoder": ("BertConfig", _BERT, "BertModel"),
 }
 
+# Mixture-of-experts models: 2 layers, hidden 64, 4 experts of width 32, 2 per token, GQA, an odd vocabulary.
+# Router weights of std 0.2 (not 0.02) keep the top-2 choice clear of near-ties, where the two libraries' rounding
+# (the top k of the logits vs of their softmax) could pick different experts.
+MOE_VOCAB = 101
+_MOE = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=2,
+            vocab_size=MOE_VOCAB, max_position_embeddings=32, initializer_range=0.2)
+MOE_MODELS = {
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, intermediate_size=32, **_MOE), "MixtralForCausalLM"),
+    # norm_topk_prob false (Qwen1.5-MoE's): the top-2 softmax weights as they are, --moe-router-pre-softmax.
+    "qwen2-moe": ("Qwen2MoeConfig", dict(num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                         intermediate_size=128, norm_topk_prob=False, **_MOE), "Qwen2MoeForCausalLM"),
+    # norm_topk_prob true (Qwen3-30B-A3B's), head_dim 32 rather than hidden / heads, tied embeddings.
+    "qwen3-moe": ("Qwen3MoeConfig", dict(num_experts=4, moe_intermediate_size=32, intermediate_size=128, head_dim=32,
+                                         norm_topk_prob=True, tie_word_embeddings=True, **_MOE),
+                  "Qwen3MoeForCausalLM"),
+}
+
 
 def make_hf_model(name: str, out_dir: str, seed: int = 0, **overrides) -> str:
     """A random model of kind ``name`` (its config fields changed by ``overrides``) saved with save_pretrained
@@ -46,7 +63,7 @@ def make_hf_model(name: str, out_dir: str, seed: int = 0, **overrides) -> str:
     import torch
     import transformers
 
-    config_class, kwargs, model_class = HF_MODELS[name]
+    config_class, kwargs, model_class = {**HF_MODELS, **MOE_MODELS}[name]
     torch.manual_seed(seed)
     model = getattr(transformers, model_class)(getattr(transformers, config_class)(**{**kwargs, **overrides}))
     with torch.no_grad():
@@ -83,14 +100,15 @@ def cli(rank, world_size, argv):
 
 
 def verify_layouts(rank, world_size, hf_dir, megatron_dir, layouts, resave_dir=None):
-    """verify_on_rank at each (tp, pp); optionally re-save the checkpoint from the last layout (a reshard)."""
+    """verify_on_rank at each (tp, pp) or (tp, pp, ep); optionally re-save the checkpoint from the last layout (a
+    reshard)."""
     from megatron_patch.convert.verify import verify_on_rank
 
     results = {}
-    for tp, pp in layouts:
-        comparisons = verify_on_rank(hf_dir, megatron_dir, tp, pp)
+    for layout in layouts:
+        comparisons = verify_on_rank(hf_dir, megatron_dir, *layout[:2], ep=(*layout, 1)[2])
         if comparisons is not None:
-            results.setdefault((tp, pp), comparisons)
+            results.setdefault(layout, comparisons)
     gathered = [None] * world_size
     import torch
 
@@ -103,8 +121,26 @@ def verify_layouts(rank, world_size, hf_dir, megatron_dir, layouts, resave_dir=N
     return merged if rank == 0 else None
 
 
-def resave(megatron_dir, out_dir, tp, pp):
-    """Load at TP x PP and save a torch_dist checkpoint from all ranks (what a trainer's save does)."""
+def verify_each(rank, world_size, jobs):
+    """:func:`verify_layouts` for each ``(hf_dir, megatron_dir, layouts, resave_dir)`` in one start of the ranks."""
+    return [verify_layouts(rank, world_size, *job) for job in jobs]
+
+
+def local_expert_weights(rank, world_size, megatron_dir, ep):
+    """This rank's expert parallel rank and its experts' linear_fc2 weights in layer 0, loaded at EP=``ep``."""
+    from megatron.core import parallel_state
+
+    from megatron_patch.checkpoint.format import read_info
+    from megatron_patch.convert.verify import build_and_load
+
+    info = read_info(megatron_dir)
+    [chunk] = build_and_load(megatron_dir, info, 1, 1, "float32", ep)
+    local = chunk.decoder.layers[0].mlp.experts.local_experts
+    return parallel_state.get_expert_model_parallel_rank(), [e.linear_fc2.weight.detach().clone() for e in local]
+
+
+def resave(megatron_dir, out_dir, tp, pp, ep=1):
+    """Load at TP x PP x EP and save a torch_dist checkpoint from all ranks (what a trainer's save does)."""
     import shutil
 
     import torch
@@ -114,7 +150,7 @@ def resave(megatron_dir, out_dir, tp, pp):
     from megatron_patch.convert.verify import build_and_load
 
     info = read_info(megatron_dir)
-    [chunk] = build_and_load(megatron_dir, info, tp, pp, "float32")
+    [chunk] = build_and_load(megatron_dir, info, tp, pp, "float32", ep)
     if torch.distributed.get_rank() == 0:
         os.makedirs(os.path.join(out_dir, "release"), exist_ok=True)
         for name in (ARGS_FILE, TRACKER_FILE):
@@ -168,13 +204,13 @@ def megatron_greedy(chunks, info, prompt: list[int], new_tokens: int) -> list[in
     return tokens[0, len(prompt):].tolist()
 
 
-def megatron_greedy_at(rank, world_size, megatron_dir, tp, prompt, new_tokens):
-    """Greedy decoding by the converted checkpoint loaded at TP=``tp`` (every rank returns the tokens)."""
+def megatron_greedy_at(rank, world_size, megatron_dir, tp, prompt, new_tokens, ep=1):
+    """Greedy decoding by the converted checkpoint loaded at TP=``tp``, EP=``ep`` (every rank returns the tokens)."""
     from megatron_patch.checkpoint.format import read_info
     from megatron_patch.convert.verify import build_and_load
 
     info = read_info(megatron_dir)
-    return megatron_greedy(build_and_load(megatron_dir, info, tp, 1, "float32"), info, prompt, new_tokens)
+    return megatron_greedy(build_and_load(megatron_dir, info, tp, 1, "float32", ep), info, prompt, new_tokens)
 
 
 def hf_greedy(rank, world_size, hf_dir, prompt, new_tokens):

@@ -329,7 +329,6 @@ def load_megatron_file(path: str) -> dict:
 # Megatron-LM args (name, value that cannot be built) our model refuses: each is an architecture ModelConfig has
 # no field for, so loading the weights into our model would silently drop or misplace them.
 _UNSUPPORTED_ARGS = {
-    "num_experts": "mixture-of-experts layers",
     "is_hybrid_model": "Mamba/hybrid layers",
     "hybrid_override_pattern": "Mamba/hybrid layers",
     "heterogeneous_layers_config_path": "heterogeneous layers",
@@ -339,6 +338,60 @@ _UNSUPPORTED_ARGS = {
     "rotary_interleaved": "interleaved RoPE",
     "mtp_num_layers": "multi-token-prediction layers",
 }
+
+# Megatron-LM's MoE args (name, the value our MoE layer computes) that change what a MoE model computes and which
+# ModelConfig does not carry: any other value is refused by name.
+_MOE_FIXED_ARGS = {"moe_layer_freq": 1, "moe_router_score_function": "softmax", "moe_router_enable_expert_bias": False,
+                   "moe_router_topk_scaling_factor": None, "moe_router_num_groups": None,
+                   "moe_router_group_topk": None, "moe_latent_size": None}
+
+
+def _moe_from_megatron_lm(arg, source: str, fmt: str) -> dict:
+    """ModelConfig's mixture-of-experts fields from Megatron-LM's args (``arg(name, default)``); none when dense."""
+    if not arg("num_experts"):
+        return {}
+    if fmt == "torch":  # expert ranks are in the rank files' names (mp_rank_TT_EEE), which checkpoint.legacy lacks
+        raise CheckpointMismatch(f"{source}: per-rank files of a mixture-of-experts model are not read; save it as "
+                                 "torch_dist (--ckpt-format torch_dist) first")
+    for name, value in _MOE_FIXED_ARGS.items():
+        # moe_layer_freq may also be a per-layer list; all ones is every layer.
+        given = arg(name, value)
+        if given != value and not (name == "moe_layer_freq" and isinstance(given, list) and set(given) == {1}):
+            raise CheckpointMismatch(f"{source}: args.{name}={given!r} is not supported by our MoE layer (only "
+                                     f"{value!r})")
+    return dict(
+        num_moe_experts=arg("num_experts"), moe_router_topk=arg("moe_router_topk", 2),
+        moe_ffn_hidden_size=arg("moe_ffn_hidden_size"),
+        moe_shared_expert_intermediate_size=arg("moe_shared_expert_intermediate_size"),
+        moe_shared_expert_gate=arg("moe_shared_expert_gate", False),
+        moe_router_pre_softmax=arg("moe_router_pre_softmax", False),
+        moe_router_load_balancing_type=arg("moe_router_load_balancing_type", "aux_loss"),
+        moe_aux_loss_coeff=arg("moe_aux_loss_coeff", 0.0),
+        moe_expert_capacity_factor=arg("moe_expert_capacity_factor"),
+        moe_pad_expert_input_to_capacity=arg("moe_pad_expert_input_to_capacity", False),
+        moe_token_drop_policy=arg("moe_token_drop_policy", "probs"),
+    )
+
+
+def _moe_megatron_lm_args(m: ModelConfig) -> dict:
+    """Megatron-LM's MoE args of ``m`` (the inverse of :func:`_moe_from_megatron_lm`); None for a dense model, which
+    leaves Megatron-LM's own flags in charge."""
+    names = ("num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_pre_softmax",
+             "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_router_load_balancing_type",
+             "moe_aux_loss_coeff", "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity",
+             "moe_token_drop_policy", *_MOE_FIXED_ARGS)
+    if m.num_moe_experts is None:
+        return dict.fromkeys(names)
+    return dict(
+        _MOE_FIXED_ARGS, num_experts=m.num_moe_experts, moe_ffn_hidden_size=m.moe_ffn_hidden_size,
+        moe_router_topk=m.moe_router_topk, moe_router_pre_softmax=m.moe_router_pre_softmax,
+        moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=m.moe_shared_expert_gate,
+        moe_router_load_balancing_type=m.moe_router_load_balancing_type, moe_aux_loss_coeff=m.moe_aux_loss_coeff,
+        moe_expert_capacity_factor=m.moe_expert_capacity_factor,
+        moe_pad_expert_input_to_capacity=m.moe_pad_expert_input_to_capacity,
+        moe_token_drop_policy=m.moe_token_drop_policy,
+    )
 
 
 def info_from_megatron_lm(state: dict, fmt: str, source: str) -> CheckpointInfo:
@@ -372,7 +425,7 @@ def info_from_megatron_lm(state: dict, fmt: str, source: str) -> CheckpointInfo:
     for name, what in _UNSUPPORTED_ARGS.items():
         if arg(name):
             raise CheckpointMismatch(f"{source}: args.{name}={arg(name)!r} ({what}) is not supported by our model; "
-                                     "only dense GPT and BERT checkpoints are read")
+                                     "only GPT (dense or MoE) and BERT checkpoints are read")
     if fmt == "torch" and arg("virtual_pipeline_model_parallel_size"):
         raise CheckpointMismatch(f"{source}: args.virtual_pipeline_model_parallel_size="
                                  f"{arg('virtual_pipeline_model_parallel_size')}: per-rank files of an interleaved "
@@ -396,6 +449,7 @@ def info_from_megatron_lm(state: dict, fmt: str, source: str) -> CheckpointInfo:
     bert = any(name.startswith("encoder.") for name in shapes)
     binary_head = bool(bert and arg("bert_binary_head", True))
     token_types = arg("num_tokentypes", 2 if binary_head else 0) if bert else 0
+    moe = _moe_from_megatron_lm(arg, source, fmt)
     try:
         model_config = ModelConfig(
             family="bert" if bert else "gpt", num_tokentypes=token_types, add_binary_head=binary_head,
@@ -415,7 +469,7 @@ def info_from_megatron_lm(state: dict, fmt: str, source: str) -> CheckpointInfo:
             vocab_size=arg("vocab_size", padded), make_vocab_size_divisible_by=arg("make_vocab_size_divisible_by", 128),
             hidden_dropout=arg("hidden_dropout", 0.1), attention_dropout=arg("attention_dropout", 0.1),
             init_method_std=arg("init_method_std", 0.02),
-            layernorm_zero_centered_gamma=arg("apply_layernorm_1p", False),
+            layernorm_zero_centered_gamma=arg("apply_layernorm_1p", False), **moe,
         )
     except AttributeError as error:  # one of the shape fields every Megatron-LM run has
         raise CheckpointMismatch(f"{source}: args lack {error.name}; not a Megatron-LM GPT or BERT checkpoint"
@@ -460,7 +514,7 @@ def megatron_lm_args(info: CheckpointInfo, **training) -> argparse.Namespace:
         megatron_lm_args(info, iteration=10, consumed_train_samples=80, tokenizer_type="GPT2BPETokenizer")
 
     ``training`` overrides what only a trainer knows (consumed samples, the tokenizer, virtual pipeline size).
-    The MoE, Mamba and hybrid fields are None: Megatron-LM keeps its own flags for them, right for a dense model.
+    The Mamba and hybrid fields are None (Megatron-LM keeps its own flags for them); the MoE fields are the model's.
     """
     m = info.model_config
     hf_vocab = (info.hf_config or {}).get("vocab_size")
@@ -483,10 +537,7 @@ def megatron_lm_args(info: CheckpointInfo, **training) -> argparse.Namespace:
         apply_query_key_layer_scaling=False, attention_dropout=m.attention_dropout,
         hidden_dropout=m.hidden_dropout, init_method_std=m.init_method_std,
         hybrid_override_pattern=None, spec=None, hybrid_attention_ratio=None, hybrid_mlp_ratio=None,
-        num_experts=None, moe_layer_freq=None, moe_ffn_hidden_size=None, moe_router_topk=None,
-        moe_token_dispatcher_type=None, moe_router_pre_softmax=None, moe_grouped_gemm=None,
-        moe_shared_expert_intermediate_size=None, moe_router_score_function=None,
-        moe_router_enable_expert_bias=None, moe_router_topk_scaling_factor=None, moe_latent_size=None,
+        moe_token_dispatcher_type=None, moe_grouped_gemm=None, **_moe_megatron_lm_args(m),
         mamba_state_dim=None, mamba_head_dim=None, mamba_num_groups=None, mamba_num_heads=None,
         is_hybrid_model=False, heterogeneous_layers_config_path=None,
         heterogeneous_layers_config_encoded_json=None,

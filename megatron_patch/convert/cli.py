@@ -7,8 +7,10 @@ Example::
         --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
     megatron-patch convert megatron-to-hf --load-dir qwen2-mcore --save-dir qwen2-hf-again
     megatron-patch convert verify --hf-dir qwen2-hf --megatron-dir qwen2-mcore --tensor-model-parallel-size 2
+    megatron-patch convert hf-to-megatron --hf-dir mixtral-hf --save-dir mixtral-mcore \\
+        --target-expert-model-parallel-size 2          # verified with each of 2 ranks holding half the experts
 
-``verify`` with more than one rank relaunches itself under torchrun (one process per rank); exit status 1 when
+``verify`` with more than one rank (TP x PP x EP) relaunches itself under torchrun (one per rank); exit status 1 when
 the outputs differ beyond the threshold. ``hf-to-megatron`` verifies at the target layout unless --no-verify, before
 the checkpoint gets its name: a conversion that fails verification leaves nothing under --save-dir. Bad input is
 one line naming the file and the fix (``megatron-patch --debug convert ...`` adds the traceback).
@@ -37,6 +39,9 @@ def _parser() -> argparse.ArgumentParser:
     to_mcore.add_argument("--target-tensor-parallel-size", type=int, default=1,
                           help="TP of the torch format's files; for torch_dist it only sets the vocabulary padding")
     to_mcore.add_argument("--target-pipeline-parallel-size", type=int, default=1)
+    to_mcore.add_argument("--target-expert-model-parallel-size", type=int, default=1,
+                          help="EP the conversion is verified at; a torch_dist checkpoint loads at any EP dividing "
+                               "the experts")
     to_mcore.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     to_mcore.add_argument("--no-verify", action="store_true", help="skip the numerical check against transformers")
     to_mcore.add_argument("--overwrite", action="store_true")
@@ -56,6 +61,8 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--megatron-dir", required=True)
     verify.add_argument("--tensor-model-parallel-size", type=int, default=1)
     verify.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    verify.add_argument("--expert-model-parallel-size", type=int, default=1,
+                        help="ranks the experts of a mixture-of-experts model are split over")
     verify.add_argument("--text", default=None, help="input text (tokenised with --hf-dir's tokenizer); "
                                                      "random token ids by default")
     verify.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
@@ -72,7 +79,8 @@ def _verify_here(args) -> int:
     from megatron_patch.convert.verify import verify_on_rank
 
     results = verify_on_rank(args.hf_dir, args.megatron_dir, args.tensor_model_parallel_size,
-                             args.pipeline_model_parallel_size, text=args.text, dtype=args.dtype)
+                             args.pipeline_model_parallel_size, text=args.text, dtype=args.dtype,
+                             ep=args.expert_model_parallel_size)
     failed = torch.zeros(1)
     if results is not None:
         for comparison in results:
@@ -86,8 +94,9 @@ def verify(args) -> int:
     from megatron_patch.convert.core import check_pair
 
     check_pair(args.hf_dir, args.megatron_dir)  # from the config files, before megatron-core's seconds of import
-    world = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
-    if world > 1 and "WORLD_SIZE" not in os.environ:
+    world = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.expert_model_parallel_size
+    # Not already a rank of such a world (torchrun's): a conversion's own one-rank world, or none, starts one.
+    if world > 1 and os.environ.get("WORLD_SIZE") != str(world):
         from megatron_patch.cli import launch
         from megatron_patch.distributed import free_port
 
@@ -98,6 +107,7 @@ def verify(args) -> int:
         forwarded = ["verify", "--hf-dir", args.hf_dir, "--megatron-dir", args.megatron_dir,
                      "--tensor-model-parallel-size", str(args.tensor_model_parallel_size),
                      "--pipeline-model-parallel-size", str(args.pipeline_model_parallel_size),
+                     "--expert-model-parallel-size", str(args.expert_model_parallel_size),
                      "--dtype", args.dtype, *(["--text", args.text] if args.text is not None else [])]
         return launch("megatron_patch.convert.cli", world, forwarded)
     return _verify_here(args)
@@ -114,6 +124,7 @@ def hf_to_megatron(args) -> int:
             hf_dir=args.hf_dir, megatron_dir=staged_dir, text=None, dtype="float32",
             tensor_model_parallel_size=args.target_tensor_parallel_size,
             pipeline_model_parallel_size=args.target_pipeline_parallel_size,
+            expert_model_parallel_size=args.target_expert_model_parallel_size,
         )
         if verify(verify_args):
             kept = "; the checkpoint already there is kept" if os.path.exists(args.save_dir) else ""
@@ -125,6 +136,7 @@ def hf_to_megatron(args) -> int:
     convert(args.hf_dir, args.save_dir, ckpt_format=args.ckpt_format,
             target_tensor_parallel_size=args.target_tensor_parallel_size,
             target_pipeline_parallel_size=args.target_pipeline_parallel_size,
+            target_expert_model_parallel_size=args.target_expert_model_parallel_size,
             make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, overwrite=args.overwrite,
             progress=not args.no_progress, check=None if args.no_verify else verify_staged)
     print(f"wrote {args.ckpt_format} checkpoint to {args.save_dir}", flush=True)

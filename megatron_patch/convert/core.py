@@ -3,7 +3,7 @@
 Example::
 
     from megatron_patch.convert.core import hf_to_megatron, megatron_to_hf
-    info = hf_to_megatron("llama-hf", "llama-mcore")                       # torch_dist, loads at any TP/PP
+    info = hf_to_megatron("llama-hf", "llama-mcore")                       # torch_dist, loads at any TP/PP/EP
     hf_to_megatron("llama-hf", "llama-legacy", ckpt_format="torch", target_tensor_parallel_size=2)
     megatron_to_hf("llama-mcore", "llama-hf-again")                        # from either format
 
@@ -12,9 +12,11 @@ implies (missing, extra, mis-shaped tensors are errors naming the tensor and bot
 ``<dir>.partial-<pid>`` sibling that is renamed into place only when everything is written, so a failed run
 leaves nothing under the final name.
 
-Tensors pass through megatron-core's own model at TP=1, PP=1 (:func:`build_reference_model`, on the meta device
-when only its names, shapes and sharding are needed); the Megatron files themselves, either format, are written
-and read by :mod:`megatron_patch.checkpoint`.
+Tensors pass through megatron-core's own model at TP=1, PP=1, EP=1 (:func:`build_reference_model`, on the meta
+device when only its names, shapes and sharding are needed); the Megatron files themselves, either format, are
+written and read by :mod:`megatron_patch.checkpoint`. A mixture-of-experts model's torch_dist checkpoint holds every
+expert under its global index (megatron-core's sharded keys), so loading it at expert parallelism EP hands each EP
+rank its own experts, and loading at EP=1 for an export gathers them.
 """
 
 from __future__ import annotations
@@ -197,7 +199,8 @@ def _source(hf_dir: str, make_vocab_size_divisible_by: int = 128) -> _Source:
 # where transformers' defaults filled the gaps (a GPT-2 directory next to a LLaMA checkpoint: LLaMA-7B, 16.8 GB).
 _PAIRED_FIELDS = ("family", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
                   "ffn_hidden_size", "vocab_size", "normalization", "position_embedding_type", "activation",
-                  "add_qkv_bias", "untie_embeddings_and_output_weights")
+                  "add_qkv_bias", "untie_embeddings_and_output_weights", "num_moe_experts", "moe_ffn_hidden_size",
+                  "moe_shared_expert_intermediate_size", "moe_shared_expert_gate")
 
 
 def check_pair(hf_dir: str, megatron_dir: str) -> tuple[CheckpointInfo, str]:
@@ -219,7 +222,11 @@ def check_pair(hf_dir: str, megatron_dir: str) -> tuple[CheckpointInfo, str]:
         pairs.append(("model_type", src.hf_config.get("model_type"), info.hf_config["model_type"]))
     if info.hf_architecture:
         pairs.append(("architecture", src.architecture, info.hf_architecture))
-    pairs += [(name, getattr(src.model_config, name), getattr(info.model_config, name)) for name in _PAIRED_FIELDS]
+    # Every MLP of a MoE model is experts: no tensor has ffn_hidden_size's shape (Mixtral's config.json has only the
+    # experts' width, which a model trained with a wider ffn_hidden_size exports as its intermediate_size).
+    all_experts = info.model_config.num_moe_experts is not None
+    pairs += [(name, getattr(src.model_config, name), getattr(info.model_config, name)) for name in _PAIRED_FIELDS
+              if not (all_experts and name == "ffn_hidden_size")]
     differing = [f"{name} {hf} vs {megatron}" for name, hf, megatron in pairs if hf != megatron]
     if differing:
         raise CheckpointMismatch(
@@ -249,6 +256,7 @@ def hf_to_megatron(
     overwrite: bool = False,
     progress: bool = True,
     check: Callable[[str], None] | None = None,
+    target_expert_model_parallel_size: int = 1,
 ) -> CheckpointInfo:
     """Convert a Hugging Face directory into a Megatron checkpoint directory; return what was recorded.
 
@@ -258,13 +266,16 @@ def hf_to_megatron(
     ``torch_dist`` loads at any TP/PP (the vocabulary is padded for ``target_tensor_parallel_size``; any TP that
     divides ``make_vocab_size_divisible_by x target TP`` works); ``torch`` writes Megatron-LM's per-rank files
     for exactly the target TP x PP. ``torch_dist`` is streamed: each tensor is read, transformed and written
-    before the next, so memory holds one tensor group (plus the libraries), not the model.
+    before the next, so memory holds one tensor group (plus the libraries), not the model. A MoE model's experts are
+    split over ``target_expert_model_parallel_size`` ranks when the torch_dist checkpoint loads (here the target
+    is only checked: it must divide the experts).
     """
     # Here, not at the top: the tokenizer package imports megatron-core (seconds), which check_pair must not wait for.
     from megatron_patch.tokenizer.registry import padded_vocab_size
 
     src = _source(hf_dir, make_vocab_size_divisible_by)
     m = src.model_config
+    _check_expert_target(m, ckpt_format, target_tensor_parallel_size, target_expert_model_parallel_size)
     padded = padded_vocab_size(m.vocab_size, make_vocab_size_divisible_by, target_tensor_parallel_size)
     rules = src.table.expanded(m.num_layers)
     reader = HFReader(hf_dir)
@@ -319,6 +330,21 @@ def hf_to_megatron(
     return info
 
 
+def _check_expert_target(m: ModelConfig, ckpt_format: str, tp: int, ep: int) -> None:
+    if m.num_moe_experts is None:
+        if ep > 1:
+            raise ConversionError(f"--target-expert-model-parallel-size {ep}: the model has no experts; drop the flag")
+        return
+    if m.num_moe_experts % ep:
+        raise ConversionError(f"--target-expert-model-parallel-size {ep} does not divide the {m.num_moe_experts} "
+                              "experts; pick a divisor")
+    # checkpoint.legacy cuts a swiglu fc1 per rank only under mlp.linear_fc1 and names rank files without expert
+    # ranks, so a MoE model's per-rank files exist only for one rank.
+    if ckpt_format == "torch" and (tp > 1 or ep > 1):
+        raise ConversionError(f"--ckpt-format torch writes a mixture-of-experts model only at TP=1, EP=1 (asked: "
+                              f"TP={tp}, EP={ep}); use --ckpt-format torch_dist, which loads at any TP/PP/EP")
+
+
 def megatron_to_hf(
     load_dir: str,
     save_dir: str,
@@ -342,6 +368,8 @@ def megatron_to_hf(
     family = family_for(hf_config)
     architecture = info.hf_architecture or family.architectures[0]
     m = info.model_config
+    # Before the weights are read: a model the family cannot express is refused by name.
+    fields, table = family.config_to_hf(m), family.table(m, architecture)
     model = build_reference_model(m, info.padded_vocab_size, DTYPES[info.dtype].torch, allocate_only=True)
     load_into_reference_model(model, load_dir, info)
     state = full_state_dict(model)
@@ -352,7 +380,6 @@ def megatron_to_hf(
         for name, module in model.named_modules():
             if isinstance(module, ZeroCenteredNorm):
                 state[f"{name}.weight"] = state[f"{name}.weight"] + 1
-    table = family.table(m, architecture)
     rules = table.expanded(m.num_layers)
     _check_coverage(rules, table, state)
     shapes = shapes_of(m, info.padded_vocab_size)
@@ -367,7 +394,7 @@ def megatron_to_hf(
         copied = copy_tokenizer_files(tokenizer_dir or os.path.join(load_dir, TOKENIZER_DIR), tmp)
         if copied and not info.hf_config:
             hf_config.update(_special_token_ids(tmp, family))
-        _write_hf_config(tmp, family, architecture, m, hf_config, info.dtype)
+        _write_hf_config(tmp, family.model_type, architecture, fields, hf_config, info.dtype)
     return save_dir
 
 
@@ -381,12 +408,12 @@ def _special_token_ids(tokenizer_dir: str, family: Family) -> dict[str, int]:
             if getattr(tokenizer, f"{kind}_token_id") is not None}
 
 
-def _write_hf_config(out_dir: str, family: Family, architecture: str, m: ModelConfig, recorded: dict,
+def _write_hf_config(out_dir: str, model_type: str, architecture: str, model_fields: dict, recorded: dict,
                      dtype: str) -> None:
-    """config.json: the recorded Hugging Face config, with every field the model defines taken from the
-    Megatron model config (which training may have changed), completed by transformers' defaults."""
+    """config.json: the recorded Hugging Face config, with every field the model defines (``model_fields``, from
+    the Megatron model config, which training may have changed), completed by transformers' defaults."""
     from transformers import AutoConfig
 
     fields = {k: v for k, v in recorded.items() if k not in ("model_type", "transformers_version")}
-    fields.update(family.config_to_hf(m), architectures=[architecture], dtype=dtype)
-    AutoConfig.for_model(family.model_type, **fields).save_pretrained(out_dir)
+    fields.update(model_fields, architectures=[architecture], dtype=dtype)
+    AutoConfig.for_model(model_type, **fields).save_pretrained(out_dir)

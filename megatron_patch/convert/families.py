@@ -8,10 +8,12 @@ Example::
     table = family.table(model_config, "LlamaForCausalLM")
     table.rules[3]   # Rule(hf=('model.layers.{}.self_attn.q_proj.weight', ...), mcore='decoder.layers.{}...')
 
-A rule names the Hugging Face tensor(s), the megatron-core tensor (names of a TP=1, PP=1 model's
+A rule names the Hugging Face tensor(s), the megatron-core tensor (names of a TP=1, PP=1, EP=1 model's
 ``state_dict()``; ``{}`` is the layer index) and the transforms between them (``transforms.TRANSFORMS``).
-GPT-2, LLaMA, Mistral, Qwen2 and Qwen3 differ only in their tables and config fields; nothing here branches on a
-model's name.
+GPT-2, LLaMA, Mistral, Qwen2 and Qwen3 differ only in their tables and config fields; Mixtral, Qwen2-MoE and
+Qwen3-MoE are their tables with the MLP rows replaced by a router, one pair of rows per expert (the expert index
+written into the names, Hugging Face's on-disk ``experts.N`` keys) and Qwen2-MoE's gated shared expert. Nothing
+here branches on a model's name.
 """
 
 from __future__ import annotations
@@ -253,9 +255,9 @@ def _llama_from_hf(c: dict) -> ModelConfig:
     return _llama_config(c)
 
 
-def _mistral_from_hf(c: dict) -> ModelConfig:
-    # Mistral is LLaMA with a sliding attention window; ours attends to the whole sequence, which is the same
-    # computation only while no sequence is longer than the window (seq_length is max_position_embeddings here).
+def _require_no_window(c: dict) -> None:
+    # Mistral and Mixtral are LLaMA with a sliding attention window; ours attends to the whole sequence, which is
+    # the same computation only while no sequence is longer than the window (seq_length is max_position_embeddings).
     window = c.get("sliding_window")
     if window is not None and window < c["max_position_embeddings"]:
         raise UnsupportedCheckpoint(
@@ -263,6 +265,10 @@ def _mistral_from_hf(c: dict) -> ModelConfig:
             f"{c['max_position_embeddings']}: our attention has no sliding window; set sliding_window to null (or "
             f"max_position_embeddings to {window} to convert for sequences the window does not cut)"
         )
+
+
+def _mistral_from_hf(c: dict) -> ModelConfig:
+    _require_no_window(c)
     _require(c, "attention_bias", [False], False)
     return _llama_config(c)
 
@@ -279,6 +285,15 @@ def _qwen3_from_hf(c: dict) -> ModelConfig:
 
 
 def _llama_hf(m: ModelConfig) -> dict:
+    if m.num_moe_experts is not None:
+        raise UnsupportedCheckpoint(
+            f"the model has {m.num_moe_experts} experts per layer, a dense Hugging Face model type has none; pass "
+            "--model-type mixtral, qwen2_moe or qwen3_moe"
+        )
+    return _attention_hf(m)
+
+
+def _attention_hf(m: ModelConfig) -> dict:
     return dict(
         num_hidden_layers=m.num_layers, hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size,
         num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_query_groups, head_dim=m.kv_channels,
@@ -297,11 +312,18 @@ _LLAMA_RULES = (
          "decoder.layers.{}.self_attention.linear_qkv.weight", "fuse_qkv"),
     rule(_LLAMA_LAYER + "self_attn.o_proj.weight", "decoder.layers.{}.self_attention.linear_proj.weight"),
     rule(_LLAMA_LAYER + "post_attention_layernorm.weight", "decoder.layers.{}.pre_mlp_layernorm.weight"),
-    rule((_LLAMA_LAYER + "mlp.gate_proj.weight", _LLAMA_LAYER + "mlp.up_proj.weight"),
-         "decoder.layers.{}.mlp.linear_fc1.weight", "fuse_gate_up"),
-    rule(_LLAMA_LAYER + "mlp.down_proj.weight", "decoder.layers.{}.mlp.linear_fc2.weight"),
     rule("model.norm.weight", "decoder.final_layernorm.weight"),
 )
+
+
+def _swiglu_mlp(hf: str, mcore: str, gate: str = "gate_proj", up: str = "up_proj", down: str = "down_proj"
+                ) -> tuple[Rule, ...]:
+    """A SwiGLU MLP under the prefixes ``hf`` and ``mcore``: gate and up stacked into megatron's linear_fc1."""
+    return (rule((f"{hf}{gate}.weight", f"{hf}{up}.weight"), f"{mcore}linear_fc1.weight", "fuse_gate_up"),
+            rule(f"{hf}{down}.weight", f"{mcore}linear_fc2.weight"))
+
+
+_LLAMA_MLP = _swiglu_mlp(_LLAMA_LAYER + "mlp.", "decoder.layers.{}.mlp.")
 _QKV_BIAS = rule(tuple(_LLAMA_LAYER + f"self_attn.{p}_proj.bias" for p in "qkv"),
                  "decoder.layers.{}.self_attention.linear_qkv.bias", "fuse_qkv")
 # Qwen3's per-head RMSNorm weights ([head_dim], the same on every TP rank).
@@ -309,11 +331,11 @@ _QK_NORMS = (rule(_LLAMA_LAYER + "self_attn.q_norm.weight", "decoder.layers.{}.s
              rule(_LLAMA_LAYER + "self_attn.k_norm.weight", "decoder.layers.{}.self_attention.k_layernorm.weight"))
 
 
-def _llama_table(m: ModelConfig, architecture: str) -> Table:
+def _llama_table(m: ModelConfig, architecture: str, mlp: tuple[Rule, ...] = _LLAMA_MLP) -> Table:
     head, ignored = _output_layer(m)
     qkv_bias = (_QKV_BIAS,) if m.add_qkv_bias else ()
     qk_norms = _QK_NORMS if m.qk_layernorm else ()
-    return Table(_LLAMA_RULES + qkv_bias + qk_norms + head, ignored_hf=ignored + (r".*rotary_emb\.inv_freq",))
+    return Table(_LLAMA_RULES + mlp + qkv_bias + qk_norms + head, ignored_hf=ignored + (r".*rotary_emb\.inv_freq",))
 
 
 def _mistral_hf(m: ModelConfig) -> dict:
@@ -325,6 +347,136 @@ register_family(Family("llama", _llama_from_hf, _llama_hf, _llama_table, ("Llama
 register_family(Family("mistral", _mistral_from_hf, _mistral_hf, _llama_table, ("MistralForCausalLM",)))
 register_family(Family("qwen2", _qwen2_from_hf, _llama_hf, _llama_table, ("Qwen2ForCausalLM",)))
 register_family(Family("qwen3", _qwen3_from_hf, _llama_hf, _llama_table, ("Qwen3ForCausalLM",)))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Mixtral, Qwen2-MoE and Qwen3-MoE: those tables with megatron-core's MoELayer for the MLP
+# ----------------------------------------------------------------------------------------------------------
+#
+# Routing: Mixtral, and Qwen with norm_topk_prob true, take the softmax over all experts, keep the top k and
+# renormalise them: the softmax over the k largest logits, megatron-core's default. Qwen with norm_topk_prob false
+# keeps the top k of the softmax as they are: --moe-router-pre-softmax (moe_utils.topk_routing_with_score_function).
+
+
+@dataclasses.dataclass(frozen=True)
+class _Experts:
+    """Where a Hugging Face MoE block keeps its tensors on disk (the hub's per-expert keys, which this
+    transformers' save_pretrained also writes, though its modules hold the experts fused)."""
+
+    block: str
+    """The MoE block's name in a layer."""
+    projections: tuple[str, str, str]
+    """An expert's gate, up and down projections."""
+
+
+_MIXTRAL_EXPERTS = _Experts("block_sparse_moe.", ("w1", "w3", "w2"))
+_QWEN_EXPERTS = _Experts("mlp.", ("gate_proj", "up_proj", "down_proj"))
+
+
+def _moe_mlp(m: ModelConfig, experts: _Experts) -> tuple[Rule, ...]:
+    """The router (``gate``), every expert by its global index (megatron-core's sharded state dict places expert E
+    on EP rank E // (experts / EP) when a checkpoint loads), and the shared expert with its sigmoid gate."""
+    hf, mcore = _LLAMA_LAYER + experts.block, "decoder.layers.{}.mlp."
+    rules = (rule(hf + "gate.weight", mcore + "router.weight"),)
+    for e in range(m.num_moe_experts):
+        rules += _swiglu_mlp(f"{hf}experts.{e}.", f"{mcore}experts.local_experts.{e}.", *experts.projections)
+    if m.moe_shared_expert_intermediate_size:
+        rules += _swiglu_mlp(hf + "shared_expert.", mcore + "shared_experts.")
+    if m.moe_shared_expert_gate:  # Linear(hidden, 1).weight [1, hidden], megatron's gate_weight the same
+        rules += (rule(hf + "shared_expert_gate.weight", mcore + "shared_experts.gate_weight"),)
+    return rules
+
+
+def _moe_table(experts: _Experts) -> Callable[[ModelConfig, str], Table]:
+    """The table of a MoE family (its config_to_hf has refused a dense model before a table is asked for)."""
+    return lambda m, architecture: _llama_table(m, architecture, _moe_mlp(m, experts))
+
+
+def _require_every_layer_sparse(c: dict) -> None:
+    """Qwen's MoE configs can keep some layers dense; ours puts experts in every layer."""
+    if c.get("mlp_only_layers"):
+        raise UnsupportedCheckpoint(f"config.json has mlp_only_layers={c['mlp_only_layers']}: our MoE model has "
+                                    "experts in every layer; only mlp_only_layers=[] converts")
+    _require(c, "decoder_sparse_step", [1], 1)
+
+
+def _mixtral_from_hf(c: dict) -> ModelConfig:
+    _require_no_window(c)
+    if c.get("router_jitter_noise"):
+        # megatron-core's moe_input_jitter_eps jitters the router's input only, Mixtral's block the experts' too.
+        raise UnsupportedCheckpoint(f"config.json has router_jitter_noise={c['router_jitter_noise']}, which "
+                                    "megatron-core's router does not reproduce; set it to 0.0")
+    return _llama_config(c, num_moe_experts=c["num_local_experts"], moe_router_topk=c["num_experts_per_tok"],
+                         moe_aux_loss_coeff=c.get("router_aux_loss_coef", 0.001))
+
+
+def _qwen_moe_fields(c: dict) -> dict:
+    _require(c, "use_sliding_window", [False], False)
+    _require_every_layer_sparse(c)
+    # transformers 5 saves Qwen3-MoE's num_experts under its attribute_map name, num_local_experts.
+    return dict(num_moe_experts=c["num_experts"] if "num_experts" in c else c["num_local_experts"],
+                moe_router_topk=c["num_experts_per_tok"], moe_ffn_hidden_size=c["moe_intermediate_size"],
+                moe_router_pre_softmax=not c.get("norm_topk_prob", False),
+                moe_aux_loss_coeff=c.get("router_aux_loss_coef", 0.001))
+
+
+def _qwen2_moe_from_hf(c: dict) -> ModelConfig:
+    shared = c.get("shared_expert_intermediate_size")
+    if not shared:
+        raise UnsupportedCheckpoint(f"config.json has shared_expert_intermediate_size={shared!r}: a Qwen2-MoE "
+                                    "without its shared expert is not converted; give its width")
+    return _llama_config(c, add_qkv_bias=c.get("qkv_bias", True), moe_shared_expert_intermediate_size=shared,
+                         moe_shared_expert_gate=True, **_qwen_moe_fields(c))
+
+
+def _qwen3_moe_from_hf(c: dict) -> ModelConfig:
+    _require(c, "attention_bias", [False], False)
+    return _llama_config(c, qk_layernorm=True, **_qwen_moe_fields(c))
+
+
+def _moe_hf(m: ModelConfig, model_type: str, shared_expert: bool, pre_softmax: tuple[bool, ...]) -> dict:
+    """The MoE fields every exported config has; what ``model_type`` cannot express is refused by name."""
+    if m.num_moe_experts is None:
+        raise UnsupportedCheckpoint(f"the model is dense (no --num-experts), {model_type} is a mixture of experts; "
+                                    "pass the --model-type of its dense family (llama, mistral, qwen2, qwen3)")
+    has_shared = (m.moe_shared_expert_intermediate_size is not None, m.moe_shared_expert_gate)
+    if has_shared != (shared_expert, shared_expert):
+        raise UnsupportedCheckpoint(
+            f"{model_type} {'has' if shared_expert else 'has no'} gated shared expert, the model's "
+            f"--moe-shared-expert-intermediate-size is {m.moe_shared_expert_intermediate_size} and "
+            f"--moe-shared-expert-gate {m.moe_shared_expert_gate}; pass the --model-type that matches "
+            "(qwen2_moe has one)"
+        )
+    if m.moe_router_pre_softmax not in pre_softmax:
+        raise UnsupportedCheckpoint(f"{model_type} renormalises the top-k router weights, the model routes with "
+                                    "--moe-router-pre-softmax; pass --model-type qwen2_moe or qwen3_moe")
+    return dict(num_experts_per_tok=m.moe_router_topk, router_aux_loss_coef=m.moe_aux_loss_coeff)
+
+
+def _mixtral_hf(m: ModelConfig) -> dict:
+    # Mixtral's intermediate_size is an expert's width; its config has no other.
+    return {**_attention_hf(m), **_moe_hf(m, "mixtral", shared_expert=False, pre_softmax=(False,)),
+            "num_local_experts": m.num_moe_experts, "intermediate_size": m.moe_ffn_hidden_size,
+            "sliding_window": None, "router_jitter_noise": 0.0}
+
+
+def _qwen_moe_hf(m: ModelConfig, model_type: str, shared_expert: bool) -> dict:
+    return {**_attention_hf(m), **_moe_hf(m, model_type, shared_expert, pre_softmax=(False, True)),
+            "num_experts": m.num_moe_experts, "moe_intermediate_size": m.moe_ffn_hidden_size,
+            "norm_topk_prob": not m.moe_router_pre_softmax, "decoder_sparse_step": 1, "mlp_only_layers": []}
+
+
+def _qwen2_moe_hf(m: ModelConfig) -> dict:
+    return {**_qwen_moe_hf(m, "qwen2_moe", shared_expert=True), "qkv_bias": m.add_qkv_bias,
+            "shared_expert_intermediate_size": m.moe_shared_expert_intermediate_size}
+
+
+register_family(Family("mixtral", _mixtral_from_hf, _mixtral_hf, _moe_table(_MIXTRAL_EXPERTS),
+                       ("MixtralForCausalLM",)))
+register_family(Family("qwen2_moe", _qwen2_moe_from_hf, _qwen2_moe_hf, _moe_table(_QWEN_EXPERTS),
+                       ("Qwen2MoeForCausalLM",)))
+register_family(Family("qwen3_moe", _qwen3_moe_from_hf, lambda m: _qwen_moe_hf(m, "qwen3_moe", shared_expert=False),
+                       _moe_table(_QWEN_EXPERTS), ("Qwen3MoeForCausalLM",)))
 
 
 # ----------------------------------------------------------------------------------------------------------

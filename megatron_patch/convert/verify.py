@@ -4,11 +4,13 @@ Example::
 
     megatron-patch convert verify --hf-dir llama-hf --megatron-dir llama-mcore \\
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2          # torchrun on 4 processes
+    megatron-patch convert verify --hf-dir mixtral-hf --megatron-dir mixtral-mcore \\
+        --expert-model-parallel-size 2                                          # each rank runs half the experts
 
     logits: max abs diff 3.1e-07, max rel diff 2.4e-07, cosine 1.0000000, top-1 100.0%, top-5 100.0%  PASS
 
 Before anything is built, the two directories' config files must describe the same model (``core.check_pair``).
-The oracle is transformers' own forward pass; the Megatron model is loaded at the TP x PP asked for
+The oracle is transformers' own forward pass; the Megatron model is loaded at the TP x PP (x EP) asked for
 (``checkpoint.load.load_into_chunks``) and run through megatron-core's schedule (``model.forward.forward_only``).
 Compared are the LM logits (the padded vocabulary rows trimmed), BERT's sentence-relation logits where the
 checkpoint has that head, and for encoder-only BERT the last hidden states, padded positions included (attention
@@ -41,6 +43,9 @@ _HF_OUTPUTS = {
     "MistralForCausalLM": {"logits": "logits"},
     "Qwen2ForCausalLM": {"logits": "logits"},
     "Qwen3ForCausalLM": {"logits": "logits"},
+    "MixtralForCausalLM": {"logits": "logits"},
+    "Qwen2MoeForCausalLM": {"logits": "logits"},
+    "Qwen3MoeForCausalLM": {"logits": "logits"},
     "BertForPreTraining": {"logits": "prediction_logits", "binary_logits": "seq_relationship_logits"},
     "BertForMaskedLM": {"logits": "logits"},
     "BertModel": {"hidden_states": "last_hidden_state"},
@@ -161,15 +166,19 @@ def megatron_outputs(chunks, info: CheckpointInfo, inputs: dict, wanted: set[str
     return collected[0] if collected else None
 
 
-def build_and_load(megatron_dir: str, info: CheckpointInfo, tp: int, pp: int, dtype: str):
-    """This rank's chunks at TP x PP with the checkpoint's weights, in a freshly initialised process group."""
+def build_and_load(megatron_dir: str, info: CheckpointInfo, tp: int, pp: int, dtype: str, ep: int = 1):
+    """This rank's chunks at TP x PP x EP with the checkpoint's weights, in a freshly initialised process group."""
     from megatron_patch.distributed import initialize_distributed
     from megatron_patch.model.builder import build_model_chunks
     from megatron_patch.model.parallel import ParallelConfig
 
-    initialize_distributed(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, seed=1234)
+    initialize_distributed(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                           expert_model_parallel_size=ep, seed=1234)
     config = info.model_config.replace(hidden_dropout=0.0, attention_dropout=0.0)
+    # megatron-core's MoELayer asserts sequence parallelism under TP > 1 (moe_layer.py); a forward is the same.
     parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                              expert_model_parallel_size=ep,
+                              sequence_parallel=tp > 1 and config.num_moe_experts is not None,
                               bf16=dtype == "bfloat16", fp16=dtype == "float16")
     chunks = build_model_chunks(config, parallel, info.padded_vocab_size)
     load_into_chunks(chunks, megatron_dir, info)
@@ -177,15 +186,15 @@ def build_and_load(megatron_dir: str, info: CheckpointInfo, tp: int, pp: int, dt
 
 
 def verify_on_rank(hf_dir: str, megatron_dir: str, tp: int = 1, pp: int = 1, text: str | None = None,
-                   dtype: str = "float32") -> list[Comparison] | None:
-    """Compare under TP x PP; every rank of the world calls this. Returns the comparisons on the rank that
-    holds the outputs (last pipeline stage, TP rank 0), None on the others."""
+                   dtype: str = "float32", ep: int = 1) -> list[Comparison] | None:
+    """Compare under TP x PP (x EP: the world is TP x PP x EP ranks); every rank of the world calls this. Returns
+    the comparisons on the ranks that hold the outputs (last pipeline stage, TP rank 0), None on the others."""
     from megatron.core import parallel_state
 
     info, architecture = check_pair(hf_dir, megatron_dir)
     wanted = set(_HF_OUTPUTS[architecture])
     inputs = make_inputs(info, hf_dir, text)
-    chunks = build_and_load(megatron_dir, info, tp, pp, dtype)
+    chunks = build_and_load(megatron_dir, info, tp, pp, dtype, ep)
     actual = megatron_outputs(chunks, info, inputs, wanted)
     if not (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
             and parallel_state.get_tensor_model_parallel_rank() == 0):
