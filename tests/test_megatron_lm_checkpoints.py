@@ -142,10 +142,16 @@ def test_a_description_with_unresolved_sizes_still_reads(tmp_path):
     assert vars(megatron_lm_args(info)) == vars(megatron_lm_args(fresh))
     written = info.to_json()
     assert written.keys() == _UNRESOLVED_TINY_GPT2.keys()
-    # ...and with the fields added since (Qwen3's q/k norms, LLaMA 3.1's RoPE scaling) at their defaults.
+    # ...and with the fields added since (Qwen3's q/k norms, LLaMA 3.1's RoPE scaling, mixture of experts) at their
+    # defaults.
+    moe_defaults = {"num_moe_experts": None, "moe_router_topk": 2, "moe_ffn_hidden_size": None,
+                    "moe_shared_expert_intermediate_size": None, "moe_shared_expert_gate": False,
+                    "moe_router_pre_softmax": False, "moe_router_load_balancing_type": "aux_loss",
+                    "moe_aux_loss_coeff": 0.0, "moe_expert_capacity_factor": None,
+                    "moe_pad_expert_input_to_capacity": False, "moe_token_drop_policy": "probs"}
     assert written["model_config"] == {**_UNRESOLVED_TINY_GPT2["model_config"], "ffn_hidden_size": 256,
                                        "num_query_groups": 4, "kv_channels": 16, "qk_layernorm": False,
-                                       "rope_scaling": False, "rope_scaling_factor": 8.0}
+                                       "rope_scaling": False, "rope_scaling_factor": 8.0, **moe_defaults}
     assert CheckpointInfo.from_json(written) == info
 
 
