@@ -57,6 +57,17 @@ def _mlp_parameters(m: ModelConfig, f: int) -> int:
     return h * fc1_out + f * h + ((fc1_out + h) if m.add_bias_linear else 0)
 
 
+def expert_parameters(m: ModelConfig) -> int:
+    """Parameters of one layer's routed experts (all of them; 0 for a dense model): what expert parallelism splits.
+
+    Example::
+
+        >>> expert_parameters(get_model_config("mixtral-8x7b"))    # 8 experts x 3 x 4096 x 14336
+        1409286144
+    """
+    return m.num_moe_experts * _mlp_parameters(m, m.moe_ffn_hidden_size) if m.num_moe_experts else 0
+
+
 def layer_parameters(m: ModelConfig) -> int:
     h = m.hidden_size
     q_size, kv_size = m.kv_channels * m.num_attention_heads, m.kv_channels * m.num_query_groups
@@ -66,7 +77,7 @@ def layer_parameters(m: ModelConfig) -> int:
     if m.num_moe_experts:
         shared = m.moe_shared_expert_intermediate_size
         # the router's expert scores, the experts, the shared expert and its one-output gate
-        mlp = (h * m.num_moe_experts + m.num_moe_experts * _mlp_parameters(m, m.moe_ffn_hidden_size)
+        mlp = (h * m.num_moe_experts + expert_parameters(m)
                + (_mlp_parameters(m, shared) if shared else 0) + (h if m.moe_shared_expert_gate else 0))
     else:
         mlp = _mlp_parameters(m, m.ffn_hidden_size)

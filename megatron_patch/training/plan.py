@@ -31,7 +31,7 @@ import os
 import sys
 
 from megatron_patch.model import ModelConfig, model_config_from_args, num_parameters, parallel_config_from_args
-from megatron_patch.model.flops import _mlp_parameters, layer_parameters
+from megatron_patch.model.flops import expert_parameters, layer_parameters
 from megatron_patch.tokenizer.registry import build_tokenizer, padded_vocab_size, tokenizer_options
 from megatron_patch.training.arguments import parse_args
 from megatron_patch.training.launcher import processes_per_node
@@ -238,7 +238,7 @@ def _stages(model: ModelConfig, vocab: int, pp: int, vpp: int, stage_ranks: list
     word embeddings as the output layer (megatron-core's ``setup_embeddings_and_output_layer``)."""
     m, h = model, model.hidden_size
     per_layer = layer_parameters(m)
-    experts_per_layer = m.num_moe_experts * _mlp_parameters(m, m.moe_ffn_hidden_size) if m.num_moe_experts else 0
+    experts_per_layer = expert_parameters(m)
     embedding = vocab * h + m.num_tokentypes * h + (m.max_positions * h if m.position_embedding_type ==
                                                     "learned_absolute" else 0)
     output = vocab * h if m.untie_embeddings_and_output_weights or pp > 1 else 0
