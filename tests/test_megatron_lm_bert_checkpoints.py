@@ -127,9 +127,14 @@ def test_megatron_lm_bert_loads_as_pre_ln_bert_in_the_trainer(bert_checkpoints, 
 
 
 def test_megatron_lm_bert_export_is_refused_by_name(bert_checkpoints, tmp_path):
-    """Hugging Face's BERT is post-LN: a pre-LN one has no Hugging Face architecture to be exported to, and
-    megatron-to-hf writes nothing (the BERT mapping table names the post-LN norms the model lacks)."""
+    """Hugging Face's BERT is post-LN: a pre-LN one has no Hugging Face architecture to be exported to, so
+    megatron-to-hf refuses it by its norm placement, before reading weights, and writes nothing."""
+    from megatron_patch.checkpoint.format import read_info
+    from megatron_patch.convert.families import family_for
+
     load, _ = bert_checkpoints["torch_dist"]
+    with pytest.raises(ValueError, match="this BERT is pre-LN .*--bert-layernorm-style post to export"):
+        family_for({"model_type": "bert"}).config_to_hf(read_info(load).model_config)
     exported = str(tmp_path / "exported")
     [code] = run_on_ranks(cli, 1, args=(["megatron-to-hf", "--model-type", "bert", "--load-dir", load, "--save-dir",
                                          exported, "--no-progress"],), timeout=300)

@@ -507,6 +507,12 @@ def _bert_config(c: dict) -> ModelConfig:
 
 
 def _bert_hf(m: ModelConfig) -> dict:
+    if m.bert_layernorm_style != "post":
+        # Megatron's BERT normalises before attention and MLP and ends in a final norm; Hugging Face's BertModel
+        # normalises after each residual add. No renaming of tensors turns one computation into the other.
+        raise UnsupportedCheckpoint("this BERT is pre-LN (Megatron-LM's pretrain_bert.py, --bert-layernorm-style "
+                                    "pre); Hugging Face's BERT is post-LN, so it has no Hugging Face form. Train "
+                                    "with --bert-layernorm-style post to export")
     return dict(
         num_hidden_layers=m.num_layers, hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size,
         num_attention_heads=m.num_attention_heads, max_position_embeddings=m.max_positions,
