@@ -303,6 +303,8 @@ class _Trainer:
                     tokenizer_type=self.config.tokenizer_type, global_batch_size=training.global_batch_size,
                     micro_batch_size=training.micro_batch_size,
                     virtual_pipeline_model_parallel_size=self.config.parallel.virtual_pipeline_model_parallel_size,
+                    expert_model_parallel_size=self.config.parallel.expert_model_parallel_size,
+                    expert_tensor_parallel_size=self.config.parallel.expert_tensor_parallel_size,
                     train_iters=training.train_iters)
 
     def _wait_for_saves(self) -> None:

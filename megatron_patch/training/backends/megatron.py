@@ -434,6 +434,15 @@ def _check_optimizer_layout(root: str, path: str, metadata: dict, args, optimize
     distributed = all(isinstance(part, DistributedOptimizer)
                       for part in getattr(optimizer, "chained_optimizers", [optimizer]))
     model_alone = "pass --finetune or --no-load-optim to load the model alone"
+    saved_ep = getattr(args, "expert_model_parallel_size", None) or 1
+    if saved_ep != parallel_state.get_expert_model_parallel_world_size():
+        # At EP > 1 megatron-core chains a dense and an expert optimizer, whose keys (chained_N.) and step
+        # counters a one-part state lacks (optimizer.py ChainedOptimizer.sharded_state_dict); a change of EP is
+        # refused rather than tried.
+        raise UserError(f"--load {root}: {path} holds the optimizer state of a run at --expert-model-parallel-size "
+                        f"{saved_ep}, requested {parallel_state.get_expert_model_parallel_world_size()}: megatron-core "
+                        f"splits a mixture of experts' optimizer by expert parallelism, so it loads only at the saved "
+                        f"size; resume with --expert-model-parallel-size {saved_ep}, or {model_alone}")
     if sharding is None:
         if distributed:
             raise UserError(f"--load {root}: {path} holds the state of an optimizer saved without the distributed "
