@@ -87,10 +87,11 @@ def test_every_readme_command_runs_as_written(tmp_path, tmp_path_factory):
         assert done.returncode == 0, f"README block failed:\n{block}\n--- output ---\n{output[-6000:]}"
         outputs.append(output)
     everything = "\n".join(outputs)
-    for run in ("gpt", "qwen2", "bert"):
+    for run in ("gpt", "qwen2", "bert", "moe"):
         losses = _losses(work / "out" / run / "logs")
         assert sum(losses[-3:]) / 3 < losses[0], (run, losses)
     assert (work / "out" / "gpt" / "logs" / "loss_curves.png").is_file()
+    assert re.search(r"routing of layer 1 at iteration \d+ \| load_balancing_loss: ", everything)  # the MoE run
     assert "per GPU" in everything.lower() or "gib" in everything.lower()  # the dry run's plan
     assert re.search(r"accuracy: [0-9.]+", everything)  # the classifier's epoch metrics
     assert "def main(" in outputs[-2]  # the export generated text from the prompt
