@@ -17,8 +17,8 @@ import regex
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
+from megatron_patch.tokenizer.base import BackendTokenizer
 from megatron_patch.tokenizer.registry import (
-    BackendTokenizer,
     TokenizerFileError,
     register_tokenizer,
     require_file,
