@@ -20,8 +20,6 @@ import argparse
 import os
 import sys
 
-import torch
-
 from megatron_patch.errors import UserError, one_line_errors
 
 
@@ -66,6 +64,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _verify_here(args) -> int:
     """Run the comparison on this process's rank (all ranks of a torchrun world call it)."""
+    import torch
+
     from megatron_patch import compat
 
     compat.apply()
@@ -88,6 +88,8 @@ def verify(args) -> int:
     check_pair(args.hf_dir, args.megatron_dir)  # from the config files, before megatron-core's seconds of import
     world = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
     if world > 1 and "WORLD_SIZE" not in os.environ:
+        import torch
+
         from megatron_patch.cli import launch
         from megatron_patch.distributed import free_port
 
@@ -154,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     status = main()
-    if torch.distributed.is_initialized():  # a torchrun rank of verify: end it without the interpreter's teardown
+    # sys.modules: a command that never needed torch (--help, a flag error) is not made to import it here.
+    if "torch" in sys.modules and sys.modules["torch"].distributed.is_initialized():  # a torchrun rank of verify: end it without the interpreter's teardown
         from megatron_patch.distributed import exit_rank
 
         exit_rank(status)
