@@ -156,8 +156,9 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     status = main()
-    # sys.modules: a command that never needed torch (--help, a flag error) is not made to import it here.
-    if "torch" in sys.modules and sys.modules["torch"].distributed.is_initialized():  # a torchrun rank of verify: end it without the interpreter's teardown
+    # A torchrun rank of verify ends without the interpreter's teardown. Asked through sys.modules: a command that
+    # never needed torch (--help, a flag error) is not made to import it here.
+    if "torch" in sys.modules and sys.modules["torch"].distributed.is_initialized():
         from megatron_patch.distributed import exit_rank
 
         exit_rank(status)
