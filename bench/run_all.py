@@ -23,6 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 # script -> (full-size arguments, quick arguments)
 BENCHMARKS = {
+    "startup.py": ([], ["--quick"]),
     "preprocess.py": (["--mb", "30"], ["--quick"]),
     "train_overhead.py": ([], ["--quick"]),
     "data_loading.py": (["--iters", "60"], ["--iters", "6"]),

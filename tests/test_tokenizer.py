@@ -6,6 +6,7 @@ import json
 import pathlib
 import random
 
+import numpy
 import pytest
 import regex
 from conftest_data import ReferenceGPT2BPE, data_assets
@@ -13,7 +14,16 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers
 
 import megatron_patch.tokenizer
-from megatron_patch.tokenizer import TOKENIZERS, TokenizerFileError, build_tokenizer, gpt2, padded_vocab_size
+from megatron_patch.tokenizer import (
+    TOKENIZERS,
+    TokenizerFileError,
+    build_tokenizer,
+    gpt2,
+    load_tokenizers,
+    padded_vocab_size,
+    tokenizer_names,
+)
+from megatron_patch.tokenizer.registry import BUILTIN_TOKENIZERS
 
 
 @pytest.fixture(scope="module")
@@ -207,6 +217,43 @@ def test_padded_vocab_size():
     assert padded_vocab_size(1024, 128, 2) == 1024
     with pytest.raises(ValueError, match="make-vocab-size-divisible-by"):
         padded_vocab_size(100, 0, 1)
+
+
+@pytest.mark.parametrize("tokenizer_type", sorted(ANSWERED_SPECIAL_TOKENS))
+@pytest.mark.parametrize("dtype", [numpy.uint16, numpy.int32])
+def test_flat_batch_is_the_batch_concatenated(assets, tokenizer_type, dtype):
+    tok = build_tokenizer(tokenizer_type, **assets.options[tokenizer_type])
+    texts = ["12 7 3", "", "1 2"] if tokenizer_type == "NullTokenizer" else [*assets.texts[:20], "", "x"]
+    expected = tok.tokenize_batch(texts)
+    ids, lengths = tok.tokenize_batch_flat(texts, dtype)
+    assert ids.dtype == dtype and lengths.tolist() == [len(e) for e in expected]
+    assert ids.tolist() == [i for e in expected for i in e]
+
+
+def test_gpt2_flat_batch_refuses_ids_its_dtype_cannot_hold(assets, tmp_path):
+    # A vocab.json with ids past 65535 but fewer tokens than Megatron-LM's uint16 limit: asked for uint16 (the
+    # dtype its size gives), the ids must be refused, as numpy refuses them in Megatron-LM's add_document, not
+    # wrapped silently.
+    options = assets.options["GPT2BPETokenizer"]
+    with open(options["vocab_file"], encoding="utf-8") as f:
+        vocab = {token: i + 70000 for token, i in json.load(f).items()}
+    (tmp_path / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
+    tok = build_tokenizer("GPT2BPETokenizer", vocab_file=str(tmp_path / "vocab.json"), merge_file=options["merge_file"])
+    ids, _ = tok.tokenize_batch_flat(assets.texts[:3], numpy.int32)
+    assert ids.tolist() == [i for t in tok.tokenize_batch(assets.texts[:3]) for i in t] and ids.min() >= 70000
+    with pytest.raises(OverflowError):
+        tok.tokenize_batch_flat(assets.texts[:3], numpy.uint16)
+
+
+def test_builtin_names_are_where_their_modules_register_them():
+    # The names are listed without importing the modules (see registry.BUILTIN_TOKENIZERS); each must be the one
+    # its module registers, and every tokenizer a module of this package registers must be listed.
+    registered = load_tokenizers()
+    for name, module in BUILTIN_TOKENIZERS.items():
+        assert registered[name][0].__module__ == module, name
+    ours = {name for name, (cls, _) in registered.items() if cls.__module__.startswith("megatron_patch.tokenizer.")}
+    assert ours == set(BUILTIN_TOKENIZERS)
+    assert tokenizer_names() == sorted(set(BUILTIN_TOKENIZERS) | set(registered))
 
 
 def test_registry_names_and_unknown_type():

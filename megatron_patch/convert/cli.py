@@ -22,8 +22,6 @@ import argparse
 import os
 import sys
 
-import torch
-
 from megatron_patch.errors import UserError, one_line_errors
 
 
@@ -73,6 +71,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _verify_here(args) -> int:
     """Run the comparison on this process's rank (all ranks of a torchrun world call it)."""
+    import torch
+
     from megatron_patch import compat
 
     compat.apply()
@@ -97,6 +97,8 @@ def verify(args) -> int:
     world = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.expert_model_parallel_size
     # Not already a rank of such a world (torchrun's): a conversion's own one-rank world, or none, starts one.
     if world > 1 and os.environ.get("WORLD_SIZE") != str(world):
+        import torch
+
         from megatron_patch.cli import launch
         from megatron_patch.distributed import free_port
 
@@ -166,7 +168,9 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     status = main()
-    if torch.distributed.is_initialized():  # a torchrun rank of verify: end it without the interpreter's teardown
+    # A torchrun rank of verify ends without the interpreter's teardown. Asked through sys.modules: a command that
+    # never needed torch (--help, a flag error) is not made to import it here.
+    if "torch" in sys.modules and sys.modules["torch"].distributed.is_initialized():
         from megatron_patch.distributed import exit_rank
 
         exit_rank(status)

@@ -23,7 +23,6 @@ what Megatron-LM writes for the same tokenizer, flags and input, documents witho
 
 import argparse
 import gc
-import itertools
 import json
 import multiprocessing
 import os
@@ -37,10 +36,9 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from queue import SimpleQueue
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy
-from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
 from megatron_patch.data.jsonl import InputError, expand_inputs, open_input
 from megatron_patch.data.progress import Progress
@@ -51,6 +49,9 @@ from megatron_patch.tokenizer import (
     build_tokenizer,
     tokenizer_options,
 )
+
+if TYPE_CHECKING:
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
 
 @dataclass
@@ -128,7 +129,7 @@ class PreprocessReport:
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(config: PreprocessConfig, dtype: type) -> None:
+def _init_worker(config: PreprocessConfig, tokenizer, dtype: type) -> None:
     # The ~400k objects forked from the parent (torch, megatron-core) live as long as the worker:
     # frozen, the garbage collector skips them instead of writing to, and so copying, their pages,
     # which cost a GPT-2 worker a quarter of its CPU time.
@@ -137,7 +138,9 @@ def _init_worker(config: PreprocessConfig, dtype: type) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _WORKER["config"] = config
     _WORKER["dtype"] = dtype
-    _WORKER["tokenizer"] = build_tokenizer(config.tokenizer_type, **config.tokenizer_options)
+    # The main process's tokenizer, inherited through the fork: building one per worker read its
+    # files again (for GPT-2, ~30 ms of each worker's time before its first batch).
+    _WORKER["tokenizer"] = tokenizer
     _WORKER["splitter"] = (
         SentenceSplitter(config.lang, config.keep_newlines) if config.split_sentences else None
     )
@@ -172,10 +175,11 @@ def _parse_line(raw: bytes, config: PreprocessConfig, splitter) -> tuple[list[li
     return per_key, None
 
 
-def _tokenize_all(tokenizer, texts: list[str]) -> tuple[list[list[int]] | None, int | None, str | None]:
-    """Tokenize a batch; if the tokenizer rejects some text, find which one and why."""
+def _tokenize_all(tokenizer, texts: list[str], dtype: type):
+    """`tokenizer.tokenize_batch_flat(texts, dtype)`, None and None; if the tokenizer rejects some
+    text: None, that text's index and why."""
     try:
-        return tokenizer.tokenize_batch(texts), None, None
+        return tokenizer.tokenize_batch_flat(texts, dtype), None, None
     except (ValueError, TypeError) as batch_error:
         for index, text in enumerate(texts):
             try:
@@ -183,6 +187,12 @@ def _tokenize_all(tokenizer, texts: list[str]) -> tuple[list[list[int]] | None, 
             except (ValueError, TypeError) as error:
                 return None, index, str(error)
         raise batch_error
+
+
+def _gather(ids: numpy.ndarray, starts: numpy.ndarray, lengths: numpy.ndarray) -> numpy.ndarray:
+    """`ids[starts[0]:starts[0] + lengths[0]]`, then the next range, ..., in one array."""
+    ends = numpy.cumsum(lengths)
+    return ids[numpy.repeat(starts - (ends - lengths), lengths) + numpy.arange(ends[-1] if len(ends) else 0)]
 
 
 @dataclass
@@ -206,7 +216,7 @@ class _BatchResult:
 
 def _encode_lines(lines: list[bytes]) -> _BatchResult:
     """Parse, split and tokenize a batch of JSONL lines."""
-    config, tokenizer = _WORKER["config"], _WORKER["tokenizer"]
+    config, tokenizer, dtype = _WORKER["config"], _WORKER["tokenizer"], _WORKER["dtype"]
     errors: dict[int, str] = {}
     parsed: list[tuple[int, list[list[str]]]] = []
     for offset, raw in enumerate(lines):
@@ -220,8 +230,8 @@ def _encode_lines(lines: list[bytes]) -> _BatchResult:
     texts = [s for _, per_key in parsed for sentences in per_key for s in sentences]
     owner = [offset for offset, per_key in parsed for sentences in per_key for _ in sentences]
     while True:
-        ids, bad_index, reason = _tokenize_all(tokenizer, texts)
-        if ids is not None:
+        flat, bad_index, reason = _tokenize_all(tokenizer, texts, dtype)
+        if flat is not None:
             break
         # Drop the offending line and try again; other lines of the batch are still good.
         bad_line = owner[bad_index]
@@ -229,47 +239,58 @@ def _encode_lines(lines: list[bytes]) -> _BatchResult:
         keep = [i for i, o in enumerate(owner) if o != bad_line]
         texts, owner = [texts[i] for i in keep], [owner[i] for i in keep]
         parsed = [(o, k) for o, k in parsed if o != bad_line]
+    ids, text_lengths = flat
 
-    eod = tokenizer.eod if config.append_eod else None
-    empty_documents = 0
-    documents: list[tuple[int, list[tuple[list[list[int]], list[int]]]]] = []
-    it = iter(ids)
-    for offset, per_key in parsed:
-        docs_for_keys = []
-        for sentences in per_key:
-            # As Megatron-LM: sentences with no tokens are dropped, eod joins the last sentence.
-            pieces = [p for p in (next(it) for _ in sentences) if p]
-            lengths = [len(p) for p in pieces]
-            if pieces and eod is not None:
-                pieces.append([eod])
-                lengths[-1] += 1
-            docs_for_keys.append((pieces, lengths))
-        empty_keys = [key for key, (_, lengths) in zip(config.json_keys, docs_for_keys) if not lengths]
-        if empty_keys and config.reject_empty:
-            errors[offset] = (
-                f"empty document: no tokens in {empty_keys[0]!r} (refused by --reject-empty; without it the "
+    # Each text's document (index into `parsed`) and json key, for the array arithmetic below.
+    text_document = numpy.fromiter(
+        (d for d, (_, per_key) in enumerate(parsed) for sentences in per_key for _ in sentences),
+        dtype=numpy.int64, count=len(texts),
+    )
+    text_key = numpy.fromiter(
+        (k for _, per_key in parsed for k, sentences in enumerate(per_key) for _ in sentences),
+        dtype=numpy.int64, count=len(texts),
+    )
+    text_start = numpy.cumsum(text_lengths) - text_lengths
+    # As Megatron-LM: sentences with no tokens are dropped; a document without tokens in some key is
+    # written empty (or refused with --reject-empty).
+    sequences_per_key = [
+        numpy.bincount(text_document[(text_key == k) & (text_lengths > 0)], minlength=len(parsed))
+        for k in range(len(config.json_keys))
+    ]
+    empty = numpy.logical_or.reduce([n == 0 for n in sequences_per_key])
+    written = numpy.ones(len(parsed), bool)
+    if config.reject_empty:
+        for d in numpy.flatnonzero(empty):
+            key = config.json_keys[next(k for k, n in enumerate(sequences_per_key) if n[d] == 0)]
+            errors[parsed[d][0]] = (
+                f"empty document: no tokens in {key!r} (refused by --reject-empty; without it the "
                 "line is written as an empty document, as Megatron-LM does)"
             )
-            continue
-        empty_documents += bool(empty_keys)
-        documents.append((offset, docs_for_keys))
+        written &= ~empty
 
-    dtype = _WORKER["dtype"]
+    eod = tokenizer.eod if config.append_eod else None
     keys = {}
     for k, key in enumerate(config.json_keys):
-        per_doc = [doc[k] for _, doc in documents]
-        flat = itertools.chain.from_iterable(p for pieces, _ in per_doc for p in pieces)
-        seq_lengths = [n for _, lengths in per_doc for n in lengths]
-        keys[key] = _KeyResult(
-            tokens=numpy.fromiter(flat, dtype=dtype, count=sum(seq_lengths)),
-            sequence_lengths=numpy.array(seq_lengths, dtype=numpy.int32),
-            document_sequences=numpy.array([len(lengths) for _, lengths in per_doc], dtype=numpy.int64),
-            document_tokens=numpy.array([sum(lengths) for _, lengths in per_doc], dtype=numpy.int64),
-        )
+        selected = (text_key == k) & written[text_document]
+        if selected.all():
+            tokens = ids
+        else:
+            tokens = _gather(ids, text_start[selected], text_lengths[selected])
+        lengths, documents = text_lengths[selected], text_document[selected]
+        sequence_lengths = lengths[lengths > 0].astype(numpy.int32)
+        document_sequences = sequences_per_key[k][written]
+        document_tokens = numpy.bincount(documents, weights=lengths, minlength=len(parsed)).astype(numpy.int64)[written]
+        if eod is not None:
+            # eod joins each document's last sentence, in documents that have tokens.
+            has_tokens = document_tokens > 0
+            tokens = numpy.insert(tokens, numpy.cumsum(document_tokens)[has_tokens], eod)
+            sequence_lengths[numpy.cumsum(document_sequences)[has_tokens] - 1] += 1
+            document_tokens += has_tokens
+        keys[key] = _KeyResult(tokens, sequence_lengths, document_sequences.astype(numpy.int64), document_tokens)
     return _BatchResult(
         keys=keys,
-        document_lines=numpy.array([offset for offset, _ in documents], dtype=numpy.int64),
-        empty_documents=empty_documents,
+        document_lines=numpy.array([offset for offset, _ in parsed], dtype=numpy.int64)[written],
+        empty_documents=int(empty[written].sum()),
         errors=sorted(errors.items()),
     )
 
@@ -289,7 +310,7 @@ class _WorkerTraceback(Exception):
         return self.args[0]
 
 
-def _work(conn: Connection, inherited: list[Connection], config: PreprocessConfig, dtype: type) -> None:
+def _work(conn: Connection, inherited: list[Connection], config: PreprocessConfig, tokenizer, dtype: type) -> None:
     """A worker's loop: batches of lines in through `conn`, results out, until the main process
     closes its end or dies (both read as EOF)."""
     # The main process's ends of this worker's pipe and of those forked before: held open here,
@@ -301,7 +322,7 @@ def _work(conn: Connection, inherited: list[Connection], config: PreprocessConfi
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
-        _init_worker(config, dtype)
+        _init_worker(config, tokenizer, dtype)
         while True:
             conn.send(_encode_lines(conn.recv()))
     except (EOFError, BrokenPipeError, ConnectionResetError):
@@ -369,10 +390,10 @@ class _Worker:
     worker is sending back, and each would wait for the other.
     """
 
-    def __init__(self, context, config: PreprocessConfig, dtype: type, earlier: list["_Worker"]):
+    def __init__(self, context, config: PreprocessConfig, tokenizer, dtype: type, earlier: list["_Worker"]):
         self.conn, child = context.Pipe()
         self.process = context.Process(
-            target=_work, args=(child, [self.conn] + [w.conn for w in earlier], config, dtype), daemon=True
+            target=_work, args=(child, [self.conn] + [w.conn for w in earlier], config, tokenizer, dtype), daemon=True
         )
         self.process.start()
         # The worker now holds the only other end: its death reads as EOF here, and a send to it fails.
@@ -419,20 +440,20 @@ class _Worker:
 
 
 class _Workers:
-    """`config.workers` forked processes that encode batches; leaving the `with` block stops them,
-    at once (SIGKILL) when it is left by an exception.
+    """`config.workers` forked processes that encode batches with `tokenizer`; leaving the `with`
+    block stops them, at once (SIGKILL) when it is left by an exception.
 
-        with _Workers(config, dtype) as workers:
+        with _Workers(config, tokenizer, dtype) as workers:
             for batch, result in workers.encode(_read_batches(paths, config)):
                 ...
     """
 
-    def __init__(self, config: PreprocessConfig, dtype: type):
+    def __init__(self, config: PreprocessConfig, tokenizer, dtype: type):
         # fork: workers start in milliseconds instead of re-importing torch and megatron-core.
         context = multiprocessing.get_context("fork")
         self.workers: list[_Worker] = []
         for _ in range(config.workers):
-            self.workers.append(_Worker(context, config, dtype, self.workers))
+            self.workers.append(_Worker(context, config, tokenizer, dtype, self.workers))
         # Threads start after the last fork: a fork copies the locks other threads hold, never released.
         for worker in self.workers:
             worker.sender.start()
@@ -481,7 +502,7 @@ def _count_lines(paths: list[str]) -> int:
     return total
 
 
-def _append(builder: IndexedDatasetBuilder, tokens, sequence_lengths, document_sequences) -> None:
+def _append(builder: "IndexedDatasetBuilder", tokens, sequence_lengths, document_sequences) -> None:
     """Append whole documents to a megatron-core builder in one write; the `.idx` it finalizes is
     the same as after one `add_document` per document."""
     builder.data_file.write(tokens.tobytes(order="C"))
@@ -490,7 +511,7 @@ def _append(builder: IndexedDatasetBuilder, tokens, sequence_lengths, document_s
     builder.document_indices.extend((start + numpy.cumsum(document_sequences)).tolist())
 
 
-def _write(builders: list[IndexedDatasetBuilder], result: _KeyResult, partition_of_doc) -> None:
+def _write(builders: list["IndexedDatasetBuilder"], result: _KeyResult, partition_of_doc) -> None:
     if len(builders) == 1:
         _append(builders[0], result.tokens, result.sequence_lengths, result.document_sequences)
         return
@@ -541,6 +562,10 @@ def preprocess(config: PreprocessConfig) -> PreprocessReport:
                                              tokenizer_options={"vocab_size": 1000}))
         report.outputs  # ['out/a_text_document']
     """
+    # Here, not at the top: megatron-core (and torch with it) costs seconds that `--help` and a
+    # flag error need not wait for.
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
     start = time.perf_counter()
     paths = expand_inputs(config.input)
     tokenizer = build_tokenizer(config.tokenizer_type, **config.tokenizer_options)
@@ -561,9 +586,9 @@ def preprocess(config: PreprocessConfig) -> PreprocessReport:
 
     report = PreprocessReport(outputs=list(finals.values()))
     progress = Progress(sum(os.path.getsize(p) for p in paths), config.log_interval)
-    builders: dict[str, list[IndexedDatasetBuilder]] = {}
+    builders: dict[str, list["IndexedDatasetBuilder"]] = {}
     try:
-        with _Workers(config, dtype) as workers:
+        with _Workers(config, tokenizer, dtype) as workers:
             # Opened after the fork, so that no worker holds the outputs open.
             for key, prefixes in part_prefixes.items():
                 builders[key] = [IndexedDatasetBuilder(p + ".bin", dtype=dtype) for p in prefixes]

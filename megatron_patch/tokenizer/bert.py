@@ -12,8 +12,8 @@ characters mapped to `[UNK]`. `[CLS]`/`[SEP]` written in a document are ordinary
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers
 
+from megatron_patch.tokenizer.base import BackendTokenizer
 from megatron_patch.tokenizer.registry import (
-    BackendTokenizer,
     TokenizerFileError,
     register_tokenizer,
     require_file,

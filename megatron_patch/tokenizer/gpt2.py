@@ -13,12 +13,13 @@ import json
 import re
 from itertools import chain
 
+import numpy
 import regex
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
+from megatron_patch.tokenizer.base import BackendTokenizer
 from megatron_patch.tokenizer.registry import (
-    BackendTokenizer,
     TokenizerFileError,
     register_tokenizer,
     require_file,
@@ -107,12 +108,26 @@ class GPT2BPETokenizer(BackendTokenizer):
         self._backend = HFTokenizer(models.BPE(vocab=self._vocab, merges=merges))
         self._backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         self._backend.decoder = decoders.ByteLevel()
-        self._cache: dict[str, tuple[int, ...]] = {}
+        # Pre-token -> its ids as int32 bytes: a text's ids are then one C-level join, and bytes are
+        # nothing the garbage collector tracks, so a full cache costs it nothing.
+        self._cache: dict[str, bytes] = {}
+        self._max_id = max(self._vocab.values())
 
     def tokenize(self, text: str) -> list[int]:
         return self.tokenize_batch([text])[0]
 
     def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
+        return [numpy.frombuffer(ids, numpy.int32).tolist() for ids in self._encode(texts)]
+
+    def tokenize_batch_flat(self, texts: list[str], dtype: type) -> tuple[numpy.ndarray, numpy.ndarray]:
+        if numpy.iinfo(dtype).max < self._max_id:
+            return super().tokenize_batch_flat(texts, dtype)  # which refuses ids the dtype cannot hold
+        per_text = self._encode(texts)
+        lengths = numpy.fromiter(map(len, per_text), dtype=numpy.int64, count=len(per_text)) // 4
+        return numpy.frombuffer(b"".join(per_text), numpy.int32).astype(dtype, copy=False), lengths
+
+    def _encode(self, texts: list[str]) -> list[bytes]:
+        """Each text's ids as int32 bytes."""
         pieces = [(ASCII_PATTERN if text.isascii() else GPT2_PATTERN).findall(text) for text in texts]
         unique = set(chain.from_iterable(pieces))
         misses = unique.difference(self._cache)
@@ -123,10 +138,9 @@ class GPT2BPETokenizer(BackendTokenizer):
             misses = list(misses)
             self._check_encodable(misses)
             encodings = self._backend.encode_batch_fast(misses, add_special_tokens=False)
-            # Tuples: the garbage collector stops tracking tuples of ints, so a full cache costs it nothing.
-            self._cache.update(zip(misses, (tuple(e.ids) for e in encodings)))
+            self._cache.update(zip(misses, (numpy.array(e.ids, numpy.int32).tobytes() for e in encodings)))
         ids = self._cache.__getitem__
-        return [list(chain.from_iterable(map(ids, text_pieces))) for text_pieces in pieces]
+        return [b"".join(map(ids, text_pieces)) for text_pieces in pieces]
 
     @staticmethod
     def _check_encodable(pieces: list[str]) -> None:

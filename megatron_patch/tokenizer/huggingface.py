@@ -10,7 +10,8 @@ import os
 
 import numpy
 
-from megatron_patch.tokenizer.registry import Tokenizer, TokenizerFileError, register_tokenizer
+from megatron_patch.tokenizer.base import Tokenizer
+from megatron_patch.tokenizer.registry import TokenizerFileError, register_tokenizer
 
 
 @register_tokenizer("HuggingFaceTokenizer")

@@ -7,7 +7,8 @@ As in Megatron-LM, eod is `vocab_size` and the reported vocab size is one more.
 
 import numpy
 
-from megatron_patch.tokenizer.registry import Tokenizer, register_tokenizer
+from megatron_patch.tokenizer.base import Tokenizer
+from megatron_patch.tokenizer.registry import register_tokenizer
 
 
 @register_tokenizer("NullTokenizer")

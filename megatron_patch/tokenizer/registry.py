@@ -3,15 +3,19 @@
     tok = build_tokenizer("GPT2BPETokenizer", vocab_file="vocab.json", merge_file="merges.txt")
     tok.tokenize("Hello world")          # [15496, 995] with GPT-2's own files
     padded_vocab_size(tok.vocab_size, 128, tensor_model_parallel_size=2)   # 50257 -> 50432
+
+This module imports no tokenizer: the names are known from `BUILTIN_TOKENIZERS`, and a tokenizer's module (with
+megatron-core, which its base class comes from, see `base.py`) is imported when one of its type is built.
 """
 
 import argparse
+import importlib
 import inspect
 import os
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-import numpy
-from megatron.core.datasets.megatron_tokenizer import MegatronLegacyTokenizer
+if TYPE_CHECKING:
+    from megatron_patch.tokenizer.base import Tokenizer
 
 
 class TokenizerFileError(ValueError):
@@ -22,82 +26,34 @@ class TokenizerFileError(ValueError):
     """
 
 
-def special_token_property(name: str) -> property:
-    """megatron-core's `name` property (`cls`, `eod`, ...) answered from the tokenizer's `_special_ids` table.
+# name -> (class, fixed keyword arguments), filled by `register_tokenizer` as the tokenizers' modules are imported.
+TOKENIZERS: dict[str, tuple[type, dict[str, Any]]] = {}
 
-        eod = special_token_property("eod")   # tok.eod == tok._special_ids["eod"]
-
-    A name the table lacks runs megatron-core's own property, which raises its NotImplementedError
-    (`GPT2BPETokenizer has no attribute 'cls'`), the error Megatron-LM's tokenizers give.
-    """
-    upstream = getattr(MegatronLegacyTokenizer, name)
-
-    def special_id(self: "Tokenizer") -> int | None:
-        if name in self._special_ids:
-            return self._special_ids[name]
-        return upstream.fget(self)
-
-    return property(special_id, doc=upstream.__doc__)
-
-
-class Tokenizer(MegatronLegacyTokenizer):
-    """Base of our tokenizers: megatron-core's tokenizer interface plus a batch encoder.
-
-        ids_per_text = tok.tokenize_batch(["first document", "second one"])
-
-    Subclassing megatron-core's base gives `unique_identifiers`, which its datasets hash into
-    their cache names. Subclasses fill `_vocab` (token -> id), `_inv_vocab` and `_special_ids`,
-    the one table behind the special-token properties below.
-    """
-
-    _vocab: dict[str, int]
-    _inv_vocab: dict[int, str]
-    _special_ids: dict[str, int | None] = {}
-    """Megatron's special-token property name -> id, e.g. `{"eod": 50256, "eos": 50256}` for GPT-2. None: the
-    tokenizer's model has no such token; a name missing: the property raises."""
-
-    # The ids megatron-core's datasets, Megatron-LM's scripts and ours read (`tok.eod`, `tok.pad`, ...).
-    cls = special_token_property("cls")
-    sep = special_token_property("sep")
-    pad = special_token_property("pad")
-    eod = special_token_property("eod")
-    bos = special_token_property("bos")
-    eos = special_token_property("eos")
-    mask = special_token_property("mask")
-
-    @property
-    def vocab(self) -> dict[str, int]:
-        return self._vocab
-
-    @property
-    def inv_vocab(self) -> dict[int, str]:
-        return self._inv_vocab
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self._vocab)
-
-    def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
-        """`[tok.tokenize(t) for t in texts]`, computed by the fastest path the backend has."""
-        return [self.tokenize(text) for text in texts]
+# Our tokenizer types -> the module that defines and registers each (tests/test_tokenizer.py checks the two agree).
+# Listing the names (`--tokenizer-type`'s choices, shown by every `--help`) needs none of those modules: they import
+# megatron-core, and with it torch, which costs seconds.
+BUILTIN_TOKENIZERS = {
+    "BertWordPieceCase": "megatron_patch.tokenizer.bert",
+    "BertWordPieceLowerCase": "megatron_patch.tokenizer.bert",
+    "GPT2BPETokenizer": "megatron_patch.tokenizer.gpt2",
+    "GPTSentencePieceTokenizer": "megatron_patch.tokenizer.sentencepiece",
+    "HuggingFaceTokenizer": "megatron_patch.tokenizer.huggingface",
+    "Llama2Tokenizer": "megatron_patch.tokenizer.sentencepiece",
+    "NullTokenizer": "megatron_patch.tokenizer.null",
+    "SentencePieceTokenizer": "megatron_patch.tokenizer.sentencepiece",
+}
 
 
-class BackendTokenizer(Tokenizer):
-    """A tokenizer whose encoding is one HF `tokenizers` pipeline, `self._backend`, adding no
-    special tokens (GPT-2 BPE, BERT WordPiece)."""
-
-    def tokenize(self, text: str) -> list[int]:
-        return self._backend.encode(text, add_special_tokens=False).ids
-
-    def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self._backend.encode_batch_fast(texts, add_special_tokens=False)]
-
-    def detokenize(self, ids) -> str:
-        return self._backend.decode(numpy.asarray(ids).tolist(), skip_special_tokens=False)
+def tokenizer_names() -> list[str]:
+    """Every `--tokenizer-type` name, sorted: ours and any registered since; imports no tokenizer."""
+    return sorted(BUILTIN_TOKENIZERS.keys() | TOKENIZERS.keys())
 
 
-# name -> (class, fixed keyword arguments)
-TOKENIZERS: dict[str, tuple[type[Tokenizer], dict[str, Any]]] = {}
+def load_tokenizers() -> dict[str, tuple[type, dict[str, Any]]]:
+    """`TOKENIZERS` with all of ours registered (their modules imported)."""
+    for module in sorted(set(BUILTIN_TOKENIZERS.values())):
+        importlib.import_module(module)
+    return TOKENIZERS
 
 
 def register_tokenizer(name: str, **fixed_options: Any) -> Callable[[type], type]:
@@ -116,7 +72,7 @@ def register_tokenizer(name: str, **fixed_options: Any) -> Callable[[type], type
     return register
 
 
-def build_tokenizer(tokenizer_type: str, **options: Any) -> Tokenizer:
+def build_tokenizer(tokenizer_type: str, **options: Any) -> "Tokenizer":
     """Build a tokenizer by its Megatron name.
 
         build_tokenizer("BertWordPieceLowerCase", vocab_file="vocab.txt")
@@ -126,9 +82,11 @@ def build_tokenizer(tokenizer_type: str, **options: Any) -> Tokenizer:
     tokenizer takes the ones it needs and, like Megatron-LM, ignores the rest, so one launch
     script can switch `--tokenizer-type` without editing its other flags. `None` means unset.
     """
+    if tokenizer_type not in TOKENIZERS and tokenizer_type in BUILTIN_TOKENIZERS:
+        importlib.import_module(BUILTIN_TOKENIZERS[tokenizer_type])
     if tokenizer_type not in TOKENIZERS:
         raise ValueError(
-            f"unknown --tokenizer-type {tokenizer_type!r}; choose one of {', '.join(sorted(TOKENIZERS))}"
+            f"unknown --tokenizer-type {tokenizer_type!r}; choose one of {', '.join(tokenizer_names())}"
         )
     cls, fixed = TOKENIZERS[tokenizer_type]
     accepted = inspect.signature(cls.__init__).parameters
@@ -167,7 +125,7 @@ def require_file(path: str | None, flag: str, tokenizer_type: str, what: str) ->
 def add_tokenizer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add Megatron-LM's tokenizer flags; read them back with `tokenizer_options(args)`."""
     group = parser.add_argument_group(title="tokenizer")
-    group.add_argument("--tokenizer-type", required=True, choices=sorted(TOKENIZERS))
+    group.add_argument("--tokenizer-type", required=True, choices=tokenizer_names())
     group.add_argument(
         "--vocab-file", "--vocab", dest="vocab_file",
         help="vocab.json (GPT2BPETokenizer) or vocab.txt (BertWordPiece*); --vocab is the old name",

@@ -11,8 +11,8 @@
 
 import numpy
 
+from megatron_patch.tokenizer.base import Tokenizer
 from megatron_patch.tokenizer.registry import (
-    Tokenizer,
     TokenizerFileError,
     register_tokenizer,
     require_file,

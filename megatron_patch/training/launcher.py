@@ -24,7 +24,6 @@ import sys
 import traceback
 import types
 
-from megatron_patch.distributed import exit_rank, free_port, report_failure
 from megatron_patch.errors import UserError, debugging, describe, one_line_errors
 from megatron_patch.training.arguments import check_launch_layout, parse_args, parse_run
 
@@ -75,6 +74,8 @@ def torchrun_command(module: str, module_args: list[str], nproc_per_node: int,
     127.0.0.1 and a free port). ``this_host_only`` keeps a job that is one step of a local command (a conversion's
     verification) on this host whatever NNODES says; MASTER_PORT still applies.
     """
+    from megatron_patch.distributed import free_port  # here: distributed.py imports torch, which --help needs not
+
     nodes = {} if this_host_only else os.environ
     return [
         sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}",
@@ -200,6 +201,8 @@ def run_user_script(path: str, argv: list[str]) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == [_RANK_ENTRY]:
+        from megatron_patch.distributed import exit_rank, report_failure  # here: the launcher's --help needs no torch
+
         try:
             status = _run_rank(argv[1:])
         except SystemExit as error:  # argument errors and the like: the message is the report
