@@ -52,8 +52,6 @@ def test_help_imports_no_heavy_library(argv):
     assert imported_heavy_modules("megatron_patch.cli", *argv) == []
 
 
-@pytest.mark.xfail(strict=True, reason="training/arguments.py imports checkpoint/format.py, whose DTYPES table "
-                                       "imports torch at module level")
 def test_rapidformer_help_imports_no_heavy_library():
     assert imported_heavy_modules("megatron_patch.training.launcher", "--help") == []
 

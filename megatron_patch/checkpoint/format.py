@@ -34,9 +34,7 @@ import json
 import os
 import pickle
 import re
-from typing import NamedTuple
-
-import torch
+from typing import TYPE_CHECKING, NamedTuple
 
 from megatron_patch.errors import UserError, read_json
 from megatron_patch.model.config import ModelConfig
@@ -49,19 +47,25 @@ LAYER = re.compile(r"^((?:decoder|encoder)\.layers\.)(\d+)\.")
 """A layer's tensor name: group 1 up to the layer number, group 2 the number."""
 _COMPLETE = re.compile(r"iter_(\d{7})")
 
+if TYPE_CHECKING:
+    import torch
+
 
 class Dtype(NamedTuple):
-    torch: torch.dtype
+    name: str
+    """torch's (and Hugging Face's) name: ``torch.<name>``."""
     flag: str
     """Megatron-LM's name: ``--params-dtype``'s value, set by ``--bf16``/``--fp16`` (``fp32`` without either)."""
 
+    @property
+    def torch(self) -> torch.dtype:
+        import torch  # here, not at the top: `rapidformer --help` reads this module and must not pay for torch
+
+        return getattr(torch, self.name)
+
 
 # The stored weights' dtypes, by the name megatron_patch_args.json and `convert verify --dtype` use (Hugging Face's).
-DTYPES = {
-    "float32": Dtype(torch.float32, "fp32"),
-    "bfloat16": Dtype(torch.bfloat16, "bf16"),
-    "float16": Dtype(torch.float16, "fp16"),
-}
+DTYPES = {name: Dtype(name, flag) for name, flag in (("float32", "fp32"), ("bfloat16", "bf16"), ("float16", "fp16"))}
 
 
 def dtype_name(dtype: torch.dtype | str) -> str | None:
@@ -72,7 +76,8 @@ def dtype_name(dtype: torch.dtype | str) -> str | None:
         >>> dtype_name("bf16"), dtype_name(torch.float16), dtype_name(torch.int8)
         ('bfloat16', 'float16', None)
     """
-    return next((name for name, known in DTYPES.items() if dtype in known), None)
+    text = str(dtype).removeprefix("torch.")  # a torch dtype prints as torch.float16
+    return next((name for name, known in DTYPES.items() if text in known), None)
 
 
 def checkpoint_dir(root: str, iteration: int) -> str:
@@ -313,6 +318,7 @@ def load_megatron_file(path: str) -> dict:
 
         load_megatron_file("ckpt/iter_0000100/mp_rank_00/model_optim_rng.pt")["args"].hidden_size    # 4096
     """
+    import torch
     from megatron.core.safe_globals import register_safe_globals
 
     register_safe_globals()
@@ -488,7 +494,7 @@ def _tensor_shapes(state: dict, fmt: str, source: str) -> dict[str, tuple[int, .
     """The stored tensors' names and shapes: a rank file's own (``state["model"]``, one TP x PP shard), or the
     global shapes of torch_dist's metadata beside ``source`` (its common.pt)."""
     if fmt == "torch":
-        return {name: tuple(t.shape) for name, t in state.get("model", {}).items() if isinstance(t, torch.Tensor)}
+        return {name: tuple(t.shape) for name, t in state.get("model", {}).items() if hasattr(t, "shape")}
     if not os.path.isfile(os.path.join(os.path.dirname(source), "metadata.json")):
         return {}  # a common.pt read on its own: its args alone describe the model
     from megatron.core import dist_checkpointing
@@ -575,6 +581,8 @@ def megatron_lm_common_state(info: CheckpointInfo, iteration: int, **training) -
 
 def full_state_dict(model) -> dict[str, torch.Tensor]:
     """A TP=1, PP=1 model's tensors by megatron-core name (no ``_extra_state``)."""
+    import torch
+
     return {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
 
 

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Literal
-
-import torch
+from typing import TYPE_CHECKING, Literal
 
 from megatron_patch import compat
 from megatron_patch.layout import check_layout
 from megatron_patch.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclasses.dataclass
@@ -82,6 +83,8 @@ class ParallelConfig:
 
     @property
     def params_dtype(self) -> torch.dtype:
+        import torch  # here, not at the top: the flags' parser (`rapidformer --help`) imports this module
+
         return torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
 
     def check_layout(self, model_config: ModelConfig, world_size: int | None = None,
@@ -136,7 +139,7 @@ class ParallelConfig:
         expert_tp = self.expert_tensor_parallel_size or self.tensor_model_parallel_size
         # Across expert-TP ranks the all-to-all dispatcher gathers unequal token counts (token_dispatcher.py:693-697
         # -> mappings.py:149-150 with output_split_sizes), which gloo's all_gather cannot: its tensors must be equal.
-        if self.moe_token_dispatcher_type == "alltoall" and expert_tp > 1 and not torch.cuda.is_available():
+        if self.moe_token_dispatcher_type == "alltoall" and expert_tp > 1 and not _cuda_available():
             raise ValueError(f"--moe-token-dispatcher-type alltoall with expert tensor parallelism {expert_tp} needs "
                              "NCCL (gloo cannot gather unequal token counts); use --moe-token-dispatcher-type "
                              "allgather or --expert-tensor-parallel-size 1")
@@ -169,6 +172,12 @@ class ParallelConfig:
                 f"{self.pipeline_model_parallel_size} / --virtual-pipeline-model-parallel-size "
                 f"{self.virtual_pipeline_model_parallel_size or 1})"
             )
+
+
+def _cuda_available() -> bool:
+    import torch  # only when asked: the launcher's parent checks layouts without torch
+
+    return torch.cuda.is_available()
 
 
 def add_parallel_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
