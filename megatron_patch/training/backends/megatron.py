@@ -30,7 +30,7 @@ from megatron_patch.checkpoint.format import (
     RELEASE, CheckpointInfo, checkpoint_dir, load_megatron_file, megatron_lm_common_state, read_info,
     weights_dir,
 )
-from megatron_patch.checkpoint.integrity import write_and_checksum, write_rank_checksums
+from megatron_patch.checkpoint.integrity import write_checksummed, write_rank_checksums
 from megatron_patch.checkpoint.load import load_into_chunks
 from megatron_patch.errors import UserError
 from megatron_patch.model.forward import forward_only_step
@@ -278,7 +278,8 @@ def save_megatron_checkpoint(root: str, iteration: int, chunks: list, optimizer,
         state.update(megatron_lm_common_state(info, iteration, **(run_args or {})) if info is not None
                      else {"iteration": iteration})
         # Asynchronous in form even for a synchronous save (run at once by execute_sync, as megatron-core's own
-        # synchronous save does: strategies/base.py:212), so that its write function can be wrapped. The RNG file
+        # synchronous save does: strategies/base.py:212), so that its write function can be replaced by ours, which
+        # checksums the files as it writes them (integrity.write_checksummed). The RNG file
         # was written into staging before: dist_checkpointing.save only warns about a non-empty directory
         # (serialization.py:383).
         # content_metadata: the metadata the state was built with, which Megatron-LM's load reads back
@@ -288,8 +289,7 @@ def save_megatron_checkpoint(root: str, iteration: int, chunks: list, optimizer,
         if request.async_fn is None:  # this rank holds only replicas another rank writes: no .distcp of its own
             write_rank_checksums(staging, rank, checksums)
         else:
-            request = request._replace(async_fn=functools.partial(
-                write_and_checksum, request.async_fn, staging, rank, checksums))
+            request = request._replace(async_fn=functools.partial(write_checksummed, staging, checksums))
         request.add_finalize_fn(finalize)
         if async_queue is None:
             request.execute_sync()
