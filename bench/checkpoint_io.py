@@ -12,7 +12,7 @@ one ``readinto`` of as many bytes as the checkpoint holds. Both reads start from
 (``POSIX_FADV_DONTNEED`` on every file first): a resume reads a checkpoint another process wrote, and the trainer's
 save writes its data files around the cache. Alternates them several times and keeps the best of each.
 Prints ``RESULT {json}`` lines with ratio = ours / plain (lower is better; 1.0 is the disk's own speed); what the
-checksums cost: the save against the same save with its CRC-32 (``zlib.crc32``, taken as the files are written)
+checksums cost: the save against the same save with its CRC-32 (``integrity.crc32``, taken as the files are written)
 stubbed out, and the load against ``verify_checksums=False``; and the median training step while an asynchronous
 save (megatron-core's ``AsyncCallsQueue``, as ``--async-save`` runs it) is in flight against the median step without
 one, each step followed by the trainer's ``maybe_finalize_async_calls(blocking=False)``.
@@ -28,7 +28,6 @@ import statistics
 import sys
 import tempfile
 import time
-import zlib
 from unittest import mock
 
 
@@ -67,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+    from megatron_patch.checkpoint import integrity
     from megatron_patch.distributed import initialize_distributed
     from megatron_patch.model.builder import build_model_chunks
     from megatron_patch.model.config import get_model_config
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         return size
 
     def save_unchecked():
-        with mock.patch.object(zlib, "crc32", lambda data, value=0: 0):
+        with mock.patch.object(integrity, "crc32", lambda data, value=0: 0):
             timed("save unchecked", save_megatron_checkpoint, root, 1, chunks, optimizer, scheduler)
         shutil.rmtree(root)
 

@@ -30,9 +30,13 @@ import re
 import shutil
 import uuid
 import zipfile
-import zlib
 
 import torch
+
+try:  # ISA-L's CRC-32: zlib's checksum (same polynomial, same values) several times faster (PCLMULQDQ)
+    from isal.isal_zlib import crc32
+except ImportError:  # not installed: zlib's, about 1.5 GB/s a core
+    from zlib import crc32
 
 from megatron_patch.checkpoint.direct_io import open_direct
 from megatron_patch.checkpoint.format import checkpoint_dir, complete_iterations, fsync_path, rng_file
@@ -70,7 +74,7 @@ class _ChecksummedFile:
         self._crc = self._bytes = 0
 
     def write(self, data) -> int:
-        self._crc = zlib.crc32(data, self._crc)
+        self._crc = crc32(data, self._crc)
         self._bytes += memoryview(data).nbytes
         return self._file.write(data)
 
@@ -116,18 +120,19 @@ def _checksum_file(path: str) -> dict:
             return _checksum_entry(0, 0)
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
             mapped.madvise(mmap.MADV_SEQUENTIAL)
-            return _checksum_entry(size, zlib.crc32(mapped))
+            return _checksum_entry(size, crc32(mapped))
 
 
 def checksum_files(paths: list[str]) -> list[dict]:
-    """``_checksum_file`` of each path, the files in parallel (zlib.crc32 releases the GIL)."""
+    """``_checksum_file`` of each path, the files in parallel (the CRC releases the GIL)."""
     if len(paths) < 2:
         return [_checksum_file(path) for path in paths]
     with concurrent.futures.ThreadPoolExecutor(min(len(paths), os.cpu_count() or 1)) as pool:
         return list(pool.map(_checksum_file, paths))
 
 
-def write_checksummed(staging: str, checksums: dict, rank: int, write_buckets: list, results_queue) -> None:
+def write_checksummed(staging: str, checksums: dict, rank: int, write_buckets: list, results_queue, *,
+                      background: bool = False) -> None:
     """megatron-core's torch_dist write function (``async_fn(rank, write_buckets, results_queue)`` of
     ``FileSystemWriterAsync.get_save_function_and_args``, strategies/filesystem_async.py:191), writing each
     ``.distcp`` through :class:`_ChecksummedFile`, so its CRC-32 is taken from the bytes as they go out, not read
@@ -139,11 +144,17 @@ def write_checksummed(staging: str, checksums: dict, rank: int, write_buckets: l
         request = request._replace(async_fn=functools.partial(write_checksummed, staging, checksums))
 
     The same files, items and write results as megatron-core's ``write_preloaded_data_multiproc``
-    (filesystem_async.py:235), which forks a process per file: here a thread per file (torch.save, zlib and the
+    (filesystem_async.py:235), which forks a process per file: here a thread per file (torch.save, the CRC and the
     writes release the GIL), so a synchronous save forks nothing and an ``--async-save`` process (forked by the
     ``AsyncCallsQueue``) forks no more. Failures go to ``results_queue`` as there, where the save's finalization
     (``retrieve_write_results``) raises them.
+
+    ``background``: this is an ``--async-save``'s own process; it takes the CPU only when training leaves it
+    (nice 19, which also puts its I/O last in the best-effort class), so the steps that run meanwhile are not slowed
+    by the writing: the save finishes later instead.
     """
+    if background:
+        os.nice(19)
     try:
         with concurrent.futures.ThreadPoolExecutor(len(write_buckets)) as pool:
             written = list(pool.map(_write_bucket, write_buckets))

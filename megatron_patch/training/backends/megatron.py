@@ -268,7 +268,9 @@ def save_megatron_checkpoint(root: str, iteration: int, chunks: list, optimizer,
     carries Megatron-LM's ``args`` (``run_args``, e.g. ``consumed_train_samples``, override what ``info`` cannot
     know), so Megatron-LM resumes it with ``--use-checkpoint-args``.
     """
-    from megatron.core import dist_checkpointing
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 
     def write_state(staging: str, rank: int, checksums: dict, finalize: Callable[[], None]) -> None:
         state = _megatron_state(chunks, optimizer, scheduler, is_loading=False, with_optimizer=True,
@@ -284,12 +286,17 @@ def save_megatron_checkpoint(root: str, iteration: int, chunks: list, optimizer,
         # (serialization.py:383).
         # content_metadata: the metadata the state was built with, which Megatron-LM's load reads back
         # (load_content_metadata) to build the state it loads into; without it, it guesses another optimizer format.
-        request = dist_checkpointing.save(state, staging, async_sharded_save=True,
+        # Fully parallel, as Megatron-LM's default --ckpt-fully-parallel-save: the data-parallel replicas share the
+        # writing (each DP rank holds the whole gathered optimizer state), not DP rank 0 alone.
+        strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(),
+                                                    parallel_state.get_data_parallel_group(with_context_parallel=True))
+        request = dist_checkpointing.save(state, staging, sharded_strategy=strategy, async_sharded_save=True,
                                           content_metadata=dict(compat.DISTRIB_OPTIMIZER_METADATA))
         if request.async_fn is None:  # this rank holds only replicas another rank writes: no .distcp of its own
             write_rank_checksums(staging, rank, checksums)
         else:
-            request = request._replace(async_fn=functools.partial(write_checksummed, staging, checksums))
+            request = request._replace(async_fn=functools.partial(write_checksummed, staging, checksums,
+                                                                  background=async_queue is not None))
         request.add_finalize_fn(finalize)
         if async_queue is None:
             request.execute_sync()
