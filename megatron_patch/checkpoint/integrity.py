@@ -30,10 +30,15 @@ import re
 import shutil
 import uuid
 import zipfile
-import zlib
 
 import torch
 
+try:  # ISA-L's CRC-32: zlib's checksum (same polynomial, same values) several times faster (PCLMULQDQ)
+    from isal.isal_zlib import crc32
+except ImportError:  # not installed: zlib's, about 1.5 GB/s a core
+    from zlib import crc32
+
+from megatron_patch.checkpoint.direct_io import open_direct
 from megatron_patch.checkpoint.format import checkpoint_dir, complete_iterations, fsync_path, rng_file
 from megatron_patch.errors import UserError
 
@@ -51,26 +56,33 @@ class CorruptCheckpointError(UserError, RuntimeError):
 
 class _ChecksummedFile:
     """A file opened for writing that keeps the length and CRC-32 of what is written to it (``torch.save`` takes
-    it as its file), so the file is checksummed as it is written, not read back.
+    it as its file), so the file is checksummed as it is written, not read back; flushed to disk when closed.
 
     Example::
 
         with _ChecksummedFile("ckpt/trainer_state.pt") as f:
             torch.save(state, f)
         f.checksum()   # {"bytes": 1234, "crc32": "9a3c11f0"}
+
+    ``direct``: written around the page cache (:func:`direct_io.open_direct`), for the large files a save writes
+    once and does not read back.
     """
 
-    def __init__(self, path: str):
-        self._file = open(path, "wb")
+    def __init__(self, path: str, direct: bool = False):
+        self._file = open_direct(path) if direct else open(path, "wb")
+        self._direct = direct
         self._crc = self._bytes = 0
 
     def write(self, data) -> int:
-        self._crc = zlib.crc32(data, self._crc)
+        self._crc = crc32(data, self._crc)
         self._bytes += memoryview(data).nbytes
         return self._file.write(data)
 
     def flush(self) -> None:
         self._file.flush()
+
+    def tell(self) -> int:  # PyTorch DCP records each item's offset in the file
+        return self._bytes
 
     def checksum(self) -> dict:
         return _checksum_entry(self._bytes, self._crc)
@@ -82,7 +94,8 @@ class _ChecksummedFile:
         try:
             self._file.flush()
             # Each rank flushes its own files: on a shared filesystem rank 0's fsync does not reach another node's.
-            os.fsync(self._file.fileno())
+            if not self._direct:  # a direct stream syncs as it closes, once its tail is written
+                os.fsync(self._file.fileno())
         finally:
             self._file.close()
 
@@ -107,27 +120,64 @@ def _checksum_file(path: str) -> dict:
             return _checksum_entry(0, 0)
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
             mapped.madvise(mmap.MADV_SEQUENTIAL)
-            return _checksum_entry(size, zlib.crc32(mapped))
+            return _checksum_entry(size, crc32(mapped))
 
 
 def checksum_files(paths: list[str]) -> list[dict]:
-    """``_checksum_file`` of each path, the files in parallel (zlib.crc32 releases the GIL)."""
+    """``_checksum_file`` of each path, the files in parallel (the CRC releases the GIL)."""
     if len(paths) < 2:
         return [_checksum_file(path) for path in paths]
     with concurrent.futures.ThreadPoolExecutor(min(len(paths), os.cpu_count() or 1)) as pool:
         return list(pool.map(_checksum_file, paths))
 
 
-def write_and_checksum(write, staging: str, rank: int, checksums: dict, *args, **kwargs) -> None:
-    """megatron-core's write function (``write(rank, write_buckets, results_queue)``, strategies/
-    filesystem_async.py:235), then the CRC-32 of each ``.distcp`` it wrote. megatron-core opens these files itself
-    (filesystem_async.py:380), so they are read back, from the page cache they were just written through, in the
-    same (with --async-save background) process."""
-    write(*args, **kwargs)
-    files = [file for file, _, _ in args[1]]
-    for file, checksum in zip(files, checksum_files(files)):
+def write_checksummed(staging: str, checksums: dict, rank: int, write_buckets: list, results_queue, *,
+                      background: bool = False) -> None:
+    """megatron-core's torch_dist write function (``async_fn(rank, write_buckets, results_queue)`` of
+    ``FileSystemWriterAsync.get_save_function_and_args``, strategies/filesystem_async.py:191), writing each
+    ``.distcp`` through :class:`_ChecksummedFile`, so its CRC-32 is taken from the bytes as they go out, not read
+    back; then this rank's checksums file.
+
+    Example::
+
+        request = dist_checkpointing.save(state, staging, async_sharded_save=True)
+        request = request._replace(async_fn=functools.partial(write_checksummed, staging, checksums))
+
+    The same files, items and write results as megatron-core's ``write_preloaded_data_multiproc``
+    (filesystem_async.py:235), which forks a process per file: here a thread per file (torch.save, the CRC and the
+    writes release the GIL), so a synchronous save forks nothing and an ``--async-save`` process (forked by the
+    ``AsyncCallsQueue``) forks no more. Failures go to ``results_queue`` as there, where the save's finalization
+    (``retrieve_write_results``) raises them.
+
+    ``background``: this is an ``--async-save``'s own process; it takes the CPU only when training leaves it
+    (nice 19, which also puts its I/O last in the best-effort class), so the steps that run meanwhile are not slowed
+    by the writing: the save finishes later instead.
+    """
+    if background:
+        os.nice(19)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(len(write_buckets)) as pool:
+            written = list(pool.map(_write_bucket, write_buckets))
+    except Exception as error:  # noqa: BLE001 - handed on whole, as megatron-core's writer does
+        results_queue.put(error)
+        return
+    results_queue.put({i: results for i, (results, _) in enumerate(written)})
+    for (file, _, _), (_, checksum) in zip(write_buckets, written):
         checksums[os.path.relpath(file, staging)] = checksum
     write_rank_checksums(staging, rank, checksums)
+
+
+def _write_bucket(bucket) -> tuple[list, dict]:
+    """One ``.distcp`` of a torch_dist save: its items written as PyTorch DCP writes them (``_write_item``, each a
+    ``torch.save``, filesystem.py in torch 2.13), fsynced; returns DCP's write results and the file's checksum."""
+    from torch.distributed.checkpoint.filesystem import SerializationFormat, _StorageWriterTransforms, _write_item
+
+    file, storage_key, (bytes_data, tensor_data) = bucket
+    transforms = _StorageWriterTransforms()  # no extensions: what megatron-core's writer holds (it passes none)
+    with _ChecksummedFile(file, direct=True) as stream:
+        results = [_write_item(transforms, stream, data, item, storage_key, SerializationFormat.TORCH_SAVE)
+                   for item, data in (*bytes_data, *tensor_data)]
+    return results, stream.checksum()
 
 
 def write_rank_checksums(staging: str, rank: int, checksums: dict) -> None:

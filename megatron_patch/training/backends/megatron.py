@@ -30,7 +30,7 @@ from megatron_patch.checkpoint.format import (
     RELEASE, CheckpointInfo, CheckpointMismatch, checkpoint_dir, load_megatron_file, megatron_lm_common_state,
     read_info, weights_dir,
 )
-from megatron_patch.checkpoint.integrity import write_and_checksum, write_rank_checksums
+from megatron_patch.checkpoint.integrity import write_checksummed, write_rank_checksums
 from megatron_patch.checkpoint.legacy import load_legacy_optimizer
 from megatron_patch.checkpoint.load import load_into_chunks
 from megatron_patch.errors import UserError
@@ -273,7 +273,9 @@ def save_megatron_checkpoint(root: str, iteration: int, chunks: list, optimizer,
     carries Megatron-LM's ``args`` (``run_args``, e.g. ``consumed_train_samples``, override what ``info`` cannot
     know), so Megatron-LM resumes it with ``--use-checkpoint-args``.
     """
-    from megatron.core import dist_checkpointing
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 
     def write_state(staging: str, rank: int, checksums: dict, finalize: Callable[[], None]) -> None:
         state = _megatron_state(chunks, optimizer, scheduler, is_loading=False, with_optimizer=True,
@@ -283,18 +285,23 @@ def save_megatron_checkpoint(root: str, iteration: int, chunks: list, optimizer,
         state.update(megatron_lm_common_state(info, iteration, **(run_args or {})) if info is not None
                      else {"iteration": iteration})
         # Asynchronous in form even for a synchronous save (run at once by execute_sync, as megatron-core's own
-        # synchronous save does: strategies/base.py:212), so that its write function can be wrapped. The RNG file
+        # synchronous save does: strategies/base.py:212), so that its write function can be replaced by ours, which
+        # checksums the files as it writes them (integrity.write_checksummed). The RNG file
         # was written into staging before: dist_checkpointing.save only warns about a non-empty directory
         # (serialization.py:383).
         # content_metadata: the metadata the state was built with, which Megatron-LM's load reads back
         # (load_content_metadata) to build the state it loads into; without it, it guesses another optimizer format.
-        request = dist_checkpointing.save(state, staging, async_sharded_save=True,
+        # Fully parallel, as Megatron-LM's default --ckpt-fully-parallel-save: the data-parallel replicas share the
+        # writing (each DP rank holds the whole gathered optimizer state), not DP rank 0 alone.
+        strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(),
+                                                    parallel_state.get_data_parallel_group(with_context_parallel=True))
+        request = dist_checkpointing.save(state, staging, sharded_strategy=strategy, async_sharded_save=True,
                                           content_metadata=dict(compat.DISTRIB_OPTIMIZER_METADATA))
         if request.async_fn is None:  # this rank holds only replicas another rank writes: no .distcp of its own
             write_rank_checksums(staging, rank, checksums)
         else:
-            request = request._replace(async_fn=functools.partial(
-                write_and_checksum, request.async_fn, staging, rank, checksums))
+            request = request._replace(async_fn=functools.partial(write_checksummed, staging, checksums,
+                                                                  background=async_queue is not None))
         request.add_finalize_fn(finalize)
         if async_queue is None:
             request.execute_sync()
