@@ -2,13 +2,10 @@
 
 Example::
 
-    from megatron_patch.checkpoint.direct_io import DirectFileSystemWriter, open_direct
+    from megatron_patch.checkpoint.direct_io import DirectFileSystemWriter
     dcp_save(state, planner=planner, storage_writer=DirectFileSystemWriter("out/release"))
-    with open_direct("ckpt/iter_0000100.tmp-1f2e3d4c/__0_0.distcp") as stream:   # written, synced when closed
-        stream.write(data)
 
-A conversion writes gigabytes once and never reads them back in the same process; so does a trainer's checkpoint
-save (``checkpoint.integrity.write_checksummed``). Through the page cache each byte is copied into the cache and
+A conversion writes gigabytes once and never reads them back in the same process. Through the page cache each byte is copied into the cache and
 written back by the kernel at the closing ``fsync``, which on the virtual disks we measured runs at a fifth of the
 speed of the same bytes written with ``O_DIRECT`` (1.7 GB in 4.4 s against 1.0 s). Here the data files go through an
 aligned buffer straight to the device and the ``fsync`` that closes each stream (after its tail is written and the

@@ -26,6 +26,7 @@ import json
 import logging
 import mmap
 import os
+import queue
 import re
 import shutil
 import uuid
@@ -38,7 +39,6 @@ try:  # ISA-L's CRC-32: zlib's checksum (same polynomial, same values) several t
 except ImportError:  # not installed: zlib's, about 1.5 GB/s a core
     from zlib import crc32
 
-from megatron_patch.checkpoint.direct_io import open_direct
 from megatron_patch.checkpoint.format import checkpoint_dir, complete_iterations, fsync_path, rng_file
 from megatron_patch.errors import UserError
 
@@ -63,14 +63,10 @@ class _ChecksummedFile:
         with _ChecksummedFile("ckpt/trainer_state.pt") as f:
             torch.save(state, f)
         f.checksum()   # {"bytes": 1234, "crc32": "9a3c11f0"}
-
-    ``direct``: written around the page cache (:func:`direct_io.open_direct`), for the large files a save writes
-    once and does not read back.
     """
 
-    def __init__(self, path: str, direct: bool = False):
-        self._file = open_direct(path) if direct else open(path, "wb")
-        self._direct = direct
+    def __init__(self, path: str):
+        self._file = open(path, "wb")
         self._crc = self._bytes = 0
 
     def write(self, data) -> int:
@@ -80,9 +76,6 @@ class _ChecksummedFile:
 
     def flush(self) -> None:
         self._file.flush()
-
-    def tell(self) -> int:  # PyTorch DCP records each item's offset in the file
-        return self._bytes
 
     def checksum(self) -> dict:
         return _checksum_entry(self._bytes, self._crc)
@@ -94,8 +87,7 @@ class _ChecksummedFile:
         try:
             self._file.flush()
             # Each rank flushes its own files: on a shared filesystem rank 0's fsync does not reach another node's.
-            if not self._direct:  # a direct stream syncs as it closes, once its tail is written
-                os.fsync(self._file.fileno())
+            os.fsync(self._file.fileno())
         finally:
             self._file.close()
 
@@ -131,53 +123,51 @@ def checksum_files(paths: list[str]) -> list[dict]:
         return list(pool.map(_checksum_file, paths))
 
 
-def write_checksummed(staging: str, checksums: dict, rank: int, write_buckets: list, results_queue, *,
-                      background: bool = False) -> None:
-    """megatron-core's torch_dist write function (``async_fn(rank, write_buckets, results_queue)`` of
-    ``FileSystemWriterAsync.get_save_function_and_args``, strategies/filesystem_async.py:191), writing each
-    ``.distcp`` through :class:`_ChecksummedFile`, so its CRC-32 is taken from the bytes as they go out, not read
-    back; then this rank's checksums file.
+def write_checksummed(staging: str, checksums: dict, transforms: list, rank: int, write_buckets: list,
+                      results_queue, *, background: bool = False) -> None:
+    """megatron-core's torch_dist write (``async_fn(rank, write_buckets, results_queue)`` of
+    ``FileSystemWriterAsync.get_save_function_and_args``, strategies/filesystem_async.py:191) with its own
+    per-file writer, ``FileSystemWriterAsync.write_preloaded_data`` (:342), run in a thread per file instead of the
+    process per file ``write_preloaded_data_multiproc`` (:235) forks; then the CRC-32 of each ``.distcp``, read back
+    from the page cache it was just written through, and this rank's checksums file.
 
     Example::
 
         request = dist_checkpointing.save(state, staging, async_sharded_save=True)
-        request = request._replace(async_fn=functools.partial(write_checksummed, staging, checksums))
+        transforms = request.async_fn.args[0]         # what megatron-core's own write function was given
+        request = request._replace(async_fn=functools.partial(write_checksummed, staging, checksums, transforms))
 
-    The same files, items and write results as megatron-core's ``write_preloaded_data_multiproc``
-    (filesystem_async.py:235), which forks a process per file: here a thread per file (torch.save, the CRC and the
-    writes release the GIL), so a synchronous save forks nothing and an ``--async-save`` process (forked by the
-    ``AsyncCallsQueue``) forks no more. Failures go to ``results_queue`` as there, where the save's finalization
-    (``retrieve_write_results``) raises them.
+    Threads suffice: torch.save's writes release the GIL. So a synchronous save forks nothing and an
+    ``--async-save`` process (forked by the ``AsyncCallsQueue``) forks no more. The write results (or the first
+    failure) go to ``results_queue`` as megatron-core's do, where the save's finalization
+    (``retrieve_write_results``) raises a failure.
 
     ``background``: this is an ``--async-save``'s own process; it takes the CPU only when training leaves it
     (nice 19, which also puts its I/O last in the best-effort class), so the steps that run meanwhile are not slowed
     by the writing: the save finishes later instead.
     """
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
     if background:
         os.nice(19)
-    try:
-        with concurrent.futures.ThreadPoolExecutor(len(write_buckets)) as pool:
-            written = list(pool.map(_write_bucket, write_buckets))
-    except Exception as error:  # noqa: BLE001 - handed on whole, as megatron-core's writer does
-        results_queue.put(error)
+    local_results, count = queue.Queue(), queue.Queue()  # what each writer reports, and its done-marker
+
+    def write(index: int, bucket) -> None:
+        count.put(index)
+        FileSystemWriterAsync.write_preloaded_data(transforms, index, bucket, local_results, count, use_fsync=True)
+
+    with concurrent.futures.ThreadPoolExecutor(len(write_buckets)) as pool:
+        list(pool.map(write, range(len(write_buckets)), write_buckets))
+    written = dict(local_results.get() for _ in write_buckets)
+    failure = next((result for result in written.values() if isinstance(result, Exception)), None)
+    if failure is not None:
+        results_queue.put(failure)
         return
-    results_queue.put({i: results for i, (results, _) in enumerate(written)})
-    for (file, _, _), (_, checksum) in zip(write_buckets, written):
+    results_queue.put(written)
+    files = [file for file, _, _ in write_buckets]
+    for file, checksum in zip(files, checksum_files(files)):
         checksums[os.path.relpath(file, staging)] = checksum
     write_rank_checksums(staging, rank, checksums)
-
-
-def _write_bucket(bucket) -> tuple[list, dict]:
-    """One ``.distcp`` of a torch_dist save: its items written as PyTorch DCP writes them (``_write_item``, each a
-    ``torch.save``, filesystem.py in torch 2.13), fsynced; returns DCP's write results and the file's checksum."""
-    from torch.distributed.checkpoint.filesystem import SerializationFormat, _StorageWriterTransforms, _write_item
-
-    file, storage_key, (bytes_data, tensor_data) = bucket
-    transforms = _StorageWriterTransforms()  # no extensions: what megatron-core's writer holds (it passes none)
-    with _ChecksummedFile(file, direct=True) as stream:
-        results = [_write_item(transforms, stream, data, item, storage_key, SerializationFormat.TORCH_SAVE)
-                   for item, data in (*bytes_data, *tensor_data)]
-    return results, stream.checksum()
 
 
 def write_rank_checksums(staging: str, rank: int, checksums: dict) -> None:

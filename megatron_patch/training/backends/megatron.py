@@ -286,8 +286,8 @@ def save_megatron_checkpoint(root: str, iteration: int, chunks: list, optimizer,
                      else {"iteration": iteration})
         # Asynchronous in form even for a synchronous save (run at once by execute_sync, as megatron-core's own
         # synchronous save does: strategies/base.py:212), so that its write function can be replaced by ours, which
-        # checksums the files as it writes them (integrity.write_checksummed). The RNG file
-        # was written into staging before: dist_checkpointing.save only warns about a non-empty directory
+        # runs megatron-core's per-file writer in threads and checksums the files (integrity.write_checksummed). The
+        # RNG file was written into staging before: dist_checkpointing.save only warns about a non-empty directory
         # (serialization.py:383).
         # content_metadata: the metadata the state was built with, which Megatron-LM's load reads back
         # (load_content_metadata) to build the state it loads into; without it, it guesses another optimizer format.
@@ -300,7 +300,9 @@ def save_megatron_checkpoint(root: str, iteration: int, chunks: list, optimizer,
         if request.async_fn is None:  # this rank holds only replicas another rank writes: no .distcp of its own
             write_rank_checksums(staging, rank, checksums)
         else:
-            request = request._replace(async_fn=functools.partial(write_checksummed, staging, checksums,
+            # The transforms megatron-core's own write function was given (filesystem_async.py:203-207).
+            transforms = request.async_fn.args[0]
+            request = request._replace(async_fn=functools.partial(write_checksummed, staging, checksums, transforms,
                                                                   background=async_queue is not None))
         request.add_finalize_fn(finalize)
         if async_queue is None:
