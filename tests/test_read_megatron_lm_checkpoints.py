@@ -313,6 +313,22 @@ def resume(rank, world_size, load, sequences, flags):
     return {"loaded": _optimizer_state(loaded), "losses": losses, "messages": messages}
 
 
+def _assert_resumed_exactly(saves: list, resumes: list) -> None:
+    """Each rank's resume loaded the saved iteration, samples, scheduler and Adam state bit for bit, and its next
+    iterations are those of the run that did not stop."""
+    for rank, (save, resumed) in enumerate(zip(saves, resumes)):
+        saved, loaded = save["saved"], resumed["loaded"]
+        assert (loaded["iteration"], loaded["consumed_samples"]) == (SAVED_AT, SAVED_AT * 4)
+        assert loaded["scheduler"] == saved["scheduler"] and saved["scheduler"]["num_steps"] == SAVED_AT * 4
+        assert len(loaded["adam"]) == len(saved["adam"]) > 0
+        for got, expected in zip(loaded["adam"], saved["adam"]):
+            assert got.keys() == expected.keys() >= {"param", "exp_avg", "exp_avg_sq", "step"}
+            assert int(got["step"]) == SAVED_AT, (rank, got["step"])
+            for key in expected:
+                assert torch.equal(got[key], expected[key]), (rank, key)
+        assert resumed["losses"] == save["unbroken"][SAVED_AT:], (resumed["losses"], save["unbroken"])
+
+
 @pytest.mark.parametrize("world_size, flags", [
     (1, ["--use-distributed-optimizer"]), (2, ["--use-distributed-optimizer", "--bf16"]), (1, ["--bf16"]),
 ], ids=["distributed-dp1-fp32", "distributed-dp2-bf16", "plain-bf16"])
@@ -334,20 +350,10 @@ def test_trainer_resumes_megatron_lm_optimizer_state(checkpoints, tmp_path, worl
     assert common["content_metadata"].get("distrib_optim_sharding_type") == (
         "dp_reshardable" if distributed else None)
     assert (common["optimizer"].get("param_state_sharding_type") == "dp_reshardable") == distributed
-    for rank, (save, resumed) in enumerate(zip(saves, resumes)):
+    for save in saves:
         # The warm-up iteration (lr 0) leaves the loaded weights as they were.
         assert save["losses"][1][1] == save["losses"][0][1], save["losses"]
-        saved, loaded = save["saved"], resumed["loaded"]
-        assert (loaded["iteration"], loaded["consumed_samples"]) == (SAVED_AT, SAVED_AT * 4)
-        assert loaded["scheduler"] == saved["scheduler"] and saved["scheduler"]["num_steps"] == SAVED_AT * 4
-        assert len(loaded["adam"]) == len(saved["adam"]) > 0
-        for got, expected in zip(loaded["adam"], saved["adam"]):
-            assert got.keys() == expected.keys() >= {"param", "exp_avg", "exp_avg_sq", "step"}
-            assert int(got["step"]) == SAVED_AT, (rank, got["step"])
-            for key in expected:
-                assert torch.equal(got[key], expected[key]), (rank, key)
-        # Iterations 3 and 4 are those of the run that did not stop.
-        assert resumed["losses"] == save["unbroken"][SAVED_AT:], (resumed["losses"], save["unbroken"])
+    _assert_resumed_exactly(saves, resumes)
     # The last rank logs (it holds the loss).
     assert f"successfully loaded checkpoint from {out} at iteration {SAVED_AT}" in resumes[-1]["messages"]
     if not distributed:
@@ -517,18 +523,7 @@ def test_trainer_resumes_megatron_lm_legacy_optimizer_state(checkpoints, tmp_pat
                          args=(converted, out, sequences, flags), timeout=400)
     resumes = run_on_ranks(resume, world_size, args=(out, sequences, flags), timeout=400)
     assert read_info(out).format == "torch"
-    for rank, (save, resumed) in enumerate(zip(saves, resumes)):
-        saved, loaded = save["saved"], resumed["loaded"]
-        assert (loaded["iteration"], loaded["consumed_samples"]) == (SAVED_AT, SAVED_AT * 4)
-        assert loaded["scheduler"] == saved["scheduler"] and saved["scheduler"]["num_steps"] == SAVED_AT * 4
-        assert len(loaded["adam"]) == len(saved["adam"]) > 0
-        for got, expected in zip(loaded["adam"], saved["adam"]):
-            assert got.keys() == expected.keys() >= {"param", "exp_avg", "exp_avg_sq", "step"}
-            assert int(got["step"]) == SAVED_AT, (rank, got["step"])
-            for key in expected:
-                assert torch.equal(got[key], expected[key]), (rank, key)
-        # Iterations 3 and 4 are those of the run that did not stop.
-        assert resumed["losses"] == save["unbroken"][SAVED_AT:], (resumed["losses"], save["unbroken"])
+    _assert_resumed_exactly(saves, resumes)
     assert any("loaded the model, optimizer and scheduler of" in m for m in resumes[-1]["messages"])
 
 
