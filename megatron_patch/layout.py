@@ -35,6 +35,19 @@ def _divides(flag: str, value: int | None, tp: int) -> None:
                           f"--tensor-model-parallel-size that divides it")
 
 
+def _tiles_world(world_size: int | None, sizes: list[tuple[str, int]]) -> int:
+    """The product of ``sizes`` (flag, size), refused unless it divides ``world_size``: one grid of megatron-core's
+    process groups."""
+    product = 1
+    for _, size in sizes:
+        product *= size
+    if world_size is not None and world_size % product:
+        named = " x ".join(f"{flag} {size}" for flag, size in sizes)
+        raise LayoutError(f"world size {world_size} is not divisible by {named} = {product}; change the sizes or the "
+                          "number of processes (--nproc-per-node x NNODES)")
+    return product
+
+
 def _check_experts(world_size, tp, pp, ep, etp, sequence_parallel, num_layers, num_moe_experts,
                    moe_ffn_hidden_size) -> None:
     """megatron-core's second grid, for the expert layers: ETP x EP x PP x expert-DP tiles the same world."""
@@ -43,13 +56,8 @@ def _check_experts(world_size, tp, pp, ep, etp, sequence_parallel, num_layers, n
         flag = "--expert-model-parallel-size" if ep > 1 else "--expert-tensor-parallel-size"
         raise LayoutError(f"{flag} splits the experts of a mixture-of-experts model, and this model has none; add "
                           "--num-experts or drop it")
-    expert_grid = etp * ep * pp
-    if world_size is not None and world_size % expert_grid:
-        raise LayoutError(
-            f"world size {world_size} is not divisible by --expert-tensor-parallel-size {etp} x "
-            f"--expert-model-parallel-size {ep} x --pipeline-model-parallel-size {pp} = {expert_grid}; change the "
-            "sizes or the number of processes (--nproc-per-node x NNODES)"
-        )
+    _tiles_world(world_size, [("--expert-tensor-parallel-size", etp), ("--expert-model-parallel-size", ep),
+                              ("--pipeline-model-parallel-size", pp)])
     if num_moe_experts is not None and num_moe_experts % ep:
         raise LayoutError(f"--num-experts {num_moe_experts} is not divisible by --expert-model-parallel-size {ep}; "
                           "every expert-parallel rank holds as many experts as the others, so choose a size that "
@@ -110,13 +118,8 @@ def check_layout(
             raise LayoutError(f"{flag} must be at least 1, got {value}")
     if world_size is not None and world_size < 1:
         raise LayoutError(f"world size {world_size} must be at least 1 (--nproc-per-node x NNODES)")
-    model_parallel = tp * pp * cp
-    if world_size is not None and world_size % model_parallel:
-        raise LayoutError(
-            f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
-            f"--pipeline-model-parallel-size {pp} x --context-parallel-size {cp} = {model_parallel}; change the "
-            "sizes or the number of processes (--nproc-per-node x NNODES)"
-        )
+    model_parallel = _tiles_world(world_size, [("--tensor-model-parallel-size", tp),
+                                               ("--pipeline-model-parallel-size", pp), ("--context-parallel-size", cp)])
     _check_experts(world_size, tp, pp, ep, etp, sequence_parallel, num_layers, num_moe_experts, moe_ffn_hidden_size)
     _divides("--num-attention-heads", num_attention_heads, tp)
     _divides("--num-query-groups", num_query_groups, tp)
