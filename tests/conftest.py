@@ -16,4 +16,6 @@ def pytest_sessionfinish(session, exitstatus):
 @pytest.fixture
 def job(jobs, request):
     """This test's job's result (raising what the job raised), from its module's ``jobs`` fixture."""
+    if request.node.name not in jobs:
+        pytest.fail(f"no job of {request.node.name} in its module's JOBS (keys are pytest names, with parameters)")
     return jobs[request.node.name].result()
