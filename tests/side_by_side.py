@@ -23,8 +23,9 @@ import dataclasses
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterator
 
-# One job per core, and a third to fill the gaps while a job starts up (Python, torchrun), saves or waits.
-WORKERS = 3
+# One job per core of CI's two. A third would fill more of the gaps (start-up, saves, waits) but slows every job
+# by half again, and each job's subprocess timeout is sized for the job running alone.
+WORKERS = 2
 
 
 @dataclasses.dataclass(frozen=True)
