@@ -4,9 +4,8 @@ within --distributed-timeout-minutes, with a report naming that rank.
 
     python -m pytest -q -p no:cacheprovider tests/test_preemption.py
 
-The jobs spend most of their time starting up or waiting for a stopped rank, so the module starts the jobs of its
-selected tests together (the ``scenarios`` fixture, a few at a time in threads), and each test waits for its own
-job's result and checks it.
+The jobs spend most of their time starting up or waiting for a stopped rank, so they run side by side
+(tests/side_by_side.py), and each test checks its own job's result.
 """
 
 import os
@@ -15,19 +14,17 @@ import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import pytest
 from seed_scripts.assets import rapidformer_assets
+from side_by_side import side_by_side
 from test_reliability import FAULTY_SCRIPT, _last_iteration, _records, _start, _tracker
 from test_trainer_megatron import _gpt_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPT = os.path.join(ROOT, "examples", "gpt", "run_pretrain_gpt.sh")
 ITERS = 16
-# Jobs of two ranks each running side by side: more would slow the start-up of each in turn, not fill idle time.
-PARALLEL_JOBS = 3
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +174,7 @@ def _stopped_rank(assets, root, stopped):
 
 
 # The tests below by pytest name, and the job each one checks.
-SCENARIOS = {
+JOBS = {
     "test_sigterm_to_the_recipes_process_group_saves_exits_0_and_resumes_exactly": (_preempt_and_resume,),
     "test_a_stuck_save_still_ends_on_a_second_sigterm_or_a_sigkill[second SIGTERM]": (_stuck_save, "second SIGTERM"),
     "test_a_stuck_save_still_ends_on_a_second_sigterm_or_a_sigkill[SIGKILL]": (_stuck_save, "SIGKILL"),
@@ -187,54 +184,44 @@ SCENARIOS = {
 
 
 @pytest.fixture(scope="module")
-def scenarios(assets, tmp_path_factory, request):
-    """Futures of the selected tests' jobs, by test name, all started at once, PARALLEL_JOBS at a time."""
-    selected = [item.name for item in request.session.items if item.module is request.module]
-    with ThreadPoolExecutor(PARALLEL_JOBS, thread_name_prefix="scenario") as jobs:  # its exit waits for them all
-        yield {name: jobs.submit(job, assets, tmp_path_factory.mktemp(job.__name__.strip("_")), *args)
-               for name, (job, *args) in SCENARIOS.items() if name in selected}
+def jobs(assets, tmp_path_factory, request):
+    yield from side_by_side(request, tmp_path_factory, JOBS, assets)
 
 
-@pytest.fixture
-def scenario(scenarios, request):
-    """This test's job's result (raising what the job raised)."""
-    return scenarios[request.node.name].result()
-
-
-def test_sigterm_to_the_recipes_process_group_saves_exits_0_and_resumes_exactly(scenario):
-    assert scenario["unbroken_status"] == 0, scenario["unbroken_output"][-5000:]
-    unbroken = {r["iteration"]: r for r in scenario["unbroken"]}
+def test_sigterm_to_the_recipes_process_group_saves_exits_0_and_resumes_exactly(job):
+    assert job["unbroken_status"] == 0, job["unbroken_output"][-5000:]
+    unbroken = {r["iteration"]: r for r in job["unbroken"]}
     assert sorted(unbroken) == list(range(1, ITERS + 1))
 
-    output, stopped = scenario["output"], scenario["stopped"]
-    assert scenario["status"] == 0, output[-5000:]
-    assert 3 <= stopped < ITERS and scenario["tracked"] == stopped, output[-5000:]
+    output, stopped = job["output"], job["stopped"]
+    assert job["status"] == 0, output[-5000:]
+    assert 3 <= stopped < ITERS and job["tracked"] == stopped, output[-5000:]
     assert f"exiting on signal {int(signal.SIGTERM)}: saved iteration {stopped}" in output
-    assert not scenario["left"], f"still running after the recipe exited: {scenario['left']}"
-    print(f"SIGTERM to exit: {scenario['grace']:.1f} s (saved iteration {stopped})")
+    assert not job["left"], f"still running after the recipe exited: {job['left']}"
+    print(f"SIGTERM to exit: {job['grace']:.1f} s (saved iteration {stopped})")
 
-    assert scenario["resumed_status"] == 0, scenario["resumed_output"][-5000:]
-    records = scenario["records"]
+    assert job["resumed_status"] == 0, job["resumed_output"][-5000:]
+    records = job["records"]
     assert {r["iteration"] for r in records} == set(unbroken)
     for record in records:
         assert record == unbroken[record["iteration"]]
 
 
 @pytest.mark.parametrize("ending", ["second SIGTERM", "SIGKILL"])
-def test_a_stuck_save_still_ends_on_a_second_sigterm_or_a_sigkill(scenario, ending):
+def test_a_stuck_save_still_ends_on_a_second_sigterm_or_a_sigkill(job, ending):
     """Rank 1 hangs in iteration 2, so the first SIGTERM's save never comes; a second SIGTERM, or the SIGKILL at the
     end of a scheduler's grace period, must still end the job and every rank."""
-    assert scenario["ranks"] == [0, 1]
-    assert scenario["waiting"]  # for a save that cannot come
-    assert not scenario["left"], f"ranks {scenario['left']} outlived the launcher"
+    assert job["ranks"] == [0, 1]
+    assert job["waiting"]  # for a save that cannot come
+    assert not job["left"], f"ranks {job['left']} outlived the launcher"
     expected = 128 + signal.SIGTERM if ending == "second SIGTERM" else -signal.SIGKILL
-    assert scenario["status"] == expected, scenario["output"]
-    assert not scenario["tracked"]
+    assert job["status"] == expected, job["output"]
+    assert not job["tracked"]
 
 
 @pytest.mark.parametrize("stopped", [0, 1])
-def test_a_stopped_rank_ends_the_job_within_the_timeout_and_is_named(scenario, stopped):
-    status, output, elapsed = scenario
+def test_a_stopped_rank_ends_the_job_within_the_timeout_and_is_named(job, stopped):
+    status, output, elapsed = job
     assert status != 0, output[-5000:]
     behind = re.findall(r"ranks? ([\d, ]+) fell behind", output)
     assert behind == [str(stopped)], output[-5000:]
