@@ -3,9 +3,6 @@ recipe training a tiny model on 2 CPU processes until its loss falls, the comman
 runs, and flag errors that name the flag.
 
     python -m pytest -q -p no:cacheprovider tests/test_run_scripts.py
-
-The training runs take most of the time, and those of one process (or two nodes of one) leave CI's second core
-idle, so they run side by side (tests/side_by_side.py), and each test checks its own run.
 """
 
 import json
@@ -18,7 +15,6 @@ import sys
 
 import pytest
 from seed_scripts.assets import rapidformer_assets
-from side_by_side import side_by_side
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPT = os.path.join(ROOT, "examples", "gpt", "run_pretrain_gpt.sh")
@@ -245,23 +241,18 @@ def _trains(script, tmp_path, *flags, recipe_name, nproc="2", loss_name="lm loss
     return output, log
 
 
-def _pretrain_gpt_tp2(assets, root):
-    """The recipe's --dry-run, then the same flags run: (dry-run output, output, log)."""
+def test_run_pretrain_gpt_trains_with_tp2_and_runs_the_command_it_prints(assets, tmp_path):
     flags = ["--tp", "2", "--seq-length", "32", "--data-path", assets.gpt_prefix,
              "--vocab-file", assets.gpt_options["vocab_file"], "--merge-file", assets.gpt_options["merge_file"],
              "--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters", "16", "--lr", "3e-3",
              "--", "--log-interval", "2", "--split", "98,2,0"]
-    code, dry = _recipe(GPT, "--dry-run", "--cpu", "--nproc-per-node", "2", "--output-dir", str(root / "out"),
-                        *flags, cwd=root, timeout=120)
+    code, dry = _recipe(GPT, "--dry-run", "--cpu", "--nproc-per-node", "2", "--output-dir", str(tmp_path / "out"),
+                        *flags, cwd=tmp_path, timeout=120)
     assert code == 0, dry
-    return (dry, *_trains(GPT, root, *flags, recipe_name="pretrain_gpt"), root)
-
-
-def test_run_pretrain_gpt_trains_with_tp2_and_runs_the_command_it_prints(job):
-    dry, output, log, root = job
     assert _number(_field(dry, "world size")) == 2 and _field(dry, "layout").startswith("TP 2 x CP 1 x DP 1 x PP 1")
     would_run = dry.split("the command it would run:\n", 1)[1].splitlines()[0]
 
+    output, log = _trains(GPT, tmp_path, *flags, recipe_name="pretrain_gpt")
     printed = next(line for line in output.splitlines() if line.startswith("+ "))
     assert printed == would_run  # --dry-run shows exactly what a run runs
     assert printed.startswith("+ CUDA_VISIBLE_DEVICES='' ")  # --cpu hides the GPUs from torch
@@ -273,7 +264,7 @@ def test_run_pretrain_gpt_trains_with_tp2_and_runs_the_command_it_prints(job):
     assert rank_argv == recipe[3:nproc] + recipe[nproc + 2:]
     assert "--nproc-per-node=2" in torchrun
     # What ran is what was printed: the --cpu default model (tiny-gpt2: 2 layers, hidden 64) at --tp 2.
-    stored = json.loads((root / "out" / "checkpoints" / "megatron_patch_args.json").read_text())
+    stored = json.loads((tmp_path / "out" / "checkpoints" / "megatron_patch_args.json").read_text())
     assert recipe[recipe.index("--model-name") + 1] == "tiny-gpt2"
     assert stored["tensor_model_parallel_size"] == 2
     assert (stored["model_config"]["num_layers"], stored["model_config"]["hidden_size"]) == (2, 64)
@@ -296,77 +287,49 @@ def _saved_optimizer_state(checkpoints) -> dict:
     return dist_checkpointing.load_common_state_dict(path)["optimizer"]
 
 
-def _pretrain_bert(assets, root, nproc):
-    _trains(BERT, root, "--distributed-optimizer", "--seq-length", "32", "--data-path", assets.bert_prefix,
+@pytest.mark.parametrize("nproc", ["1", "2"])
+def test_run_pretrain_bert_trains_with_the_distributed_optimizer(assets, tmp_path, nproc):
+    _trains(BERT, tmp_path, "--distributed-optimizer", "--seq-length", "32", "--data-path", assets.bert_prefix,
             "--vocab-file", assets.vocab_file, "--micro-batch-size", "8", "--global-batch-size", "16",
             "--train-iters", "16", "--lr", "3e-3", "--", "--log-interval", "2", "--split", "98,2,0",
             recipe_name="pretrain_bert", nproc=nproc)
-    return root / "out" / "checkpoints"
-
-
-@pytest.mark.parametrize("nproc", ["1", "2"])
-def test_run_pretrain_bert_trains_with_the_distributed_optimizer(job, nproc):
-    saved = _saved_optimizer_state(job)
+    saved = _saved_optimizer_state(tmp_path / "out" / "checkpoints")
     assert saved.get("param_state_sharding_type") == "fully_reshardable", \
         f"the checkpoint's optimizer state {sorted(saved)} is not the distributed optimizer's"
 
 
-def _finetune_bert(assets, root, nproc):
-    return _trains(FINETUNE, root, "--seq-length", "32", "--data-path", assets.glue_dir, "--data-name", "mrpc",
-                   "--vocab-file", assets.vocab_file, "--micro-batch-size", "8", "--global-batch-size", "16",
-                   "--epochs", "2", "--lr", "2e-3", "--", "--log-interval", "4", recipe_name="finetune_bert",
-                   nproc=nproc, loss_name="classification loss")
-
-
 @pytest.mark.parametrize("nproc", ["1", "2"])
-def test_run_finetune_bert_trains_a_classifier(job, nproc):
-    _, log = job
+def test_run_finetune_bert_trains_a_classifier(assets, tmp_path, nproc):
+    output, log = _trains(FINETUNE, tmp_path, "--seq-length", "32", "--data-path", assets.glue_dir,
+                          "--data-name", "mrpc", "--vocab-file", assets.vocab_file, "--micro-batch-size", "8",
+                          "--global-batch-size", "16", "--epochs", "2", "--lr", "2e-3", "--",
+                          "--log-interval", "4", recipe_name="finetune_bert", nproc=nproc,
+                          loss_name="classification loss")
     assert re.search(r"epoch \d+ \| accuracy: [0-9.]+ \| f1: [0-9.]+", log), log[-3000:]
 
 
-def _two_nodes(assets, root):
-    """Two 'nodes' on this host, one process each, TP=2 across them: (their exit statuses, their outputs, the
-    output directory, the launch variables)."""
+def test_two_nodes_meet_through_the_seed_environment(assets, tmp_path):
+    """Two 'nodes' on this host, one process each, TP=2 across them: NNODES, NODE_RANK, MASTER_ADDR and
+    MASTER_PORT reach torchrun, and both write under one output directory (a shared file system)."""
     from megatron_patch.distributed import free_port
 
-    out = root / "out"
+    out = tmp_path / "out"
     flags = ["--cpu", "--nproc-per-node", "1", "--tp", "2", "--seq-length", "32", "--data-path", assets.gpt_prefix,
              "--vocab-file", assets.gpt_options["vocab_file"], "--merge-file", assets.gpt_options["merge_file"],
              "--micro-batch-size", "4", "--train-iters", "6", "--lr", "3e-3", "--output-dir", str(out),
              "--", "--log-interval", "1", "--split", "98,2,0"]
     launch = dict(NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    nodes = [subprocess.Popen(["bash", GPT, *flags], cwd=root, env=_environment(NODE_RANK=str(rank), **launch),
+    nodes = [subprocess.Popen(["bash", GPT, *flags], cwd=tmp_path, env=_environment(NODE_RANK=str(rank), **launch),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
     try:
         outputs = [node.communicate(timeout=240)[0] for node in nodes]
     finally:
         for node in nodes:
             node.kill()
-    return [node.returncode for node in nodes], outputs, out, launch
-
-
-def test_two_nodes_meet_through_the_seed_environment(job):
-    """NNODES, NODE_RANK, MASTER_ADDR and MASTER_PORT reach torchrun, and both nodes write under one output
-    directory (a shared file system)."""
-    codes, outputs, out, launch = job
-    assert codes == [0, 0], outputs
+    assert [node.returncode for node in nodes] == [0, 0], outputs
     for rank in (0, 1):
         log = (out / "logs" / f"pretrain_gpt_node{rank}.log").read_text()
         assert f"--nnodes=2 --node-rank={rank} --master-addr=127.0.0.1 --master-port={launch['MASTER_PORT']}" in log
     losses = _losses((out / "logs" / "pretrain_gpt_node1.log").read_text())  # the last rank logs
     assert len(losses) == 6 and losses[-1] < losses[0], losses
     assert json.loads((out / "checkpoints" / "megatron_patch_args.json").read_text())["tensor_model_parallel_size"] == 2
-
-
-# Each training run by the pytest name of the test that checks it.
-JOBS = {
-    "test_run_pretrain_gpt_trains_with_tp2_and_runs_the_command_it_prints": (_pretrain_gpt_tp2,),
-    "test_two_nodes_meet_through_the_seed_environment": (_two_nodes,),
-    **{f"test_run_pretrain_bert_trains_with_the_distributed_optimizer[{n}]": (_pretrain_bert, n) for n in "12"},
-    **{f"test_run_finetune_bert_trains_a_classifier[{n}]": (_finetune_bert, n) for n in "12"},
-}
-
-
-@pytest.fixture(scope="module")
-def jobs(assets, tmp_path_factory, request):
-    yield from side_by_side(request, tmp_path_factory, JOBS, assets)
