@@ -272,6 +272,37 @@ def test_finetune_classification_no_trainer(job):
     assert len(metrics) == 3 and metrics[-1]["accuracy"] >= 0.9, metrics
 
 
+def test_pair_sample_layout():
+    from megatron_patch.training.bert import pair_sample
+
+    class Specials:
+        cls, sep, pad = 101, 102, 0
+
+    sample = pair_sample([5, 6, 7, 8, 9], [20, 21], label=1, seq_length=8, tokenizer=Specials)
+    # 8 - 3 special tokens leave 5: the longer sentence gives up tokens first.
+    assert sample["text"].tolist() == [101, 5, 6, 7, 102, 20, 21, 102]
+    assert sample["types"].tolist() == [0, 0, 0, 0, 0, 1, 1, 1]
+    short = pair_sample([5], [20], label=0, seq_length=8, tokenizer=Specials)
+    assert short["text"].tolist() == [101, 5, 102, 20, 102, 0, 0, 0]
+    assert short["padding_mask"].tolist() == [1, 1, 1, 1, 1, 0, 0, 0] and short["label"].item() == 0
+
+
+def test_a_script_refuses_a_model_of_the_other_family(assets):
+    from megatron_patch.tokenizer import build_tokenizer
+    from megatron_patch.training.arguments import parse_run
+    from megatron_patch.training.models import model_config_and_vocab
+
+    tokenizer = build_tokenizer("BertWordPieceLowerCase", vocab_file=assets.vocab_file)
+    with pytest.raises(SystemExit, match="--model-name tiny-gpt2 describes a gpt model; this trainer trains bert"):
+        model_config_and_vocab(parse_run(["--model-name", "tiny-gpt2"], 1)[0], tokenizer, "bert")
+    # Shape flags alone make Megatron-LM's BERT in a BERT script: two segment types and the binary head.
+    config, vocab = model_config_and_vocab(parse_run(["--num-layers", "2", "--hidden-size", "32",
+                                                      "--num-attention-heads", "4", "--seq-length", "32"], 1)[0],
+                                           tokenizer, "bert")
+    assert (config.family, config.num_tokentypes, config.add_binary_head) == ("bert", 2, True)
+    assert vocab % 128 == 0 and vocab - 128 < tokenizer.vocab_size <= vocab
+
+
 # ----------------------------------------------------------------------------------------------------------
 # The runs, side by side
 # ----------------------------------------------------------------------------------------------------------
