@@ -1,6 +1,11 @@
 """The examples/ scripts run as users run them (``megatron-patch train --user-script examples/...``) on one CPU
 process with tiny models, and learn: GPT pretraining from flags and from a converted Hugging Face LLaMA, SFT of
-that LLaMA, BERT pretraining, fine-tuning a classifier from that BERT checkpoint, and the no-trainer loop."""
+that LLaMA, BERT pretraining, fine-tuning a classifier from that BERT checkpoint, and the no-trainer loop.
+
+    python -m pytest -q -p no:cacheprovider tests/test_examples.py
+
+A run on one process keeps one of CI's two cores busy, so the runs go side by side (tests/side_by_side.py; one that
+needs another's checkpoint waits for it), and each test checks its own run's output."""
 
 import json
 import math
@@ -15,6 +20,7 @@ import tempfile
 import pytest
 import torch
 from seed_scripts.assets import rapidformer_assets
+from side_by_side import After, side_by_side
 
 from megatron_patch.data.preprocess import PreprocessConfig, preprocess
 
@@ -94,16 +100,12 @@ def _write_sft(root: str, seed: int = 0) -> None:
                 f.write(json.dumps({"prompt": prompt, "response": " " + SFT_ANSWERS[keyword]}) + "\n")
 
 
-@pytest.fixture(scope="module")
-def converted_llama(tmp_path_factory, assets):
+def _convert_llama(assets, data, root):
     """A random Hugging Face LLaMA with the test tokenizer, converted with ``megatron-patch convert``; documents
     and SFT rows for it. Its output layer is scaled up, so its loss (far above a fresh model's ln V) shows when
     training starts from its weights."""
     import transformers
 
-    from conftest_data import data_assets
-
-    root = tmp_path_factory.mktemp("converted_llama")
     hf, converted = str(root / "hf"), str(root / "mcore")
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
@@ -112,7 +114,7 @@ def converted_llama(tmp_path_factory, assets):
     with torch.no_grad():
         model.lm_head.weight.mul_(50.0)
     model.save_pretrained(hf)
-    tokenizer_dir = data_assets(tmp_path_factory).options["HuggingFaceTokenizer"]["tokenizer_model"]
+    tokenizer_dir = data.options["HuggingFaceTokenizer"]["tokenizer_model"]
     for name in os.listdir(tokenizer_dir):
         shutil.copy(os.path.join(tokenizer_dir, name), hf)
     done = subprocess.run([sys.executable, "-m", "megatron_patch.cli", "convert", "hf-to-megatron", "--hf-dir", hf,
@@ -121,7 +123,7 @@ def converted_llama(tmp_path_factory, assets):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     tokenizer = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
                  os.path.join(converted, "hf_tokenizer")]  # the conversion keeps the model's tokenizer
-    preprocess(PreprocessConfig(input=data_assets(tmp_path_factory).corpus, output_prefix=str(root / "corpus"),
+    preprocess(PreprocessConfig(input=data.corpus, output_prefix=str(root / "corpus"),
                                 tokenizer_type="HuggingFaceTokenizer",
                                 tokenizer_options={"tokenizer_model": tokenizer[-1]}, append_eod=True))
     _write_sft(str(root / "sft"))
@@ -129,35 +131,50 @@ def converted_llama(tmp_path_factory, assets):
             "sft": str(root / "sft")}
 
 
-def test_pretrain_gpt_from_model_flags(assets, tmp_path):
+def _pretrain_gpt_from_model_flags(assets, data, root):
+    save = root / "ckpt"
     output = _train(
         "gpt/pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "32", "--max-position-embeddings", "32", *_tokenizer_flags(assets, "gpt"),
         "--data-path", assets.gpt_prefix, "--split", "980,20", "--micro-batch-size", "4", "--global-batch-size", "8",
-        "--train-iters", "30", "--lr", "3e-3", "--log-interval", "1", "--save", str(tmp_path / "ckpt"))
+        "--train-iters", "30", "--lr", "3e-3", "--log-interval", "1", "--save", str(save))
+    return output, save
+
+
+def test_pretrain_gpt_from_model_flags(job):
+    output, save = job
     _assert_learns(_losses(output))
     # The save describes its model: `--load ckpt` (and megatron-to-hf) need no model flags.
-    with open(tmp_path / "ckpt" / "megatron_patch_args.json") as f:
+    with open(save / "megatron_patch_args.json") as f:
         assert json.load(f)["model_config"]["hidden_size"] == 32
 
 
-def test_pretrain_gpt_continues_a_converted_hugging_face_model(converted_llama):
-    output = _train(
+def _continue_converted_llama(assets, data, root, converted):
+    converted_llama = converted.result()
+    return _train(
         "gpt/pretrain_gpt.py", "--load", converted_llama["dir"], *converted_llama["tokenizer"],
         "--data-path", converted_llama["prefix"], "--split", "980,20", "--seq-length", "32",
         "--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters", "20", "--lr", "3e-3",
         "--log-interval", "1")
-    losses = _losses(output)
+
+
+def test_pretrain_gpt_continues_a_converted_hugging_face_model(job):
+    losses = _losses(job)
     # A fresh model starts near ln V; the converted one's scaled output layer starts far above it.
     assert losses[0] > 1.5 * math.log(VOCAB), losses
     _assert_learns(losses)
 
 
-def test_finetune_gpt_learns_responses_of_a_converted_model(converted_llama):
-    output = _train(
+def _finetune_converted_llama(assets, data, root, converted):
+    converted_llama = converted.result()
+    return _train(
         "gpt/finetune_gpt.py", "--load", converted_llama["dir"], *converted_llama["tokenizer"],
         "--data-path", converted_llama["sft"], "--seq-length", "32", "--micro-batch-size", "8", "--epochs", "2",
         "--lr", "3e-3", "--log-interval", "1")
+
+
+def test_finetune_gpt_learns_responses_of_a_converted_model(job):
+    output = job
     _assert_learns(_losses(output))
     metrics = _epoch_metrics(output)
     assert len(metrics) == 2, output[-3000:]
@@ -187,10 +204,9 @@ def test_sft_sample_masks_exactly_the_response_predictions():
 # ----------------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def bert_pretrained(tmp_path_factory, assets):
+def _pretrain_bert(assets, data, root):
     """examples/bert/pretrain_bert.py from Megatron-LM's shape flags, saved: (its output, the save directory)."""
-    save = str(tmp_path_factory.mktemp("bert_pretrained") / "ckpt")
+    save = str(root / "ckpt")
     output = _train(
         "bert/pretrain_bert.py", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "32", "--max-position-embeddings", "32", *_tokenizer_flags(assets, "bert"),
@@ -199,19 +215,17 @@ def bert_pretrained(tmp_path_factory, assets):
     return output, save
 
 
-def test_pretrain_bert_masked_lm_and_next_sentence(bert_pretrained):
-    output, save = bert_pretrained
+def test_pretrain_bert_masked_lm_and_next_sentence(job):
+    output, save = job
     _assert_learns(_losses(output))
     weights = _weights(save)
     assert {"binary_head.weight", "embedding.tokentype_embeddings.weight"} <= weights.keys()  # Megatron's BERT
 
 
-def test_finetune_classification_from_the_pretrained_bert(bert_pretrained, assets, tmp_path):
-    from megatron_patch.tokenizer import build_tokenizer
-    from megatron_patch.training.data import load_sentence_pair_dataset
-
-    _, pretrained = bert_pretrained
-    save = str(tmp_path / "classifier")
+def _finetune_pretrained_bert(assets, data, root, pretrained):
+    """(output, the pretrained checkpoint, the classifier's) of examples/bert/finetune_classification.py."""
+    _, pretrained = pretrained.result()
+    save = str(root / "classifier")
     # No weight decay: an embedding row no training input looks up gets a zero gradient, so Adam leaves it as
     # loaded (the tied LM head of pretraining moved every row away from its initialisation).
     output = _train(
@@ -219,6 +233,14 @@ def test_finetune_classification_from_the_pretrained_bert(bert_pretrained, asset
         "--data-path", assets.glue_dir, "--data-name", "mrpc", "--seq-length", "32", "--micro-batch-size", "8",
         "--epochs", "3", "--lr", "3e-3", "--lr-warmup-iters", "2", "--weight-decay", "0", "--log-interval", "4",
         "--save", save)
+    return output, pretrained, save
+
+
+def test_finetune_classification_from_the_pretrained_bert(job, assets):
+    from megatron_patch.tokenizer import build_tokenizer
+    from megatron_patch.training.data import load_sentence_pair_dataset
+
+    output, pretrained, save = job
     _assert_learns(_losses(output, "classification loss"))
     metrics = _epoch_metrics(output)
     assert len(metrics) == 3 and metrics[-1]["accuracy"] >= 0.9 and metrics[-1]["f1"] >= 0.9, metrics
@@ -234,11 +256,15 @@ def test_finetune_classification_from_the_pretrained_bert(bert_pretrained, asset
     assert not torch.equal(after[sorted(seen)], before[sorted(seen)])  # and fine-tuned
 
 
-def test_finetune_classification_no_trainer(assets):
-    output = _train(
+def _finetune_no_trainer(assets, data, root):
+    return _train(
         "bert/finetune_classification_no_trainer.py", "--pretrained-model-name-or-path", assets.bert_dir,
         "--data-path", assets.glue_dir, "--data-name", "mrpc", "--epochs", "3", "--micro-batch-size", "8",
         "--lr", "2e-3", "--lr-warmup-iters", "2", "--seed", "42")
+
+
+def test_finetune_classification_no_trainer(job):
+    output = job
     first = [float(x) for x in re.findall(r"epoch 0 step [0-3] loss ([0-9.]+)", output)]
     last = [float(x) for x in re.findall(r"epoch 2 step \d+ loss ([0-9.]+)", output)]
     assert first and last and sum(last) / len(last) < min(first), (first, last)
@@ -275,3 +301,28 @@ def test_a_script_refuses_a_model_of_the_other_family(assets):
                                            tokenizer, "bert")
     assert (config.family, config.num_tokentypes, config.add_binary_head) == ("bert", 2, True)
     assert vocab % 128 == 0 and vocab - 128 < tokenizer.vocab_size <= vocab
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The runs, side by side
+# ----------------------------------------------------------------------------------------------------------
+
+BERT = "test_pretrain_bert_masked_lm_and_next_sentence"
+# Each run by the pytest name of the test that checks it (the conversion, which no test checks, by its own name);
+# a run comes after those it needs.
+JOBS = {
+    "converted_llama": (_convert_llama,),
+    "test_pretrain_gpt_from_model_flags": (_pretrain_gpt_from_model_flags,),
+    BERT: (_pretrain_bert,),
+    "test_pretrain_gpt_continues_a_converted_hugging_face_model": (_continue_converted_llama, After("converted_llama")),
+    "test_finetune_gpt_learns_responses_of_a_converted_model": (_finetune_converted_llama, After("converted_llama")),
+    "test_finetune_classification_from_the_pretrained_bert": (_finetune_pretrained_bert, After(BERT)),
+    "test_finetune_classification_no_trainer": (_finetune_no_trainer,),
+}
+
+
+@pytest.fixture(scope="module")
+def jobs(assets, tmp_path_factory, request):
+    from conftest_data import data_assets
+
+    yield from side_by_side(request, tmp_path_factory, JOBS, assets, data_assets(tmp_path_factory))

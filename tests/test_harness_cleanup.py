@@ -1,4 +1,11 @@
-"""No worker of the multi-process harness outlives the pytest run that started it, however that run ends."""
+"""No worker of the multi-process harness outlives the pytest run that started it, however that run ends.
+
+    python -m pytest -q -p no:cacheprovider tests/test_harness_cleanup.py
+
+Each test runs an inner pytest session and ends it one way. The sessions spend their time starting workers and
+waiting (for a timeout, for the workers' end), so they run side by side (tests/side_by_side.py), and each test
+checks its own.
+"""
 
 import os
 import signal
@@ -9,6 +16,7 @@ import time
 
 import psutil
 import pytest
+from side_by_side import side_by_side
 
 # The inner session: one test whose rank body starts a child (as dist_checkpointing's writers do), records both
 # pids, and then returns or hangs.
@@ -65,16 +73,17 @@ ENDINGS = {
 }
 
 
-@pytest.mark.parametrize("ending", list(ENDINGS))
-def test_no_worker_survives_the_session(tmp_path, ending):
+def _end_session(root, ending):
+    """Run the inner session, end it as ``ending`` says; (its exit status, its output, the pids it recorded and those of
+    them still running 5 s after it ended, which are then killed)."""
     sig, hang, timeout, method = ENDINGS[ending]
-    (tmp_path / "test_inner.py").write_text(INNER_TEST)
-    pid_file = tmp_path / "pids"
+    (root / "test_inner.py").write_text(INNER_TEST)
+    pid_file = root / "pids"
     env = dict(os.environ, PID_FILE=str(pid_file), HANG=str(int(hang)), INNER_TIMEOUT=str(timeout),
                INNER_TIMEOUT_METHOD=method)
     # Its own session, as a terminal's foreground job: Ctrl-C reaches the whole process group.
     inner = subprocess.Popen(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_inner.py"], cwd=tmp_path, env=env,
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_inner.py"], cwd=root, env=env,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
     )
     try:
@@ -90,8 +99,6 @@ def test_no_worker_survives_the_session(tmp_path, ending):
     finally:
         if inner.poll() is None:
             os.killpg(inner.pid, signal.SIGKILL)
-    if ending == "passes":
-        assert inner.returncode == 0, output
     pids = _recorded_pids(pid_file)
     deadline = time.monotonic() + 5
     while any(map(_alive, pids)) and time.monotonic() < deadline:
@@ -99,4 +106,20 @@ def test_no_worker_survives_the_session(tmp_path, ending):
     survivors = [pid for pid in pids if _alive(pid)]
     for pid in survivors:
         os.kill(pid, signal.SIGKILL)
+    return inner.returncode, output, pids, survivors
+
+
+JOBS = {f"test_no_worker_survives_the_session[{ending}]": (_end_session, ending) for ending in ENDINGS}
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory, request):
+    yield from side_by_side(request, tmp_path_factory, JOBS, workers=len(ENDINGS))
+
+
+@pytest.mark.parametrize("ending", list(ENDINGS))
+def test_no_worker_survives_the_session(job, ending):
+    returncode, output, _, survivors = job
+    if ending == "passes":
+        assert returncode == 0, output
     assert not survivors, f"{len(survivors)} of the workers and their children outlived pytest ({ending}):\n{output}"

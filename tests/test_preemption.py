@@ -3,6 +3,9 @@ must end in a published checkpoint and status 0, with nothing left running; a ra
 within --distributed-timeout-minutes, with a report naming that rank.
 
     python -m pytest -q -p no:cacheprovider tests/test_preemption.py
+
+The jobs spend most of their time starting up or waiting for a stopped rank, so they run side by side
+(tests/side_by_side.py), and each test checks its own job's result.
 """
 
 import os
@@ -15,6 +18,7 @@ import time
 import psutil
 import pytest
 from seed_scripts.assets import rapidformer_assets
+from side_by_side import side_by_side
 from test_reliability import FAULTY_SCRIPT, _last_iteration, _records, _start, _tracker
 from test_trainer_megatron import _gpt_flags
 
@@ -83,14 +87,15 @@ def _still_running(processes, wait=5.0) -> list[psutil.Process]:
     return running
 
 
-def test_sigterm_to_the_recipes_process_group_saves_exits_0_and_resumes_exactly(assets, tmp_path):
-    reference = _start_recipe(assets, tmp_path / "unbroken")
+def _preempt_and_resume(assets, root):
+    """An unbroken run of the recipe; then the same command SIGTERMed to its process group at iteration 3 or later,
+    and run again."""
+    reference = _start_recipe(assets, root / "unbroken")
     output, _ = reference.communicate(timeout=300)
-    assert reference.returncode == 0, output[-5000:]
-    unbroken = {r["iteration"]: r for r in _records(tmp_path / "unbroken" / "logs")}
-    assert sorted(unbroken) == list(range(1, ITERS + 1))
+    result = {"unbroken_status": reference.returncode, "unbroken_output": output,
+              "unbroken": _records(root / "unbroken" / "logs")}
 
-    out = tmp_path / "preempted"
+    out = root / "preempted"
     logs, save = out / "logs", out / "checkpoints"
     process = _start_recipe(assets, out)
     job = []
@@ -100,67 +105,58 @@ def test_sigterm_to_the_recipes_process_group_saves_exits_0_and_resumes_exactly(
         os.killpg(process.pid, signal.SIGTERM)  # the scheduler's notice, to every process of the group
         sent = time.monotonic()
         output, _ = process.communicate(timeout=120)
-        grace = time.monotonic() - sent
+        result["grace"] = time.monotonic() - sent
         os.killpg(process.pid, signal.SIGKILL)  # the container's teardown: whatever is left in the group
     except ProcessLookupError:  # nothing was left
         pass
     finally:
-        left = _still_running(job)
+        result["left"] = [p.cmdline()[:6] for p in _still_running(job)]
         _kill_all(job)
-    stopped = _last_iteration(logs)
-    assert process.returncode == 0, output[-5000:]
-    assert 3 <= stopped < ITERS and _tracker(save) == stopped, output[-5000:]
-    assert f"exiting on signal {int(signal.SIGTERM)}: saved iteration {stopped}" in output
-    assert not left, f"still running after the recipe exited: {[p.cmdline()[:6] for p in left]}"
-    print(f"SIGTERM to exit: {grace:.1f} s (saved iteration {stopped})")
+    result.update(status=process.returncode, output=output, stopped=_last_iteration(logs),
+                  tracked=_tracker(save) if (save / "latest_checkpointed_iteration.txt").exists() else None)
 
     resumed = _start_recipe(assets, out)  # the same command again: it resumes from OUTPUT/checkpoints
     output, _ = resumed.communicate(timeout=300)
-    assert resumed.returncode == 0, output[-5000:]
-    records = _records(logs)
-    assert {r["iteration"] for r in records} == set(unbroken)
-    for record in records:
-        assert record == unbroken[record["iteration"]]
+    result.update(resumed_status=resumed.returncode, resumed_output=output, records=_records(logs))
+    return result
 
 
-@pytest.mark.parametrize("ending", ["second SIGTERM", "SIGKILL"])
-def test_a_stuck_save_still_ends_on_a_second_sigterm_or_a_sigkill(assets, tmp_path, ending):
-    """Rank 1 hangs in iteration 2, so the first SIGTERM's save never comes; a second SIGTERM, or the SIGKILL at the
-    end of a scheduler's grace period, must still end the job and every rank."""
-    save = str(tmp_path / "ckpt")
+def _stuck_save(assets, root, ending):
+    """Rank 1 hangs in iteration 2, so the first SIGTERM's save never comes; then ``ending``."""
+    save = str(root / "ckpt")
     argv = _gpt_flags(assets, "--train-iters", "6", "--micro-batch-size", "1", "--tensor-model-parallel-size", "2",
-                      "--save", save, "--exit-signal-handler", "--log-dir", str(tmp_path / "logs"))
+                      "--save", save, "--exit-signal-handler", "--log-dir", str(root / "logs"))
     process = _start(argv, nproc=2, script=FAULTY_SCRIPT, env={"FAULT": "hang", "FAULT_RANK": "1",
                                                                "FAULT_ITERATIONS": "2"})
     ranks = {}
     try:
-        _wait_for_iteration(process, tmp_path / "logs", 1)
+        _wait_for_iteration(process, root / "logs", 1)
         ranks = _ranks(process)
-        assert sorted(ranks) == [0, 1]
         os.killpg(process.pid, signal.SIGTERM)
         time.sleep(3)
-        assert process.poll() is None  # waiting for a save that cannot come
+        waiting = process.poll() is None
         os.killpg(process.pid, signal.SIGTERM if ending == "second SIGTERM" else signal.SIGKILL)
         output, _ = process.communicate(timeout=30)
     finally:
-        left = _still_running(list(ranks.values()))
+        left = [p.environ()["RANK"] for p in _still_running(list(ranks.values()))]
         _kill_all(ranks.values())
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
-    assert not left, f"ranks {[p.environ()['RANK'] for p in left]} outlived the launcher"
-    assert process.returncode == (128 + signal.SIGTERM if ending == "second SIGTERM" else -signal.SIGKILL), output
-    assert not os.path.exists(os.path.join(save, "latest_checkpointed_iteration.txt"))
+    return {"ranks": sorted(ranks), "waiting": waiting, "left": left, "status": process.returncode, "output": output,
+            "tracked": os.path.exists(os.path.join(save, "latest_checkpointed_iteration.txt"))}
 
 
-@pytest.mark.parametrize("stopped", [0, 1])
-def test_a_stopped_rank_ends_the_job_within_the_timeout_and_is_named(assets, tmp_path, stopped):
-    timeout_minutes = 0.25
-    logs = tmp_path / "logs"
+TIMEOUT_MINUTES = 0.25
+
+
+def _stopped_rank(assets, root, stopped):
+    """SIGSTOP rank ``stopped`` at iteration 3 or later; (exit status, output, seconds from the stop to the exit)."""
+    logs = root / "logs"
     # --exit-signal-handler as the recipes pass it: a stopped rank with a SIGTERM handler ignores the launcher's
     # SIGTERM (the signal stays pending), so only SIGKILL ends it.
     argv = _gpt_flags(assets, "--train-iters", "1000", "--micro-batch-size", "1", "--tensor-model-parallel-size",
-                      "2", "--save", str(tmp_path / "ckpt"), "--save-interval", "1000", "--exit-signal-handler",
-                      "--log-dir", str(logs), "--distributed-timeout-minutes", str(timeout_minutes))
+                      "2", "--save", str(root / "ckpt"), "--save-interval", "1000", "--exit-signal-handler",
+                      "--log-dir", str(logs), "--distributed-timeout-minutes", str(TIMEOUT_MINUTES))
     process = _start(argv, nproc=2)
     ranks = {}
     try:
@@ -168,14 +164,66 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout_and_is_named(assets, tmp
         ranks = _ranks(process)
         ranks[stopped].suspend()  # SIGSTOP
         start = time.monotonic()
-        output, _ = process.communicate(timeout=timeout_minutes * 60 + 120)
+        output, _ = process.communicate(timeout=TIMEOUT_MINUTES * 60 + 120)
         elapsed = time.monotonic() - start
     finally:
         _kill_all(ranks.values())
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
-    assert process.returncode != 0, output[-5000:]
+    return process.returncode, output, elapsed
+
+
+# The tests below by pytest name, and the job each one checks.
+JOBS = {
+    "test_sigterm_to_the_recipes_process_group_saves_exits_0_and_resumes_exactly": (_preempt_and_resume,),
+    "test_a_stuck_save_still_ends_on_a_second_sigterm_or_a_sigkill[second SIGTERM]": (_stuck_save, "second SIGTERM"),
+    "test_a_stuck_save_still_ends_on_a_second_sigterm_or_a_sigkill[SIGKILL]": (_stuck_save, "SIGKILL"),
+    "test_a_stopped_rank_ends_the_job_within_the_timeout_and_is_named[0]": (_stopped_rank, 0),
+    "test_a_stopped_rank_ends_the_job_within_the_timeout_and_is_named[1]": (_stopped_rank, 1),
+}
+
+
+@pytest.fixture(scope="module")
+def jobs(assets, tmp_path_factory, request):
+    yield from side_by_side(request, tmp_path_factory, JOBS, assets)
+
+
+def test_sigterm_to_the_recipes_process_group_saves_exits_0_and_resumes_exactly(job):
+    assert job["unbroken_status"] == 0, job["unbroken_output"][-5000:]
+    unbroken = {r["iteration"]: r for r in job["unbroken"]}
+    assert sorted(unbroken) == list(range(1, ITERS + 1))
+
+    output, stopped = job["output"], job["stopped"]
+    assert job["status"] == 0, output[-5000:]
+    assert 3 <= stopped < ITERS and job["tracked"] == stopped, output[-5000:]
+    assert f"exiting on signal {int(signal.SIGTERM)}: saved iteration {stopped}" in output
+    assert not job["left"], f"still running after the recipe exited: {job['left']}"
+    print(f"SIGTERM to exit: {job['grace']:.1f} s (saved iteration {stopped})")
+
+    assert job["resumed_status"] == 0, job["resumed_output"][-5000:]
+    records = job["records"]
+    assert {r["iteration"] for r in records} == set(unbroken)
+    for record in records:
+        assert record == unbroken[record["iteration"]]
+
+
+@pytest.mark.parametrize("ending", ["second SIGTERM", "SIGKILL"])
+def test_a_stuck_save_still_ends_on_a_second_sigterm_or_a_sigkill(job, ending):
+    """Rank 1 hangs in iteration 2, so the first SIGTERM's save never comes; a second SIGTERM, or the SIGKILL at the
+    end of a scheduler's grace period, must still end the job and every rank."""
+    assert job["ranks"] == [0, 1]
+    assert job["waiting"]  # for a save that cannot come
+    assert not job["left"], f"ranks {job['left']} outlived the launcher"
+    expected = 128 + signal.SIGTERM if ending == "second SIGTERM" else -signal.SIGKILL
+    assert job["status"] == expected, job["output"]
+    assert not job["tracked"]
+
+
+@pytest.mark.parametrize("stopped", [0, 1])
+def test_a_stopped_rank_ends_the_job_within_the_timeout_and_is_named(job, stopped):
+    status, output, elapsed = job
+    assert status != 0, output[-5000:]
     behind = re.findall(r"ranks? ([\d, ]+) fell behind", output)
     assert behind == [str(stopped)], output[-5000:]
-    print(f"rank {stopped} stopped: the job exited after {elapsed:.1f} s (timeout {timeout_minutes * 60:.0f} s)")
-    assert elapsed < timeout_minutes * 60 + 20, output[-5000:]
+    print(f"rank {stopped} stopped: the job exited after {elapsed:.1f} s (timeout {TIMEOUT_MINUTES * 60:.0f} s)")
+    assert elapsed < TIMEOUT_MINUTES * 60 + 20, output[-5000:]

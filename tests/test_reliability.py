@@ -1,7 +1,12 @@
 """Long runs die; a resumed run must continue as if nothing happened. These tests start real training jobs with
 the ``megatron-patch train`` launcher, kill or poison them, and compare every iteration's record (loss, learning
 rate, consumed samples, grad norm, loss scale: ``--log-dir``'s ``iterations.jsonl``, full precision) with an
-uninterrupted run of the same flags."""
+uninterrupted run of the same flags.
+
+    python -m pytest -q -p no:cacheprovider tests/test_reliability.py
+
+Most of these jobs run one rank, which keeps one of CI's two cores busy, or wait for a distributed timeout, so they
+run side by side (tests/side_by_side.py), and each test checks its own job's result."""
 
 import glob
 import json
@@ -15,6 +20,7 @@ import time
 
 import pytest
 from seed_scripts.assets import rapidformer_assets
+from side_by_side import After, side_by_side
 from test_trainer_megatron import _gpt_flags
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -85,10 +91,8 @@ def _assert_same_as(reference: list[dict], records: list[dict]):
         assert record == expected[record["iteration"]]
 
 
-@pytest.fixture(scope="module")
-def reference(assets, tmp_path_factory):
+def _reference(assets, root):
     """An uninterrupted run: its records, and its checkpoints (every 4 iterations)."""
-    root = tmp_path_factory.mktemp("reference")
     save, logs = str(root / "ckpt"), str(root / "logs")
     status, output = _run(_flags(assets, "--save", save, "--save-interval", "4", "--log-dir", logs))
     assert status == 0, output
@@ -116,9 +120,8 @@ def _saving(save, iteration):
     return lambda: bool(glob.glob(name + ".tmp-*")) or os.path.isdir(name)
 
 
-@pytest.mark.parametrize("saving", ["sync", "async"])
-def test_sigkill_at_random_points_then_resume_gives_the_uninterrupted_records(assets, reference, tmp_path, saving):
-    save, logs = str(tmp_path / "ckpt"), str(tmp_path / "logs")
+def _sigkill_then_resume(assets, root, saving):
+    save, logs = str(root / "ckpt"), str(root / "logs")
     argv = _flags(assets, "--save", save, "--load", save, "--save-interval", "2", "--log-dir", logs,
                   *(["--async-save"] if saving == "async" else []))
     rng = random.Random(os.environ.get("FAULT_SEED", "1"))
@@ -126,7 +129,6 @@ def test_sigkill_at_random_points_then_resume_gives_the_uninterrupted_records(as
     # the one before (a resumed run repeats the iterations since its checkpoint).
     iterations = sorted(rng.sample(range(2, ITERS), 5))
     plan = [("during save", i + i % 2) if rng.random() < 0.5 else ("after iteration", i) for i in iterations]
-    print(f"kill plan: {plan}")
     kills = 0
     for kind, iteration in plan:
         if _last_iteration(logs) >= iteration:
@@ -135,14 +137,11 @@ def test_sigkill_at_random_points_then_resume_gives_the_uninterrupted_records(as
         ok = _saving(save, iteration) if kind == "during save" else lambda it=iteration: _last_iteration(logs) >= it
         kills += _kill_when(process, ok)
     status, output = _run(argv)
-    assert status == 0, output
-    assert kills >= 5, f"only {kills} of the planned kills happened: {plan}"
-    _assert_same_as(reference["records"], _records(logs))
-    assert _tracker(save) == ITERS
+    return {"plan": plan, "kills": kills, "status": status, "output": output, "save": save, "logs": logs}
 
 
-def test_sigterm_saves_at_the_end_of_the_iteration_and_resumes_exactly(assets, reference, tmp_path):
-    save, logs = str(tmp_path / "ckpt"), str(tmp_path / "logs")
+def _sigterm_then_resume(assets, root):
+    save, logs = str(root / "ckpt"), str(root / "logs")
     argv = _flags(assets, "--save", save, "--load", save, "--save-interval", "100", "--log-dir", logs,
                   "--exit-signal-handler")
     process = _start(argv)
@@ -152,25 +151,107 @@ def test_sigterm_saves_at_the_end_of_the_iteration_and_resumes_exactly(assets, r
     os.killpg(process.pid, signal.SIGTERM)  # a scheduler's preemption notice reaches the whole job
     output, _ = process.communicate(timeout=120)
     stopped = _last_iteration(logs)
+    tracked = _tracker(save) if os.path.exists(os.path.join(save, TRACKER)) else None
+    status, resumed_output = _run(argv)
+    return {"output": output, "stopped": stopped, "tracked": tracked, "status": status,
+            "resumed_output": resumed_output, "logs": logs}
+
+
+def _failing_rank(assets, root, fault, world_size):
+    """Rank 1 raises or hangs in iteration 2; (exit status, output, seconds the job took)."""
+    argv = _gpt_flags(assets, "--train-iters", "6", "--micro-batch-size", "1",
+                      "--tensor-model-parallel-size", str(world_size // 2), "--distributed-timeout-minutes", "0.25")
+    start = time.monotonic()
+    status, output = _run(argv, nproc=world_size, script=FAULTY_SCRIPT, timeout=240,
+                          env={"FAULT": fault, "FAULT_RANK": "1", "FAULT_ITERATIONS": "2"})
+    return status, output, time.monotonic() - start
+
+
+def _fp16_poisoned(assets, root):
+    logs = str(root / "logs")
+    # Megatron's hysteresis (2): the scale drops at the second overflow in a row, so two steps are poisoned.
+    argv = _gpt_flags(assets, "--train-iters", "8", "--micro-batch-size", "2", "--fp16", "--initial-loss-scale",
+                      "4096", "--log-dir", logs)
+    status, output = _run(argv, script=FAULTY_SCRIPT, env={"FAULT": "nan", "FAULT_ITERATIONS": "4,5"})
+    return {"status": status, "output": output, "logs": logs}
+
+
+def _bf16_max_bad_steps(assets, root):
+    save, logs = str(root / "ckpt"), str(root / "logs")
+    argv = _gpt_flags(assets, "--train-iters", "8", "--micro-batch-size", "2", "--bf16", "--save", save,
+                      "--save-interval", "1", "--log-dir", logs, "--max-bad-steps", "2")
+    # One poisoned step is skipped and training goes on; two in a row stop the run.
+    status, output = _run(argv, script=FAULTY_SCRIPT, env={"FAULT": "nan", "FAULT_ITERATIONS": "2,5,6"})
+    records = _records(logs) if os.path.exists(os.path.join(logs, "iterations.jsonl")) else []
+    tracked = _tracker(save) if os.path.exists(os.path.join(save, TRACKER)) else None
+    resumed_status, resumed_output = _run(argv + ["--load", save], script=FAULTY_SCRIPT,
+                                          env={"FAULT": "nan", "FAULT_ITERATIONS": "0"})
+    return {"status": status, "output": output, "records": records, "tracked": tracked,
+            "resumed_status": resumed_status, "resumed_output": resumed_output, "logs": logs}
+
+
+def _late_configuration_errors(assets, root, reference):
+    """(exit status, output) of a run on a missing corpus, and of runs loading the reference's checkpoint with
+    another tokenizer and with another model shape."""
+    missing = str(root / "no_such_corpus_text_document")
+    argv = _gpt_flags(assets, "--train-iters", "2")
+    no_data = _run([*argv, "--data-path", missing])
+    save = reference.result()["save"]
+    tokenizer = _run([*argv, "--load", save, "--tokenizer-type", "NullTokenizer", "--vocab-size", "2000"])
+    shape = list(argv)
+    shape[shape.index("--hidden-size") + 1] = "64"  # another model's shape than the checkpoint's
+    model = _run([*shape, "--load", save])
+    return {"missing": missing, "no_data": no_data, "tokenizer": tokenizer, "shape": model, "save": save}
+
+
+# The tests below by pytest name, and the job each one checks; the reference run, which several compare with, first.
+JOBS = {
+    "reference": (_reference,),
+    "test_sigkill_at_random_points_then_resume_gives_the_uninterrupted_records[sync]": (_sigkill_then_resume, "sync"),
+    "test_sigkill_at_random_points_then_resume_gives_the_uninterrupted_records[async]":
+        (_sigkill_then_resume, "async"),
+    "test_sigterm_saves_at_the_end_of_the_iteration_and_resumes_exactly": (_sigterm_then_resume,),
+    **{f"test_a_failing_or_hanging_rank_ends_the_job_within_the_timeout[{fault}-{world_size}]":
+       (_failing_rank, fault, world_size) for fault in ("raise", "hang") for world_size in (2, 4)},
+    "test_fp16_skips_a_poisoned_step_and_lowers_the_loss_scale": (_fp16_poisoned,),
+    "test_bf16_stops_after_max_bad_steps_with_the_last_checkpoint_intact": (_bf16_max_bad_steps,),
+    "test_late_configuration_errors_stop_before_the_first_step": (_late_configuration_errors, After("reference")),
+}
+
+
+@pytest.fixture(scope="module")
+def jobs(assets, tmp_path_factory, request):
+    yield from side_by_side(request, tmp_path_factory, JOBS, assets)
+
+
+@pytest.fixture(scope="module")
+def reference(jobs):
+    """An uninterrupted run: its records, and its checkpoints (every 4 iterations)."""
+    return jobs["reference"].result()
+
+
+@pytest.mark.parametrize("saving", ["sync", "async"])
+def test_sigkill_at_random_points_then_resume_gives_the_uninterrupted_records(job, reference, saving):
+    print(f"kill plan: {job['plan']}")
+    assert job["status"] == 0, job["output"]
+    assert job["kills"] >= 5, f"only {job['kills']} of the planned kills happened: {job['plan']}"
+    _assert_same_as(reference["records"], _records(job["logs"]))
+    assert _tracker(job["save"]) == ITERS
+
+
+def test_sigterm_saves_at_the_end_of_the_iteration_and_resumes_exactly(job, reference):
+    output, stopped = job["output"], job["stopped"]
     assert 5 <= stopped < ITERS, output
     assert f"exiting on signal {int(signal.SIGTERM)}: saved iteration {stopped}" in output
-    assert _tracker(save) == stopped  # a checkpoint of the last finished iteration, not an earlier one
-    status, output = _run(argv)
-    assert status == 0, output
-    _assert_same_as(reference["records"], _records(logs))
+    assert job["tracked"] == stopped  # a checkpoint of the last finished iteration, not an earlier one
+    assert job["status"] == 0, job["resumed_output"]
+    _assert_same_as(reference["records"], _records(job["logs"]))
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("fault", ["raise", "hang"])
-def test_a_failing_or_hanging_rank_ends_the_job_within_the_timeout(assets, tmp_path, world_size, fault):
-    timeout_minutes = 0.25
-    argv = _gpt_flags(assets, "--train-iters", "6", "--micro-batch-size", "1",
-                      "--tensor-model-parallel-size", str(world_size // 2),
-                      "--distributed-timeout-minutes", str(timeout_minutes))
-    start = time.monotonic()
-    status, output = _run(argv, nproc=world_size, script=FAULTY_SCRIPT, timeout=240,
-                          env={"FAULT": fault, "FAULT_RANK": "1", "FAULT_ITERATIONS": "2"})
-    elapsed = time.monotonic() - start
+def test_a_failing_or_hanging_rank_ends_the_job_within_the_timeout(job, world_size, fault):
+    status, output, elapsed = job
     assert status != 0, output
     assert " iteration 1/6" in output  # it failed during training, not at start-up
     if fault == "raise":
@@ -182,54 +263,40 @@ def test_a_failing_or_hanging_rank_ends_the_job_within_the_timeout(assets, tmp_p
     print(f"{world_size} ranks, {fault}: exit {status} after {elapsed:.0f} s")
 
 
-def test_fp16_skips_a_poisoned_step_and_lowers_the_loss_scale(assets, tmp_path):
-    logs = str(tmp_path / "logs")
-    # Megatron's hysteresis (2): the scale drops at the second overflow in a row, so two steps are poisoned.
-    argv = _gpt_flags(assets, "--train-iters", "8", "--micro-batch-size", "2", "--fp16", "--initial-loss-scale",
-                      "4096", "--log-dir", logs)
-    status, output = _run(argv, script=FAULTY_SCRIPT, env={"FAULT": "nan", "FAULT_ITERATIONS": "4,5"})
+def test_fp16_skips_a_poisoned_step_and_lowers_the_loss_scale(job):
+    status, output = job["status"], job["output"]
     assert status == 0, output
-    records = {r["iteration"]: r for r in _records(logs)}
+    records = {r["iteration"]: r for r in _records(job["logs"])}
     assert [i for i, r in records.items() if r["skipped"]] == [4, 5]
     assert records[5]["loss_scale"] < records[3]["loss_scale"]
     assert all(r["loss"] == r["loss"] for i, r in records.items() if i > 5)  # not NaN: the weights were spared
     assert "number of skipped iterations: 2" in output
 
 
-def test_bf16_stops_after_max_bad_steps_with_the_last_checkpoint_intact(assets, tmp_path):
-    save, logs = str(tmp_path / "ckpt"), str(tmp_path / "logs")
-    argv = _gpt_flags(assets, "--train-iters", "8", "--micro-batch-size", "2", "--bf16", "--save", save,
-                      "--save-interval", "1", "--log-dir", logs, "--max-bad-steps", "2")
-    # One poisoned step is skipped and training goes on; two in a row stop the run.
-    status, output = _run(argv, script=FAULTY_SCRIPT, env={"FAULT": "nan", "FAULT_ITERATIONS": "2,5,6"})
+def test_bf16_stops_after_max_bad_steps_with_the_last_checkpoint_intact(job):
+    status, output = job["status"], job["output"]
     assert status != 0
     assert "iterations 5-6 had NaN/Inf gradients" in output and "--max-bad-steps 2" in output, output
-    records = {r["iteration"]: r for r in _records(logs)}
+    records = {r["iteration"]: r for r in job["records"]}
     assert max(records) == 6 and [i for i, r in records.items() if r["skipped"]] == [2, 5, 6]
-    assert _tracker(save) == 5  # the save after the first bad step of the run of two: its weights are unchanged
-    status, output = _run(argv + ["--load", save], script=FAULTY_SCRIPT,
-                          env={"FAULT": "nan", "FAULT_ITERATIONS": "0"})
-    assert status == 0, output
-    resumed = [r for r in _records(logs)[len(records):]]
+    assert job["tracked"] == 5  # the save after the first bad step of the run of two: its weights are unchanged
+    assert job["resumed_status"] == 0, job["resumed_output"]
+    resumed = [r for r in _records(job["logs"])[len(records):]]
     assert [r["iteration"] for r in resumed] == [6, 7, 8]
     assert all(r["loss"] == r["loss"] and not r["skipped"] for r in resumed)
 
 
-def test_late_configuration_errors_stop_before_the_first_step(assets, reference, tmp_path):
-    missing = str(tmp_path / "no_such_corpus_text_document")
-    argv = _gpt_flags(assets, "--train-iters", "2")
-    status, output = _run([*argv, "--data-path", missing])
+def test_late_configuration_errors_stop_before_the_first_step(job):
+    missing = job["missing"]
+    status, output = job["no_data"]
     assert status != 0 and f"{missing}.bin" in output and " iteration " not in output, output
 
-    args_file = os.path.join(reference["save"], "megatron_patch_args.json")
-    status, output = _run([*argv, "--load", reference["save"], "--tokenizer-type", "NullTokenizer",
-                           "--vocab-size", "2000"])
+    args_file = os.path.join(job["save"], "megatron_patch_args.json")
+    status, output = job["tokenizer"]
     assert status != 0 and args_file in output and "NullTokenizer has 2001 tokens" in output, output
     assert " iteration " not in output
 
-    shape = list(argv)
-    shape[shape.index("--hidden-size") + 1] = "64"  # another model's shape than the checkpoint's
-    status, output = _run([*shape, "--load", reference["save"]])
+    status, output = job["shape"]
     assert status != 0 and args_file in output and "--hidden-size 64" in output, output
     assert " iteration " not in output
 
