@@ -90,7 +90,14 @@ class TrainingLog:
 
             self.writer = SummaryWriter(tensorboard_dir)
 
-    def _scalar(self, name: str, value: float, iteration: int) -> None:
+    def scalar(self, name: str, value: float, iteration: int) -> None:
+        """``value`` under ``name`` in TensorBoard (nothing without ``--tensorboard-dir`` or for None); ``RoutingLog``
+        writes its per-layer losses through it too.
+
+        Example::
+
+            log.scalar("moe/load_balancing_loss_layer_0", 1.01, iteration=10)
+        """
         if self.writer is not None and value is not None:
             self.writer.add_scalar(name, value, iteration)
 
@@ -113,7 +120,7 @@ class TrainingLog:
             self.record.flush()
         for name, value in ((self.loss_name, loss), ("learning-rate", lr), ("grad-norm", grad_norm),
                             ("loss-scale", loss_scale), *other_losses.items()):
-            self._scalar(name, value, iteration)
+            self.scalar(name, value, iteration)
         if iteration % self.log_interval and iteration != self.train_iters:
             return
         window, self._window = self._window, []
@@ -141,22 +148,22 @@ class TrainingLog:
             samples_per_s = sum(w["samples"] for w in window) / max(sum(w["step_time"] for w in window), 1e-9)
             tflops = samples_per_s * self.flops_per_sample / self.world_size / 1e12
             parts += [f"TFLOP/s/GPU: {tflops:.1f}", f"MFU: {100 * tflops / self.peak_tflops:.1f}%"]
-            self._scalar("tflops-per-gpu", tflops, iteration)
+            self.scalar("tflops-per-gpu", tflops, iteration)
         parts.append(f"peak memory (MB): {peak_memory_mb():.0f}")
-        self._scalar("tokens-per-second", tokens_per_s, iteration)
+        self.scalar("tokens-per-second", tokens_per_s, iteration)
         self.logger.info(" | ".join(parts))
 
     def validation(self, iteration: int, loss: float) -> None:
         self.valid_losses.append((iteration, loss))
         perplexity = math.exp(min(loss, 20.0))
-        self._scalar(f"validation {self.loss_name}", loss, iteration)
-        self._scalar("validation ppl", perplexity, iteration)
+        self.scalar(f"validation {self.loss_name}", loss, iteration)
+        self.scalar("validation ppl", perplexity, iteration)
         self.logger.info(f" validation loss at iteration {iteration} | {self.loss_name}: {loss:.6E} | "
                          f"{self.loss_name} PPL: {perplexity:.6E}")
 
     def metrics(self, epoch: int, values: dict) -> None:
         for name, value in values.items():
-            self._scalar(f"eval {name}", value, epoch)
+            self.scalar(f"eval {name}", value, epoch)
         self.logger.info(f" epoch {epoch} | " + " | ".join(f"{k}: {v:.4f}" for k, v in values.items()))
 
     def close(self) -> None:
@@ -216,7 +223,7 @@ class RoutingLog:
         self._window.append(routing)
         for name, per_layer in routing.aux_losses.items():
             for layer, loss in per_layer.items():
-                self.log._scalar(f"moe/{name}_layer_{layer - 1}", loss, iteration)
+                self.log.scalar(f"moe/{name}_layer_{layer - 1}", loss, iteration)
         if iteration % self.log.log_interval and iteration != self.log.train_iters:
             return
         window, self._window = self._window, []
