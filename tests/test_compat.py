@@ -192,6 +192,42 @@ def free_megatron_core_groups(rank, world_size):
     return built, list(c10d._world.pg_map) == [c10d._get_default_group()]
 
 
+def _unreachable_cycle(finalised: list, name: str) -> None:
+    class Node:
+        def __del__(self):
+            finalised.append(name)
+
+    node = Node()
+    node.self = node
+
+
+def test_collections_in_the_block_free_its_garbage_only_and_return_the_rest_after():
+    import gc
+
+    finalised = []
+    _unreachable_cycle(finalised, "before")
+    with compat.collect_only_new_objects():
+        _unreachable_cycle(finalised, "inside")
+        gc.collect()  # what megatron-core's optimizer does at the end of its state
+        assert finalised == ["inside"]
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert finalised == ["inside", "before"]
+
+
+def test_a_process_that_froze_objects_keeps_them_frozen():
+    import gc
+
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        with compat.collect_only_new_objects():
+            pass
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
+
+
 def test_destroying_megatron_core_groups_frees_them():
     """Only the default group outlives megatron-core's: destroy_model_parallel alone leaves ~30 registered."""
     [(built, only_default_left)] = run_on_ranks(free_megatron_core_groups, 1)

@@ -250,7 +250,8 @@ def _megatron_state(model, optimizer, scheduler, is_loading: bool, with_optimize
     if with_optimizer:
         model_state = {k: v for k, v in state.items() if k.startswith("model")}
         compat.initialise_adam_state(optimizer, is_loading)
-        state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading, metadata=dict(metadata))
+        with compat.collect_only_new_objects():
+            state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading, metadata=dict(metadata))
         if scheduler is not None:
             state["opt_param_scheduler"] = scheduler.state_dict()
     return state
