@@ -17,6 +17,7 @@ setup(
         "regex",
         "safetensors>=0.4",
         "psutil",  # dist_checkpointing's writer processes hang without it
+        "isal",  # ISA-L's CRC-32 for checkpoint checksums: zlib's values, about 8x its speed
         "numpy>=1.26",
         "einops",
         "matplotlib",
