@@ -7,9 +7,11 @@ Example::
 
 Each case runs in its own process (fresh memory statistics and compile caches): the ~1B LLaMA-style model at
 sequence length 2048 with the local layer spec and our SDPA attention, with and without selective recompute,
-with torch.compile'd fusions on and off, and BERT-large. FLOPs follow megatron-core's formula
-(``megatron_patch.model.flops``), so MFU is comparable with Megatron's published figures (peak 989 TFLOP/s bf16
-dense on H100/H200).
+with torch.compile'd fusions on and off, BERT-large, and a mixture-of-experts model (Mixtral-8x7B's layer shape,
+3 of its 32 layers). FLOPs follow megatron-core's formula (``megatron_patch.model.flops``; for MoE only the
+top-k experts a token passes), so MFU is comparable with Megatron's published figures (peak 989 TFLOP/s bf16
+dense on H100/H200). The table is rewritten after every case, so a run stopped by ``gpu_throughput.sh``'s time
+limit keeps the rows it finished.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import os
 import subprocess
 import sys
 import time
+import traceback
+from typing import NoReturn
 
 PEAK_TFLOPS = 989.0
 
@@ -34,17 +38,31 @@ class Case:
     num_microbatches: int
     recompute: str | None = None
     fused: bool = True
+    num_layers: int | None = None
+    """Fewer layers than the named model has, to fit one GPU (the dry run's tiny model keeps its own)."""
 
 
+# Budget on an H200, whole process: ~15 s imports and CUDA/NCCL start, ~5-10 s building the model and optimizer,
+# 20-40 s of torch.compile on the first steps (the fused cases), then 13 steps of ~270 TFLOP (LLaMA, MoE) or
+# ~70 TFLOP (BERT) each at an assumed 250-400 TFLOP/s: ~10-15 s. That is about 60 s per LLaMA case, 40 s for BERT
+# and 75 s for the MoE case, ~5 minutes in all, inside gpu_throughput.sh's default 480 s.
 CASES = [
     Case("llama-1b", "llama3.2-1b", 2048, 4, 4),
     Case("llama-1b selective-recompute", "llama3.2-1b", 2048, 4, 4, recompute="selective"),
     Case("llama-1b no-fusions", "llama3.2-1b", 2048, 4, 4, fused=False),
     Case("llama-1b selective no-fusions", "llama3.2-1b", 2048, 4, 4, recompute="selective", fused=False),
     Case("bert-large", "bert-large", 512, 16, 4),
+    # Mixtral's full expert shape (8 experts of 4096 x 14336, top-2) at EP=1, so the expert GEMMs are the real ones.
+    # bf16 weights, fp32 grads, fp32 main weights and Adam's two moments are 18 bytes a parameter (the
+    # distributed optimizer shards nothing at DP=1), and torch's foreach AdamW (no apex or TE there) adds one
+    # fp32 temporary in its step: 22 bytes. 3 layers are 4.62B parameters (1.45B active): ~95 GiB at the optimizer
+    # step, activations (~10 GiB at 2 x 4096 tokens) freed by then, leaving room on a 139 GiB H200. 4 layers
+    # (6.07B, ~124 GiB) would leave too little for the allocator's fragmentation. 32k tokens an iteration as in
+    # the LLaMA rows.
+    Case("mixtral moe 3 layers", "mixtral-8x7b", 4096, 2, 4, num_layers=3),
 ]
 # The same cases shrunk to run on a CPU in seconds: what CI runs so the script cannot rot.
-DRY_MODELS = {"llama3.2-1b": "tiny-llama", "bert-large": "tiny-bert"}
+DRY_MODELS = {"llama3.2-1b": "tiny-llama", "bert-large": "tiny-bert", "mixtral-8x7b": "tiny-mixtral"}
 WARMUP_ITERS, TIMED_ITERS = 3, 10
 
 
@@ -84,14 +102,15 @@ def run_case(case: Case, dry_run: bool) -> dict:
     from megatron_patch.distributed import initialize_distributed
     from megatron_patch.model.builder import build_model_chunks, padded_vocab_size
     from megatron_patch.model.config import get_model_config
-    from megatron_patch.model.flops import num_floating_point_operations, num_parameters
+    from megatron_patch.model.flops import expert_parameters, num_floating_point_operations, num_parameters
     from megatron_patch.model.parallel import ParallelConfig
     from megatron_patch.training.step import build_optimizer, lm_forward_step, train_step, wrap_model
 
     on_gpu = torch.cuda.is_available() and not dry_run
     layout = initialize_distributed(seed=1234)
     model_name = DRY_MODELS[case.model] if dry_run else case.model
-    model_config = get_model_config(model_name)
+    layers = {} if dry_run or case.num_layers is None else {"num_layers": case.num_layers}
+    model_config = get_model_config(model_name, **layers)
     seq_length = min(case.seq_length, model_config.max_positions) if dry_run else case.seq_length
     micro_batch_size = 2 if dry_run else case.micro_batch_size
     parallel_config = ParallelConfig(bf16=on_gpu, recompute_granularity=case.recompute, fused_kernels=case.fused)
@@ -121,19 +140,63 @@ def run_case(case: Case, dry_run: bool) -> dict:
         torch.cuda.synchronize()
     seconds = (time.perf_counter() - start) / timed
     global_batch = micro_batch_size * case.num_microbatches
+    # Counts only the top-k experts each token passes (flops.py), so a MoE row's MFU is that of its active part.
     tflops = num_floating_point_operations(model_config, global_batch, seq_length, vocab) / seconds / 1e12
+    m = model_config
+    size = f"{num_parameters(m, vocab) / 1e9:.2f}B"
+    if m.num_moe_experts:
+        idle_experts = m.num_layers * expert_parameters(m) * (1 - m.moe_router_topk / m.num_moe_experts)
+        size += f", {(num_parameters(m, vocab) - idle_experts) / 1e9:.2f}B active"
     return {
         "case": case.name,
-        "model": f"{model_name} ({num_parameters(model_config, vocab) / 1e9:.2f}B)",
+        "model": f"{model_name}{f' {m.num_layers} layers' if layers else ''} ({size})",
         "seq": seq_length,
         "global batch": global_batch,
         "tokens/s": round(global_batch * seq_length / seconds),
-        "TFLOP/s": round(tflops, 1 if on_gpu else 4),
-        "MFU %": round(100 * tflops / PEAK_TFLOPS, 1 if on_gpu else 4),
+        "TFLOP/s": _rounded(tflops, on_gpu),
+        "MFU %": _rounded(100 * tflops / PEAK_TFLOPS, on_gpu),
         "peak GiB": round(torch.cuda.max_memory_allocated() / 2**30, 1) if on_gpu else None,
         "loss": round(stats.loss, 3),
         "device": torch.cuda.get_device_name() if on_gpu else "cpu (dry run)",
     }
+
+
+def _rounded(value: float, on_gpu: bool) -> float:
+    # A tiny dry-run model makes ~1e-4 TFLOP/s on a busy CPU: three significant digits keep it from rounding to 0.
+    return round(value, 1) if on_gpu else float(f"{value:.3g}")
+
+
+def run_case_process(case: Case, dry_run: bool) -> NoReturn:
+    """Run ``case`` as this process's whole work, print its row, and end the process the way trainer ranks end.
+
+    Example::
+
+        run_case_process(CASES[0], dry_run=True)     # prints "ROW {...}", never returns
+
+    A normal interpreter exit after gloo work sometimes aborts ("terminate called without an active exception",
+    docs/megatron-core-on-cpu.md item 11), which made a finished case look failed; ``exit_rank`` flushes the row
+    and leaves with ``os._exit``. The process is a one-rank world of its own: it listens on a free port, not on
+    whatever MASTER_PORT says or initialize_distributed's default 29500, either of which another job may hold.
+    """
+    from megatron_patch.distributed import exit_rank, free_port
+
+    os.environ["MASTER_PORT"] = str(free_port())
+    try:
+        print("ROW " + json.dumps(run_case(case, dry_run)), flush=True)
+        status = 0
+    except BaseException:  # noqa: BLE001  (report every failure before the hard exit)
+        traceback.print_exc()
+        status = 1
+    exit_rank(status)
+
+
+def write_table(path: str, rows: list[dict]) -> None:
+    """Replace ``path`` with the Markdown table of ``rows`` (written aside and renamed: never half a table)."""
+    tmp = path + ".tmp"
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(tmp, "w") as f:
+        f.write(markdown_table(rows))
+    os.replace(tmp, path)
 
 
 def markdown_table(rows: list[dict]) -> str:
@@ -153,8 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cases = {case.name: case for case in CASES}
     if args.case:
-        print("ROW " + json.dumps(run_case(cases[args.case], args.dry_run)), flush=True)
-        return 0
+        run_case_process(cases[args.case], args.dry_run)
     rows, failures = [], []
     for case in CASES:
         command = [sys.executable, os.path.abspath(__file__), "--out", args.out, "--case", case.name]
@@ -167,12 +229,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         rows.append(json.loads(row[0]))
         print(json.dumps(rows[-1]), flush=True)
+        write_table(args.out, rows)
     if rows:
-        tmp = args.out + ".tmp"
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(tmp, "w") as f:
-            f.write(markdown_table(rows))
-        os.replace(tmp, args.out)
         print(markdown_table(rows))
     return 1 if failures else 0
 

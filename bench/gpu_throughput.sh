@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# One prepared GPU run: bf16 training throughput of a ~1B LLaMA-style model (seq 2048) and BERT-large.
+# One prepared GPU run: bf16 training throughput of a ~1B LLaMA-style model (seq 2048), BERT-large and a
+# Mixtral-shaped mixture of experts (3 layers, seq 4096).
 #
 #   bash bench/gpu_throughput.sh --prepare-wheels 3.12   # on a machine with network: wheels for the GPU's Python
 #   bash bench/gpu_throughput.sh                          # on the GPU machine (PyTorch present, no network)
 #   bash bench/gpu_throughput.sh --dry-run --out /tmp/t.md   # CPU-sized, what CI runs
 #
 # Whatever Python package the GPU machine lacks is installed from bench/wheels/. The whole run is bounded by
-# --time-limit seconds (default 480) and writes a Markdown table to --out (default bench/results/).
+# --time-limit seconds (default 480; the cases' budget is ~5 minutes, see CASES in gpu_throughput.py) and writes a
+# Markdown table to --out (default bench/results/), rewritten after each case.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=bench/wheels
