@@ -14,8 +14,8 @@ save writes its data files around the cache. Alternates them several times and k
 Prints ``RESULT {json}`` lines with ratio = ours / plain (lower is better; 1.0 is the disk's own speed); what the
 checksums cost: the save against the same save with its CRC-32 (``integrity.crc32``, taken as the files are written)
 stubbed out, and the load against ``verify_checksums=False``; and the median training step while an asynchronous
-save (megatron-core's ``AsyncCallsQueue``, as ``--async-save`` runs it) is in flight against the median step without
-one, each step followed by the trainer's ``maybe_finalize_async_calls(blocking=False)``.
+save (``checkpoint.async_save.async_save_queue``, as ``--async-save`` runs it) is in flight against the median step
+without one, each step followed by the trainer's ``maybe_finalize_async_calls(blocking=False)``.
 """
 
 from __future__ import annotations
@@ -61,12 +61,12 @@ def _plain_write_read(path: str, payload: bytearray) -> tuple[float, float]:
 
 def main(argv: list[str] | None = None) -> int:
     import torch
-    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from megatron_patch.checkpoint import integrity
+    from megatron_patch.checkpoint.async_save import async_save_queue
     from megatron_patch.distributed import initialize_distributed
     from megatron_patch.model.builder import build_model_chunks
     from megatron_patch.model.config import get_model_config
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
                                         lr_decay_steps=10, lr_decay_style="linear", start_wd=0.0, end_wd=0.0,
                                         wd_incr_steps=10, wd_incr_style="constant")
     batches = torch.Generator().manual_seed(0)
-    saves = AsyncCallsQueue()
+    saves = async_save_queue()
 
     def step() -> float:
         """One training step as the trainer takes it with --async-save; its seconds."""

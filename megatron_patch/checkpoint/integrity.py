@@ -136,14 +136,15 @@ def write_checksummed(staging: str, checksums: dict, transforms: list, rank: int
         transforms = request.async_fn.args[0]         # what megatron-core's own write function was given
         request = request._replace(async_fn=functools.partial(write_checksummed, staging, checksums, transforms))
 
-    Threads suffice: torch.save's writes release the GIL. So a synchronous save forks nothing and an
-    ``--async-save`` process (forked by the ``AsyncCallsQueue``) forks no more. The write results (or the first
-    failure) go to ``results_queue`` as megatron-core's do, where the save's finalization
-    (``retrieve_write_results``) raises a failure.
+    Threads suffice: torch.save's writes release the GIL. So no save forks a process (an ``--async-save`` runs
+    this in a thread of its own: ``checkpoint.async_save``). The write results (or the first failure) go to
+    ``results_queue`` as megatron-core's do, where the save's finalization (``retrieve_write_results``) raises a
+    failure.
 
-    ``background``: this is an ``--async-save``'s own process; it takes the CPU only when training leaves it
-    (nice 19, which also puts its I/O last in the best-effort class), so the steps that run meanwhile are not slowed
-    by the writing: the save finishes later instead.
+    ``background``: this is an ``--async-save``'s thread; it and the writer threads it starts take the CPU only
+    when training leaves it (nice 19, which on Linux applies to the calling thread and the threads it starts, and
+    also puts their I/O last in the best-effort class), so the steps that run meanwhile are not slowed by the
+    writing: the save finishes later instead.
     """
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 

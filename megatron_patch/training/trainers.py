@@ -112,7 +112,7 @@ class _Trainer:
         self._last_saved = None  # the iteration of the last save (so nothing is saved twice)
         self._bad_steps = 0  # consecutive steps skipped for NaN/Inf gradients (bf16/fp32)
         self._exit_signal = None  # signals.ExitSignal with --exit-signal-handler
-        self._async_saves = None  # megatron-core's AsyncCallsQueue with --async-save
+        self._async_saves = None  # megatron-core's AsyncCallsQueue (run in threads) with --async-save
         # The megatron model's description, written next to each save (so megatron-to-hf can export it); set by
         # a model provider that knows its ModelConfig (checkpointing.trained_model_info).
         self.checkpoint_info = None
@@ -159,9 +159,9 @@ class _Trainer:
         self.backend = self.engine.backend
         checkpoints = self.config.checkpointing
         if checkpoints.async_save:
-            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+            from megatron_patch.checkpoint.async_save import async_save_queue
 
-            self._async_saves = AsyncCallsQueue()
+            self._async_saves = async_save_queue()
         if self.config.training.exit_signal_handler:
             from megatron_patch.training.signals import ExitSignal
 

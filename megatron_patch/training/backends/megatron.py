@@ -30,6 +30,7 @@ from megatron_patch.checkpoint.format import (
     RELEASE, CheckpointInfo, CheckpointMismatch, checkpoint_dir, load_megatron_file, megatron_lm_common_state,
     read_info, weights_dir,
 )
+from megatron_patch.checkpoint.async_save import live_storages, with_snapshot
 from megatron_patch.checkpoint.integrity import write_checksummed, write_rank_checksums
 from megatron_patch.checkpoint.legacy import load_legacy_optimizer
 from megatron_patch.checkpoint.load import load_into_chunks
@@ -268,9 +269,10 @@ def save_megatron_checkpoint(root: str, iteration: int, chunks: list, optimizer,
 
         save_megatron_checkpoint("ckpt", 100, chunks, optimizer, scheduler, info, keep_last_k=2)
 
-    With ``async_queue`` (megatron-core's ``AsyncCallsQueue``) the tensors are written and checksummed by a
-    background process and the publishing (rename, tracker) happens when the queue finalizes the save on every
-    rank (``maybe_finalize_async_calls``), so an unfinished save is never the latest. With ``info``, ``common.pt``
+    With ``async_queue`` (``checkpoint.async_save.async_save_queue``) the tensors are written and checksummed by a
+    background thread, from copies of any that training still writes, and the publishing (rename, tracker) happens
+    when the queue finalizes the save on every rank (``maybe_finalize_async_calls``), so an unfinished save is never
+    the latest. With ``info``, ``common.pt``
     carries Megatron-LM's ``args`` (``run_args``, e.g. ``consumed_train_samples``, override what ``info`` cannot
     know), so Megatron-LM resumes it with ``--use-checkpoint-args``.
     """
@@ -309,7 +311,7 @@ def save_megatron_checkpoint(root: str, iteration: int, chunks: list, optimizer,
         if async_queue is None:
             request.execute_sync()
         else:
-            async_queue.schedule_async_request(request)
+            async_queue.schedule_async_request(with_snapshot(request, live_storages(chunks, optimizer)))
 
     return checkpointing.save_checkpoint(root, iteration, write_state, info=info, keep_last_k=keep_last_k)
 
