@@ -172,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt.add_argument("--keep-last-k", type=int, default=None, metavar="K",
                       help="after each save keep only the newest K iter_* checkpoints under --save")
     ckpt.add_argument("--async-save", action="store_true",
-                      help="write megatron-core checkpoints in a background process while training goes on; "
+                      help="write megatron-core checkpoints in a background thread while training goes on; "
                            "a save becomes the latest only once every rank's files are complete")
 
     log = parser.add_argument_group("logging")
