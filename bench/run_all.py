@@ -4,6 +4,7 @@ Example::
 
     python bench/run_all.py              # full sizes (minutes)
     python bench/run_all.py --quick      # small sizes, to check that everything runs
+    python bench/run_all.py --suite      # and the test suite's time from a fresh clone (~30 min more)
 
 Each benchmark is a script in this folder that prints ``RESULT {"benchmark", "ratio", "target", "note"}`` lines;
 they run one after another (never concurrently: they would time each other) and their ratios, each measured
@@ -30,6 +31,8 @@ BENCHMARKS = {
     "convert.py": ([], ["--quick"]),
     "checkpoint_io.py": ([], ["--hidden-size", "128", "--num-layers", "2", "--repeats", "1"]),
 }
+# Run only with --suite (or --only suite_time.py): the whole test suite, ~30 minutes on 2 cores.
+SLOW = {"suite_time.py": ([], ["--quick"])}
 
 
 def run_benchmark(script: str, arguments: list[str]) -> tuple[list[dict], str]:
@@ -47,11 +50,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes: checks that every benchmark runs")
     parser.add_argument("--only", nargs="*", help="run only these scripts (e.g. preprocess.py)")
+    parser.add_argument("--suite", action="store_true", help="also time the test suite from a fresh clone (slow)")
     args = parser.parse_args(argv)
     table = ["| benchmark | ratio | target | note |", "|---|---|---|---|"]
     failed = []
-    for script, (full, quick) in BENCHMARKS.items():
-        if args.only and script not in args.only:
+    for script, (full, quick) in {**BENCHMARKS, **SLOW}.items():
+        if (args.only and script not in args.only) or (not args.only and script in SLOW and not args.suite):
             continue
         print(f"running {script} ...", flush=True)
         rows, failure = run_benchmark(script, quick if args.quick else full)
