@@ -44,6 +44,8 @@ print(time.perf_counter() - start)
 
 _START_UP = """
 from megatron_patch import compat
+from megatron_patch.convert.startup import import_megatron_core
+import_megatron_core()
 import megatron_patch.convert.core, megatron.core.dist_checkpointing
 compat.apply()
 """
