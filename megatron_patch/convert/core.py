@@ -40,7 +40,7 @@ from megatron_patch.checkpoint.load import load_into_reference_model
 from megatron_patch.checkpoint.torch_dist import stream_dist
 from megatron_patch.convert.families import Family, Rule, Table, UnsupportedCheckpoint, architecture_of, family_for
 from megatron_patch.convert.hf_io import HFReader, ShardedSafetensorsWriter, copy_tokenizer_files, read_hf_config
-from megatron_patch.convert.transforms import Shapes, apply_to_hf, apply_to_mcore
+from megatron_patch.convert.transforms import Shapes, apply_to_hf, apply_to_mcore, row_runs
 from megatron_patch.distributed import free_port, initialize_distributed
 from megatron_patch.errors import UserError, first_problems
 from megatron_patch.model.config import ModelConfig
@@ -309,7 +309,11 @@ def hf_to_megatron(
             if name not in by_name:
                 return target[name]  # an initialised head
             r = by_name[name]
-            [tensor] = apply_to_mcore(r.transforms, [reader.get(n) for n in r.hf], shapes)
+            runs = row_runs(r.transforms, tuple(tuple(reader.shape(n)) for n in r.hf), shapes)
+            if runs is None:
+                [tensor] = apply_to_mcore(r.transforms, [reader.get(n) for n in r.hf], shapes)
+            else:  # each Hugging Face row read where it belongs: no intermediate copies
+                tensor = reader.read_runs(r.hf, runs, target[name].shape)
             bar.update(sum(reader.nbytes(n) for n in r.hf))
             return tensor
 
