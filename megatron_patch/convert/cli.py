@@ -118,9 +118,8 @@ def verify(args) -> int:
 
 
 def hf_to_megatron(args) -> int:
-    from megatron_patch import compat
+    # convert imports megatron-core itself (import_megatron_core, compat.apply) while it reads the first weights.
     from megatron_patch.convert.core import hf_to_megatron as convert
-    from megatron_patch.convert.startup import import_megatron_core
 
     def verify_staged(staged_dir: str) -> None:
         """Verify the written checkpoint under its temporary name, at the layout the files were written for
@@ -137,8 +136,6 @@ def hf_to_megatron(args) -> int:
                             f"nothing was written to {args.save_dir}{kept}; check the Hugging Face weights "
                             "(NaN or inf?), or pass --no-verify to keep an unverified conversion")
 
-    import_megatron_core()
-    compat.apply()
     convert(args.hf_dir, args.save_dir, ckpt_format=args.ckpt_format,
             target_tensor_parallel_size=args.target_tensor_parallel_size,
             target_pipeline_parallel_size=args.target_pipeline_parallel_size,
