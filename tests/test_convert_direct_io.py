@@ -5,6 +5,7 @@ import errno
 import os
 import types
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
@@ -72,3 +73,21 @@ def test_dcp_checkpoint_equals_pytorch_file_system_writer(tmp_path):
     loaded = {k: torch.zeros_like(v) for k, v in state.items()}
     dcp.load(loaded, checkpoint_id=tmp_path / "direct", no_dist=True)
     assert all(torch.equal(loaded[k], state[k]) for k in state)
+
+
+class _FailingOs(types.SimpleNamespace):
+    """``os`` as seen by direct_io on a device that fails every data write (EIO)."""
+
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+    @staticmethod
+    def write(fd, data):
+        raise OSError(errno.EIO, "Input/output error")
+
+
+def test_a_failed_write_in_the_background_is_raised_to_the_writer(tmp_path, monkeypatch):
+    """Full buffers are written by a helper thread; its error must reach the caller, not vanish with the thread."""
+    monkeypatch.setattr(direct_io, "os", _FailingOs())
+    with pytest.raises(OSError, match="Input/output error"):
+        _write(tmp_path / "__0_0.distcp", _chunks(3))

@@ -121,3 +121,60 @@ def test_the_chat_templates_survive_the_round_trip(tmp_path):
         expected = tokenizer.apply_chat_template(messages, chat_template=name, tokenize=False)
         got = AutoTokenizer.from_pretrained(exported).apply_chat_template(messages, chat_template=name, tokenize=False)
         assert got == expected, name
+
+
+@pytest.mark.parametrize("names, hf_shapes, shapes", [
+    (("fuse_qkv",), [(8, 3), (4, 3), (4, 3)], GQA),
+    (("fuse_qkv",), [(8,), (4,), (4,)], GQA),  # biases
+    (("fuse_gate_up",), [(6, 3), (6, 3)], GQA),
+    (("pad_vocab",), [(5, 3)], GQA),
+    (("fuse_stacked_qkv",), [(6, 3)], Shapes(num_attention_heads=2, num_query_groups=2, kv_channels=1,
+                                               vocab_size=1, padded_vocab_size=1)),
+])
+def test_rows_read_where_they_belong_equal_the_transforms(tmp_path, names, hf_shapes, shapes):
+    """hf-to-megatron reads a row-moving rule's rows straight into place (row_runs, HFReader.read_runs); the result
+    must be the transforms' own, bit for bit, zero padding included."""
+    from safetensors.torch import save_file
+
+    from megatron_patch.convert.hf_io import HFReader
+    from megatron_patch.convert.transforms import row_runs
+
+    tensors = {f"t{i}": torch.randn(shape).bfloat16() for i, shape in enumerate(hf_shapes)}
+    save_file(tensors, tmp_path / "model.safetensors")
+    [expected] = apply_to_mcore(names, list(tensors.values()), shapes)
+    runs = row_runs(names, tuple(hf_shapes), shapes)
+    assert torch.equal(HFReader(str(tmp_path)).read_runs(list(tensors), runs, expected.shape), expected)
+    assert row_runs(("transpose",) + names, tuple(hf_shapes), shapes) is None  # columns move: read whole
+
+
+def test_read_ahead_makes_every_tensor_once_and_leaves_errors_to_the_caller():
+    """hf-to-megatron's helper thread reads ahead of the writer: whether the helper or the caller makes a tensor,
+    each is made exactly once and taken as made, within the byte budget; a failure is met by the caller."""
+    import threading
+
+    from megatron_patch.convert.core import _ReadAhead
+    from megatron_patch.convert.families import Rule
+
+    rules = [Rule((f"hf{i}",), f"m{i}") for i in range(40)]
+    made, lock, held = [], threading.Lock(), []
+
+    def make(r):
+        with lock:
+            made.append(r.mcore)
+        if r.mcore == "m30":
+            raise OSError("damaged file")
+        return torch.full((4,), int(r.mcore[1:]))
+
+    ahead = _ReadAhead(make, rules, nbytes=lambda r: 16, budget=64)
+    try:
+        for r in rules[:30]:
+            tensor = ahead.take(r.mcore)
+            held.append(ahead._held)
+            assert torch.equal(tensor if tensor is not None else make(r), torch.full((4,), int(r.mcore[1:])))
+        assert ahead.take("m30") is None  # the helper stopped at it
+        with pytest.raises(OSError, match="damaged"):
+            make(rules[30])
+    finally:
+        ahead.close()
+    assert all(made.count(r.mcore) == 1 for r in rules[:30])  # by the helper or by the caller, never both
+    assert max(held) <= 64

@@ -74,7 +74,9 @@ def _verify_here(args) -> int:
     import torch
 
     from megatron_patch import compat
+    from megatron_patch.convert.startup import import_megatron_core
 
+    import_megatron_core()
     compat.apply()
     from megatron_patch.convert.verify import verify_on_rank
 
@@ -116,7 +118,7 @@ def verify(args) -> int:
 
 
 def hf_to_megatron(args) -> int:
-    from megatron_patch import compat
+    # convert imports megatron-core itself (import_megatron_core, compat.apply) while it reads the first weights.
     from megatron_patch.convert.core import hf_to_megatron as convert
 
     def verify_staged(staged_dir: str) -> None:
@@ -134,7 +136,6 @@ def hf_to_megatron(args) -> int:
                             f"nothing was written to {args.save_dir}{kept}; check the Hugging Face weights "
                             "(NaN or inf?), or pass --no-verify to keep an unverified conversion")
 
-    compat.apply()
     convert(args.hf_dir, args.save_dir, ckpt_format=args.ckpt_format,
             target_tensor_parallel_size=args.target_tensor_parallel_size,
             target_pipeline_parallel_size=args.target_pipeline_parallel_size,
@@ -148,7 +149,9 @@ def hf_to_megatron(args) -> int:
 def megatron_to_hf(args) -> int:
     from megatron_patch import compat
     from megatron_patch.convert.core import megatron_to_hf as export
+    from megatron_patch.convert.startup import import_megatron_core
 
+    import_megatron_core()
     compat.apply()
     export(args.load_dir, args.save_dir, model_type=args.model_type, tokenizer_dir=args.tokenizer_dir,
            max_shard_bytes=int(args.max_shard_size_gb * (1 << 30)), overwrite=args.overwrite,

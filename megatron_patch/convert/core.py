@@ -27,10 +27,12 @@ import os
 import re
 import shutil
 import sys
+import threading
 from typing import Callable
 
 import torch
 
+from megatron_patch import compat
 from megatron_patch.checkpoint.format import (
     ARGS_FILE, DTYPES, TOKENIZER_DIR, CheckpointInfo, CheckpointMismatch, dtype_name, full_state_dict, read_info,
     write_info,
@@ -40,7 +42,8 @@ from megatron_patch.checkpoint.load import load_into_reference_model
 from megatron_patch.checkpoint.torch_dist import stream_dist
 from megatron_patch.convert.families import Family, Rule, Table, UnsupportedCheckpoint, architecture_of, family_for
 from megatron_patch.convert.hf_io import HFReader, ShardedSafetensorsWriter, copy_tokenizer_files, read_hf_config
-from megatron_patch.convert.transforms import Shapes, apply_to_hf, apply_to_mcore
+from megatron_patch.convert.startup import import_megatron_core
+from megatron_patch.convert.transforms import Shapes, apply_to_hf, apply_to_mcore, row_runs
 from megatron_patch.distributed import free_port, initialize_distributed
 from megatron_patch.errors import UserError, first_problems
 from megatron_patch.model.config import ModelConfig
@@ -246,6 +249,82 @@ def _checkpoint_dtype(reader: HFReader, rules: list[Rule]) -> str:
     return name
 
 
+# How far reading may run ahead of its use, in bytes of Hugging Face tensors held: enough to cover megatron-core's
+# import (seconds) at page-cache speed, small beside the models converted.
+_READ_AHEAD_BYTES = 1 << 30
+
+
+class _ReadAhead:
+    """Rules' megatron tensors made on a helper thread, in the given order, and held until taken, at most
+    ``budget`` bytes of them at a time (one larger tensor alone may exceed it).
+
+    Example::
+
+        ahead = _ReadAhead(make, rules, nbytes, 1 << 30)
+        tensor = ahead.take(name)   # made already (or being made: waits), else None: make it yourself
+        ahead.close()
+
+    ``make`` reads files (``pread`` releases the GIL), so the reading overlaps megatron-core's import and then the
+    writing. A tensor taken before the helper reached it leaves the helper's queue; if ``make`` raises, the helper
+    stops and the caller, making the rest itself, meets the same error where it always did.
+    """
+
+    def __init__(self, make: Callable[[Rule], torch.Tensor], rules: list[Rule], nbytes: Callable[[Rule], int],
+                 budget: int):
+        self._make, self._nbytes, self._budget = make, nbytes, budget
+        self._queue = {r.mcore: r for r in rules}
+        self._ready: dict[str, tuple[torch.Tensor, int]] = {}
+        self._held = 0
+        self._making: str | None = None
+        self._closed = False
+        self._changed = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="read-ahead", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                while (not self._closed and self._queue and self._held
+                       and self._held + self._nbytes(next(iter(self._queue.values()))) > self._budget):
+                    self._changed.wait()
+                if self._closed or not self._queue:
+                    return
+                name = next(iter(self._queue))
+                rule = self._queue.pop(name)
+                self._making = name
+            try:
+                tensor = self._make(rule)
+            except Exception:  # the caller makes this one itself and meets the error there
+                tensor = None
+            with self._changed:
+                self._making = None
+                if tensor is not None:
+                    self._ready[name] = tensor, self._nbytes(rule)
+                    self._held += self._nbytes(rule)
+                self._changed.notify_all()
+            if tensor is None:
+                return
+
+    def take(self, name: str) -> torch.Tensor | None:
+        with self._changed:
+            self._queue.pop(name, None)
+            while self._making == name:
+                self._changed.wait()
+            if name not in self._ready:
+                return None
+            tensor, nbytes = self._ready.pop(name)
+            self._held -= nbytes
+            self._changed.notify_all()
+            return tensor
+
+    def close(self) -> None:
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+        self._thread.join()
+        self._ready.clear()
+
+
 def hf_to_megatron(
     hf_dir: str,
     save_dir: str,
@@ -265,8 +344,9 @@ def hf_to_megatron(
 
     ``torch_dist`` loads at any TP/PP (the vocabulary is padded for ``target_tensor_parallel_size``; any TP that
     divides ``make_vocab_size_divisible_by x target TP`` works); ``torch`` writes Megatron-LM's per-rank files
-    for exactly the target TP x PP. ``torch_dist`` is streamed: each tensor is read, transformed and written
-    before the next, so memory holds one tensor group (plus the libraries), not the model. A MoE model's experts are
+    for exactly the target TP x PP. ``torch_dist`` is streamed: tensors are read (a helper thread running up to
+    ``_READ_AHEAD_BYTES`` ahead, from before megatron-core is imported) and written one at a time, so memory holds
+    at most that much of the model (plus the libraries), not all of it. A MoE model's experts are
     split over ``target_expert_model_parallel_size`` ranks when the torch_dist checkpoint loads (here the target
     is only checked: it must divide the experts).
     """
@@ -287,46 +367,69 @@ def hf_to_megatron(
         pipeline_model_parallel_size=target_pipeline_parallel_size if ckpt_format == "torch" else 1,
         hf_config=src.hf_config, hf_architecture=src.architecture,
     )
-    with atomic_directory(save_dir, overwrite) as tmp:
-        # Heads the checkpoint lacks keep megatron-core's own initialisation, so only then is it run; torch_dist
-        # otherwise needs no memory for the model (stream_dist), the legacy files need it filled.
-        initialise, stream = bool(src.table.missing_mcore_prefixes), ckpt_format == "torch_dist"
-        model = build_reference_model(m, padded, DTYPES[dtype].torch, allocate_only=not (initialise or stream),
-                                      meta=stream and not initialise)
-        target = full_state_dict(model)
-        info.initialized_tensors = _check_coverage(rules, src.table, target)
-        if info.initialized_tensors:
-            print(f"WARNING: {src.architecture} has no {', '.join(src.table.missing_mcore_prefixes)} weights; "
-                  f"megatron's {info.initialized_tensors} are randomly initialised (recorded in the checkpoint "
-                  "and left out of exports)", file=sys.stderr)
-        shapes = shapes_of(m, padded)
-        _check_hf_shapes(reader, rules, target, shapes, hf_dir)
-        bar = _Progress("hf-to-megatron", sum(reader.nbytes(n) for r in rules for n in r.hf), len(rules), progress)
-        by_name = {r.mcore: r for r in rules}
+    shapes = shapes_of(m, padded)
+    by_name = {r.mcore: r for r in rules}
 
-        def produce(name: str) -> torch.Tensor:
-            """The full megatron tensor ``name``, read and transformed from its Hugging Face tensors."""
-            if name not in by_name:
-                return target[name]  # an initialised head
-            r = by_name[name]
+    def make(r: Rule) -> torch.Tensor:
+        """Rule ``r``'s megatron tensor, read and transformed from its Hugging Face tensors."""
+        hf_shapes = tuple(tuple(reader.shape(n)) for n in r.hf)
+        runs = row_runs(r.transforms, hf_shapes, shapes)
+        if runs is None:
             [tensor] = apply_to_mcore(r.transforms, [reader.get(n) for n in r.hf], shapes)
-            bar.update(sum(reader.nbytes(n) for n in r.hf))
             return tensor
+        # Each Hugging Face row read where it belongs: no intermediate copies.
+        return reader.read_runs(r.hf, runs, (sum(run.rows for run in runs), *hf_shapes[0][1:]))
 
-        # Before the weights: Megatron-LM's args in them name the tokenizer only when there is one.
-        info.tokenizer_files = copy_tokenizer_files(hf_dir, os.path.join(tmp, TOKENIZER_DIR))
-        weights = os.path.join(tmp, "release")
-        if stream:
-            stream_dist(model, weights, produce, info)
-        else:
-            with torch.no_grad():
-                for name, tensor in target.items():
-                    tensor.copy_(produce(name))
-            save_legacy(model, weights, info)
-        bar.close()
-        write_info(tmp, info)
-        if check is not None:
-            check(tmp)
+    def nbytes(r: Rule) -> int:
+        return sum(reader.nbytes(n) for n in r.hf)
+
+    # The largest first: the order in which megatron-core's torch_dist writer asks (DCP writes by size).
+    ahead = _ReadAhead(make, sorted(rules, key=nbytes, reverse=True), nbytes, _READ_AHEAD_BYTES)
+    try:
+        # The seconds of megatron-core's import pass while the first weights are read.
+        import_megatron_core()
+        compat.apply()
+        with atomic_directory(save_dir, overwrite) as tmp:
+            # Heads the checkpoint lacks keep megatron-core's own initialisation, so only then is it run;
+            # torch_dist otherwise needs no memory for the model (stream_dist), the legacy files need it filled.
+            initialise, stream = bool(src.table.missing_mcore_prefixes), ckpt_format == "torch_dist"
+            model = build_reference_model(m, padded, DTYPES[dtype].torch, allocate_only=not (initialise or stream),
+                                          meta=stream and not initialise)
+            target = full_state_dict(model)
+            info.initialized_tensors = _check_coverage(rules, src.table, target)
+            if info.initialized_tensors:
+                print(f"WARNING: {src.architecture} has no {', '.join(src.table.missing_mcore_prefixes)} weights; "
+                      f"megatron's {info.initialized_tensors} are randomly initialised (recorded in the checkpoint "
+                      "and left out of exports)", file=sys.stderr)
+            _check_hf_shapes(reader, rules, target, shapes, hf_dir)
+            bar = _Progress("hf-to-megatron", sum(map(nbytes, rules)), len(rules), progress)
+
+            def produce(name: str) -> torch.Tensor:
+                """The full megatron tensor ``name``."""
+                if name not in by_name:
+                    return target[name]  # an initialised head
+                tensor = ahead.take(name)
+                if tensor is None:
+                    tensor = make(by_name[name])
+                bar.update(nbytes(by_name[name]))
+                return tensor
+
+            # Before the weights: Megatron-LM's args in them name the tokenizer only when there is one.
+            info.tokenizer_files = copy_tokenizer_files(hf_dir, os.path.join(tmp, TOKENIZER_DIR))
+            weights = os.path.join(tmp, "release")
+            if stream:
+                stream_dist(model, weights, produce, info)
+            else:
+                with torch.no_grad():
+                    for name, tensor in target.items():
+                        tensor.copy_(produce(name))
+                save_legacy(model, weights, info)
+            bar.close()
+            write_info(tmp, info)
+            if check is not None:
+                check(tmp)
+    finally:
+        ahead.close()
     return info
 
 

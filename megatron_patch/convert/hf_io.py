@@ -5,6 +5,7 @@ Example::
     reader = HFReader("llama-dir")                    # opens headers only
     reader.shape("model.norm.weight")                 # torch.Size([2048]) without reading data
     tensor = reader.get("model.norm.weight")          # reads this one tensor
+    qkv = reader.read_runs(names, row_runs(("fuse_qkv",), hf_shapes, sizes), qkv_shape)  # rows read into place
 
     with ShardedSafetensorsWriter("out-dir", max_shard_bytes=2 << 30) as writer:
         writer.add("model.norm.weight", tensor)       # flushed to model-0000k-of-0000n.safetensors as shards fill
@@ -21,10 +22,12 @@ import json
 import os
 import shutil
 import struct
+from typing import Sequence
 
 import torch
 from safetensors.torch import save_file
 
+from megatron_patch.convert.transforms import RowRun
 from megatron_patch.errors import UserError, read_json
 
 # Files a tokenizer may consist of; copied along with a conversion so the exported directory is complete.
@@ -92,16 +95,44 @@ class HFReader:
         process holds only the tensors in use (a memory map would count every page read in its RSS)."""
         if name in self._bin:
             return self._bin[name]
+        data = torch.empty(self.shape(name), dtype=self.dtype(name))
+        self.read_rows(name, 0, data)
+        return data
+
+    def read_runs(self, names: Sequence[str], runs: Sequence[RowRun], shape: torch.Size) -> torch.Tensor:
+        """The tensor of ``shape`` whose rows come from ``names`` as ``runs`` (:func:`transforms.row_runs`) say,
+        each read into place: what the row-moving transforms make of the tensors, without intermediate copies."""
+        out = torch.empty(shape, dtype=self.dtype(names[0]))
+        for run in runs:
+            rows = out[run.start:run.start + run.rows]
+            if run.source is None:
+                rows.zero_()
+            else:
+                self.read_rows(names[run.source], run.source_start, rows)
+        return out
+
+    def read_rows(self, name: str, first: int, out: torch.Tensor) -> None:
+        """Rows (dim 0) ``first ...`` of the tensor into ``out``, a contiguous tensor of as many rows: a
+        transform that only places rows reads each where it belongs (:func:`transforms.row_runs`)."""
+        if name in self._bin:
+            out.copy_(self._bin[name][first:first + out.shape[0]])
+            return
         entry = self._entries[name]
-        data = torch.empty(entry.end - entry.begin, dtype=torch.uint8)
-        view, done = memoryview(data.numpy()), 0
+        if entry.end - entry.begin != entry.shape.numel() * entry.dtype.itemsize:
+            raise OSError(f"{entry.path}: tensor {name} has {entry.end - entry.begin} bytes of data, its shape "
+                          f"{tuple(entry.shape)} needs {entry.shape.numel() * entry.dtype.itemsize}; the file is "
+                          "damaged: download it again")
+        row_bytes = entry.shape[1:].numel() * entry.dtype.itemsize
+        view, done = memoryview(out.reshape(-1).view(torch.uint8).numpy()), 0
+        begin = entry.begin + first * row_bytes
+        if begin + len(view) > entry.end:
+            raise ValueError(f"{name}: rows {first}..{first + out.shape[0]} are outside its {entry.shape[0]} rows")
         with open(entry.path, "rb", buffering=0) as f:
             while done < len(view):  # one read returns at most ~2 GiB on Linux
-                count = os.preadv(f.fileno(), [view[done:]], entry.begin + done)
+                count = os.preadv(f.fileno(), [view[done:]], begin + done)
                 if count == 0:
                     raise OSError(f"{entry.path}: file ends inside tensor {name}")
                 done += count
-        return data.view(entry.dtype).reshape(entry.shape)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,6 +16,7 @@ one to ``meta`` tensors yields the shapes a checkpoint must have without reading
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Sequence
 
 import torch
@@ -132,3 +133,44 @@ def apply_to_hf(names: Sequence[str], tensor: torch.Tensor, shapes: Shapes) -> T
     for name in reversed(names):
         out = _lookup(name).to_hf(out, shapes)
     return out
+
+
+# Transforms that only move whole rows (dim 0) or add zero rows. A rule made of them alone is read straight into its
+# megatron tensor, each run of rows where it belongs (:func:`row_runs`): no intermediate tensors, no concatenation.
+ROW_MOVES = frozenset({"fuse_qkv", "fuse_stacked_qkv", "fuse_gate_up", "pad_vocab"})
+
+
+@dataclasses.dataclass(frozen=True)
+class RowRun:
+    """``rows`` consecutive rows of the megatron tensor from row ``start``: rows ``source_start ...`` of the rule's
+    Hugging Face tensor number ``source``, or zeros where ``source`` is None."""
+
+    start: int
+    rows: int
+    source: int | None
+    source_start: int
+
+
+@functools.lru_cache(maxsize=None)
+def row_runs(names: tuple[str, ...], hf_shapes: tuple[tuple[int, ...], ...],
+             shapes: Shapes) -> tuple[RowRun, ...] | None:
+    """Where each row of the megatron tensor comes from, when ``names`` only move rows (else None), for Hugging
+    Face tensors of shapes ``hf_shapes``.
+
+    Example::
+
+        >>> s = Shapes(num_attention_heads=4, num_query_groups=2, kv_channels=1, vocab_size=1, padded_vocab_size=1)
+        >>> [(r.start, r.rows, r.source, r.source_start) for r in row_runs(("fuse_qkv",), ((4, 3), (2, 3), (2, 3)), s)]
+        [(0, 2, 0, 0), (2, 1, 1, 0), (3, 1, 2, 0), (4, 2, 0, 2), (6, 1, 1, 1), (7, 1, 2, 1)]
+
+    The transforms themselves are run on one tag per row (source number + 1 in the high bits, the row below), so
+    the runs follow whatever the transforms do; a zero tag is a padding row. Cached: every layer has the same.
+    """
+    if not names or not set(names) <= ROW_MOVES:
+        return None
+    [tags] = apply_to_mcore(names, [torch.arange(s[0]) + ((i + 1) << 32) for i, s in enumerate(hf_shapes)], shapes)
+    source, row = tags >> 32, tags & ((1 << 32) - 1)
+    continues = (source[1:] == source[:-1]) & ((row[1:] == row[:-1] + 1) | (source[1:] == 0))
+    starts = [0, *(continues.logical_not().nonzero().flatten() + 1).tolist()]
+    ends = [*starts[1:], len(tags)]
+    return tuple(RowRun(a, b - a, int(source[a]) - 1 if source[a] else None, int(row[a])) for a, b in zip(starts, ends))
