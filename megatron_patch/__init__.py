@@ -4,11 +4,14 @@ Example::
 
     megatron-patch quickstart          # tiny GPT, 2 processes, CPU, no download
 
-Importing the package checks that the installed megatron-core is the release it was verified against.
+Importing the package checks that the installed megatron-core is the release it was verified against, and has
+megatron-core, whenever it is imported, compile its fused functions on their first call rather than at its import
+(``compat.compile_fusions_on_first_call``: seconds of every process's start-up).
 """
 
-from megatron_patch.compat import check_megatron_core_version
+from megatron_patch.compat import check_megatron_core_version, compile_fusions_on_first_call
 
 __version__ = "0.1.0"
 
 check_megatron_core_version()
+compile_fusions_on_first_call()

@@ -48,6 +48,78 @@ SUPPORTED_MEGATRON_CORE = "0.16.1"
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex|apex).*(not installed|Falling back).*")
 
 
+def _compile_on_first_call(fn):
+    """``torch.compile(fn)``, made when ``fn`` is first called rather than when it is defined."""
+    compiled = None
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        nonlocal compiled
+        if compiled is None:
+            import torch
+
+            compiled = torch.compile(fn)
+        return compiled(*args, **kwargs)
+
+    return call
+
+
+def _spec_running_after(finder, fullname, path, target, after_exec):
+    """The spec the finders after ``finder`` on ``sys.meta_path`` give ``fullname`` (so that two of ours that
+    touch the same module both run), with ``after_exec(module)`` run once the module has executed."""
+    spec = None
+    for later in sys.meta_path[sys.meta_path.index(finder) + 1:]:
+        spec = later.find_spec(fullname, path, target) if hasattr(later, "find_spec") else None
+        if spec is not None:
+            break
+    if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+        return spec
+    exec_module = spec.loader.exec_module
+
+    def exec_then(module):
+        exec_module(module)
+        after_exec(module)
+
+    spec.loader.exec_module = exec_then
+    return spec
+
+
+def _defer_compile(module) -> None:
+    if module.jit_fuser is module.torch.compile:  # enable_jit_fuser()'s choice at import (jit.py:21)
+        module.jit_fuser = _compile_on_first_call
+
+
+class _FusionsCompiledOnFirstCall(importlib.abc.MetaPathFinder):
+    """Compile megatron-core's fused functions when they are first called, not when megatron-core is imported
+    (checked on megatron-core 0.16.1).
+
+    ``import megatron.core`` imports the fusions (bias-GeLU, SwiGLU, bias-dropout-add, ...), each decorated with
+    ``jit_fuser``, which is ``torch.compile`` (megatron/core/jit.py:21); the first decoration imports torch._dynamo
+    and torch._inductor, about 1.6 s of CPU of every process's ~5 s start-up (``python -X importtime``), while most
+    processes never call a fused function: they run only with ``--fused-kernels`` (``ParallelConfig.fused_kernels``,
+    off by default), and conversions, tools and the CPU never do. ``torch.compile`` compiles on the first call
+    anyway, so what runs is unchanged; only the import waits until a fusion is used.
+    """
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != "megatron.core.jit":
+            return None
+        return _spec_running_after(self, fullname, path, target, _defer_compile)
+
+
+def compile_fusions_on_first_call() -> None:
+    """Install :class:`_FusionsCompiledOnFirstCall` for a megatron-core not imported yet (the package's import
+    does, before anything imports megatron-core).
+
+    Example::
+
+        >>> compile_fusions_on_first_call()    # then: import megatron.core  (no torch._dynamo until a fusion runs)
+    """
+    if "megatron.core.jit" not in sys.modules and not any(
+            isinstance(finder, _FusionsCompiledOnFirstCall) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _FusionsCompiledOnFirstCall())
+
+
 class UnsupportedMegatronCore(ImportError):
     """Raised when the installed megatron-core is not the version this package was verified against."""
 
@@ -372,17 +444,7 @@ class _MegatronTorchView(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path, target=None):
         if not fullname.startswith("megatron.core"):
             return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        exec_module = spec.loader.exec_module
-
-        def exec_then_swap(module):
-            exec_module(module)
-            _use_cpu_torch(module)
-
-        spec.loader.exec_module = exec_then_swap
-        return spec
+        return _spec_running_after(self, fullname, path, target, _use_cpu_torch)
 
 
 _CPU_TORCH: _CpuTorch | None = None

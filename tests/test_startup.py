@@ -60,3 +60,34 @@ def test_the_probe_sees_an_import():
     # The checks above would pass on a probe that sees nothing: building a tokenizer does import megatron-core
     # (the base class of ours) and torch with it.
     assert {"torch", "megatron.core"} <= set(imported_heavy_modules("megatron_patch.tokenizer.base"))
+
+
+# megatron-core imported as our processes import it, and then one of its fusions called twice, with torch.compile
+# recorded: what is imported before the call, when torch.compile runs and what the calls return.
+FUSION_PROBE = """
+import json, sys
+import torch
+import megatron_patch
+from megatron_patch import compat
+compat.apply()
+import megatron.core.models.gpt
+from megatron.core.fusions import fused_bias_gelu
+before = "torch._dynamo" in sys.modules
+compiled = []
+torch.compile = lambda fn: compiled.append(fn.__name__) or fn
+x, bias = torch.linspace(-3, 3, 7), torch.full((7,), 0.5)
+first = fused_bias_gelu.bias_gelu(bias, x)
+second = fused_bias_gelu.bias_gelu(bias, x)
+eager = (x + bias) * 0.5 * (1.0 + torch.tanh(0.79788456 * (x + bias) * (1 + 0.044715 * (x + bias) * (x + bias))))
+print("FUSION " + json.dumps({"dynamo_at_import": before, "compiled": compiled,
+                              "equal": torch.equal(first, eager) and torch.equal(second, eager)}))
+"""
+
+
+def test_megatron_cores_fusions_compile_at_their_first_call_not_at_import():
+    result = subprocess.run([sys.executable, "-c", FUSION_PROBE], capture_output=True, text=True, timeout=300,
+                            env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    lines = [line for line in result.stdout.splitlines() if line.startswith("FUSION ")]
+    assert lines, result.stdout + result.stderr
+    probe = json.loads(lines[-1][len("FUSION "):])
+    assert probe == {"dynamo_at_import": False, "compiled": ["bias_gelu"], "equal": True}
