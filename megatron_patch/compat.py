@@ -50,14 +50,16 @@ warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex|apex).*(n
 
 def _compile_on_first_call(fn):
     """``torch.compile(fn)``, made when ``fn`` is first called rather than when it is defined."""
+    import torch
+
     compiled = None
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
         nonlocal compiled
+        if torch.compiler.is_compiling():  # traced by an enclosing torch.compile: compiled as part of it
+            return fn(*args, **kwargs)
         if compiled is None:
-            import torch
-
             compiled = torch.compile(fn)
         return compiled(*args, **kwargs)
 
