@@ -482,20 +482,36 @@ class _Worker:
 
 
 class _Workers:
-    """`config.workers` forked processes that encode batches with `tokenizer`; leaving the `with`
+    """`config.workers` forked processes that encode `batches` with `tokenizer`; leaving the `with`
     block stops them, at once (SIGKILL) when it is left by an exception.
 
-        with _Workers(config, tokenizer, dtype) as workers:
-            for batch, result in workers.encode(_read_batches(paths, config)):
+        with _Workers(config, tokenizer, dtype, _read_batches(paths, config)) as workers:
+            for batch, result in workers.results():
                 ...
     """
 
-    def __init__(self, config: PreprocessConfig, tokenizer, dtype: type):
+    def __init__(self, config: PreprocessConfig, tokenizer, dtype: type, batches: Iterator[_Batch]):
         # fork: workers start in milliseconds instead of re-importing torch and megatron-core.
         context = multiprocessing.get_context("fork")
+        self.batches = batches
+        self.in_flight: deque[_InFlight] = deque()
         self.workers: list[_Worker] = []
-        for _ in range(config.workers):
-            self.workers.append(_Worker(context, config, tokenizer, dtype, self.workers))
+        try:
+            for _ in range(config.workers):
+                worker = _Worker(context, config, tokenizer, dtype, self.workers)
+                self.workers.append(worker)
+                # Its first batch goes now, from this thread, so that it works while the next one is
+                # forked (tens of ms each, for a process that has imported torch). The send waits at
+                # most for the worker to read it: the worker sends nothing before it has this batch.
+                batch = next(batches, None)
+                if batch is not None:
+                    self.in_flight.append(_InFlight(batch))
+                    worker.awaiting.append(self.in_flight[-1])
+                    with suppress(OSError):  # the worker is gone; `receive` says how
+                        worker.conn.send_bytes(batch.data)
+        except BaseException as error:
+            self.__exit__(type(error))
+            raise
         # Threads start after the last fork: a fork copies the locks other threads hold, never released.
         for worker in self.workers:
             worker.sender.start()
@@ -509,16 +525,17 @@ class _Workers:
             if error_type is not None:
                 worker.process.kill()
         for worker in self.workers:
-            worker.sender.join()
+            if worker.sender.ident is not None:  # not started when a fork failed
+                worker.sender.join()
             worker.conn.close()  # an idle worker reads EOF and exits
         for worker in self.workers:
             worker.process.join()
 
-    def encode(self, batches: Iterator[_Batch]) -> Iterator[tuple[_Batch, _BatchResult]]:
+    def results(self) -> Iterator[tuple[_Batch, _BatchResult]]:
         """Yield each batch with its result, in input order, keeping about 2 per worker in flight,
         each sent to the worker with the fewest waiting."""
-        in_flight: deque[_InFlight] = deque()
-        for batch in batches:
+        in_flight = self.in_flight
+        for batch in self.batches:
             in_flight.append(_InFlight(batch))
             min(self.workers, key=lambda w: len(w.awaiting)).submit(in_flight[-1])
             if len(in_flight) > 2 * len(self.workers):
@@ -630,11 +647,11 @@ def preprocess(config: PreprocessConfig) -> PreprocessReport:
     progress = Progress(sum(os.path.getsize(p) for p in paths), config.log_interval)
     builders: dict[str, list["IndexedDatasetBuilder"]] = {}
     try:
-        with _Workers(config, tokenizer, dtype) as workers:
+        with _Workers(config, tokenizer, dtype, _read_batches(paths, config)) as workers:
             # Opened after the fork, so that no worker holds the outputs open.
             for key, prefixes in part_prefixes.items():
                 builders[key] = [IndexedDatasetBuilder(p + ".bin", dtype=dtype) for p in prefixes]
-            for batch, result in workers.encode(_read_batches(paths, config)):
+            for batch, result in workers.results():
                 report.input_bytes += batch.nbytes
                 for offset, reason in result.errors:
                     if not config.skip_invalid:
