@@ -8,8 +8,9 @@ writes `data/corpus_text_document.bin/.idx` (`_sentence` with `--split-sentences
 what Megatron-LM writes for the same tokenizer, flags and input, documents without tokens included
 (written as empty documents and counted; `--reject-empty` refuses them). Differences, all deliberate:
 - Tokenizers run in Rust (HF `tokenizers`, `sentencepiece`; GPT-2 BPE behind a bounded cache of
-  pre-tokens, see `tokenizer/gpt2.py`) over batches of lines; the main process only reads raw
-  lines and writes token bytes, so memory is bounded by the batches in flight, not by the corpus.
+  pre-tokens, see `tokenizer/gpt2.py`) over batches of lines; the main process only reads blocks
+  of whole lines and writes token bytes, so memory is bounded by the batches in flight, not by
+  the corpus.
 - Bad input stops the run with `file:line: reason` (or is skipped and counted with
   `--skip-invalid`). A worker that dies (out of memory, `kill -9`) fails the run at once with one
   line saying how it died, instead of hanging; SIGTERM stops the run and its workers.
@@ -27,6 +28,7 @@ import json
 import multiprocessing
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -75,11 +77,11 @@ class PreprocessConfig:
     reject_empty: bool = False
     """Treat a document without tokens as bad input (stop, or skip it with `skip_invalid`) instead of
     writing it as an empty document, as Megatron-LM does."""
-    batch_bytes: int = 1 << 18
-    """Lines are sent to workers in batches of about this many bytes (or `batch_lines` lines); an
-    input too small to give every worker several such batches is cut finer (see `_batch_bytes`).
-    Larger batches are slower: a 1 MB batch's pre-tokens outgrow the CPU caches, and GPT-2 BPE
-    then runs about 25% slower."""
+    batch_bytes: int = 1 << 20
+    """Lines are sent to workers in batches of about this many bytes (or `batch_lines` lines); the
+    last part of the input is cut finer, so that the workers finish together (see `_batch_bytes`).
+    GPT-2 BPE spent 10-20% less CPU per byte on 1 MB batches than on 256 KB ones (bench/preprocess.py's
+    corpus, a cold tokenizer, 2-core machine), and the main process handles a quarter as many messages."""
     batch_lines: int = 2048
 
     def __post_init__(self) -> None:
@@ -193,6 +195,14 @@ def _gather(ids: numpy.ndarray, starts: numpy.ndarray, lengths: numpy.ndarray) -
     """`ids[starts[0]:starts[0] + lengths[0]]`, then the next range, ..., in one array."""
     ends = numpy.cumsum(lengths)
     return ids[numpy.repeat(starts - (ends - lengths), lengths) + numpy.arange(ends[-1] if len(ends) else 0)]
+
+
+def _split_lines(data: bytes) -> list[bytes]:
+    """The lines of a batch's bytes, without their newlines (the last line may have none)."""
+    lines = data.split(b"\n")
+    if lines[-1] == b"":
+        lines.pop()
+    return lines
 
 
 @dataclass
@@ -324,7 +334,7 @@ def _work(conn: Connection, inherited: list[Connection], config: PreprocessConfi
     try:
         _init_worker(config, tokenizer, dtype)
         while True:
-            conn.send(_encode_lines(conn.recv()))
+            conn.send(_encode_lines(_split_lines(conn.recv_bytes())))
     except (EOFError, BrokenPipeError, ConnectionResetError):
         return
     except BaseException as error:
@@ -341,45 +351,75 @@ class _Batch:
     path: str
     first_line: int  # 1-based line number in `path`
     global_line: int  # 0-based index of the first line over all inputs
-    lines: list[bytes]
-    nbytes: int  # sum of len(lines), counted while reading
+    data: bytes  # whole lines, as read; the workers split them (`_split_lines`)
     position: int  # input bytes (compressed for .gz) consumed up to the end of this batch
 
+    @property
+    def nbytes(self) -> int:
+        return len(self.data)
 
-def _batch_bytes(config: PreprocessConfig, paths: list[str]) -> int:
-    """`config.batch_bytes`, or less for a small input: one batch would keep one worker busy and
-    the others idle. Four batches per worker even out their ends; below 64 KB the main process's
-    cost per batch starts to show."""
-    input_bytes = sum(os.path.getsize(p) for p in paths)
-    return min(config.batch_bytes, max(input_bytes // (4 * config.workers), 1 << 16))
+
+_MIN_BATCH_BYTES = 1 << 16
+"""Below this the main process's cost per batch starts to show."""
+
+
+def _batch_bytes(config: PreprocessConfig, remaining: int) -> int:
+    """The size of the next batch when `remaining` input bytes are left: `config.batch_bytes`, less
+    towards the end. A batch takes at most a quarter of a worker's share of what is left, so the
+    last batches are small and the workers finish within a small batch of each other, instead of
+    one worker still encoding a full batch while the others wait."""
+    return min(config.batch_bytes, max(remaining // (4 * config.workers), _MIN_BATCH_BYTES))
+
+
+def _line_end(data: bytes, lines: int) -> int:
+    """The offset just after the `lines`-th newline of `data`, or `len(data)` if it has no more lines."""
+    if data.count(b"\n") <= lines:
+        return len(data)
+    end = -1
+    for _ in range(lines):
+        end = data.find(b"\n", end + 1)
+    return end + 1
 
 
 def _read_batches(paths: list[str], config: PreprocessConfig) -> Iterator[_Batch]:
-    done_bytes, global_line, batch_bytes = 0, 0, _batch_bytes(config, paths)
-    for path in paths:
+    """Batches of whole lines, read as blocks: the lines are found in C (`bytes.count`, and
+    `_split_lines` in the workers), not by a Python loop over them in the main process."""
+    sizes = [os.path.getsize(p) for p in paths]
+    done_bytes, global_line, total = 0, 0, sum(sizes)
+    for path, file_size in zip(paths, sizes):
         with open_input(path) as f:
             # For .gz the progress position is the offset in the compressed file underneath.
             raw = getattr(f, "fileobj", None) or f
-            line_number = 1
+            line_number, pending = 1, b""
             while True:
-                lines, size = [], 0
-                for line in f:
-                    lines.append(line)
-                    size += len(line)
-                    if size >= batch_bytes or len(lines) >= config.batch_lines:
-                        break
-                if not lines:
+                wanted = _batch_bytes(config, total - done_bytes - raw.tell())
+                data = pending + f.read(max(wanted - len(pending), 0))
+                if data and not data.endswith(b"\n"):
+                    data += f.readline()  # the rest of the last line
+                if not data:
                     break
-                yield _Batch(path, line_number, global_line, lines, size, done_bytes + raw.tell())
-                line_number += len(lines)
-                global_line += len(lines)
-        done_bytes += os.path.getsize(path)
+                cut = _line_end(data, config.batch_lines)
+                data, pending = data[:cut], data[cut:]
+                yield _Batch(path, line_number, global_line, data, done_bytes + raw.tell())
+                lines = data.count(b"\n") + (not data.endswith(b"\n"))
+                line_number += lines
+                global_line += lines
+        done_bytes += file_size
 
 
 @dataclass
 class _InFlight:
     batch: _Batch
     result: _BatchResult | None = None
+
+
+def _enlarge_send_buffer(conn: Connection, nbytes: int) -> None:
+    """Let the kernel hold `nbytes` sent through `conn` and not yet read. A message larger than the
+    socket's buffer (208 KB by default) goes in pieces, each waiting for the other process to read
+    the one before, which on a busy machine costs a scheduling delay each; a batch that fits is
+    waiting whole when its worker comes for it. The kernel caps the size (net.core.wmem_max)."""
+    with suppress(OSError), socket.socket(fileno=os.dup(conn.fileno())) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, nbytes)
 
 
 class _Worker:
@@ -392,6 +432,8 @@ class _Worker:
 
     def __init__(self, context, config: PreprocessConfig, tokenizer, dtype: type, earlier: list["_Worker"]):
         self.conn, child = context.Pipe()
+        for end in (self.conn, child):
+            _enlarge_send_buffer(end, 2 * config.batch_bytes + (1 << 16))
         self.process = context.Process(
             target=_work, args=(child, [self.conn] + [w.conn for w in earlier], config, tokenizer, dtype), daemon=True
         )
@@ -403,15 +445,15 @@ class _Worker:
         self.awaiting: deque[_InFlight] = deque()  # sent, result not yet received, in order
 
     def _send_all(self) -> None:
-        while (lines := self.outbox.get()) is not None:
+        while (data := self.outbox.get()) is not None:
             try:
-                self.conn.send(lines)
+                self.conn.send_bytes(data)
             except OSError:
                 return  # the worker is gone; `receive` says how
 
     def submit(self, entry: _InFlight) -> None:
         self.awaiting.append(entry)
-        self.outbox.put(entry.batch.lines)
+        self.outbox.put(entry.batch.data)
 
     def receive(self) -> None:
         """Receive the oldest awaited result; a dead worker is a UserError saying how it died."""
@@ -440,20 +482,36 @@ class _Worker:
 
 
 class _Workers:
-    """`config.workers` forked processes that encode batches with `tokenizer`; leaving the `with`
+    """`config.workers` forked processes that encode `batches` with `tokenizer`; leaving the `with`
     block stops them, at once (SIGKILL) when it is left by an exception.
 
-        with _Workers(config, tokenizer, dtype) as workers:
-            for batch, result in workers.encode(_read_batches(paths, config)):
+        with _Workers(config, tokenizer, dtype, _read_batches(paths, config)) as workers:
+            for batch, result in workers.results():
                 ...
     """
 
-    def __init__(self, config: PreprocessConfig, tokenizer, dtype: type):
+    def __init__(self, config: PreprocessConfig, tokenizer, dtype: type, batches: Iterator[_Batch]):
         # fork: workers start in milliseconds instead of re-importing torch and megatron-core.
         context = multiprocessing.get_context("fork")
+        self.batches = batches
+        self.in_flight: deque[_InFlight] = deque()
         self.workers: list[_Worker] = []
-        for _ in range(config.workers):
-            self.workers.append(_Worker(context, config, tokenizer, dtype, self.workers))
+        try:
+            for _ in range(config.workers):
+                worker = _Worker(context, config, tokenizer, dtype, self.workers)
+                self.workers.append(worker)
+                # Its first batch goes now, from this thread, so that it works while the next one is
+                # forked (tens of ms each, for a process that has imported torch). The send waits at
+                # most for the worker to read it: the worker sends nothing before it has this batch.
+                batch = next(batches, None)
+                if batch is not None:
+                    self.in_flight.append(_InFlight(batch))
+                    worker.awaiting.append(self.in_flight[-1])
+                    with suppress(OSError):  # the worker is gone; `receive` says how
+                        worker.conn.send_bytes(batch.data)
+        except BaseException as error:
+            self.__exit__(type(error))
+            raise
         # Threads start after the last fork: a fork copies the locks other threads hold, never released.
         for worker in self.workers:
             worker.sender.start()
@@ -467,16 +525,17 @@ class _Workers:
             if error_type is not None:
                 worker.process.kill()
         for worker in self.workers:
-            worker.sender.join()
+            if worker.sender.ident is not None:  # not started when a fork failed
+                worker.sender.join()
             worker.conn.close()  # an idle worker reads EOF and exits
         for worker in self.workers:
             worker.process.join()
 
-    def encode(self, batches: Iterator[_Batch]) -> Iterator[tuple[_Batch, _BatchResult]]:
+    def results(self) -> Iterator[tuple[_Batch, _BatchResult]]:
         """Yield each batch with its result, in input order, keeping about 2 per worker in flight,
         each sent to the worker with the fewest waiting."""
-        in_flight: deque[_InFlight] = deque()
-        for batch in batches:
+        in_flight = self.in_flight
+        for batch in self.batches:
             in_flight.append(_InFlight(batch))
             min(self.workers, key=lambda w: len(w.awaiting)).submit(in_flight[-1])
             if len(in_flight) > 2 * len(self.workers):
@@ -588,11 +647,11 @@ def preprocess(config: PreprocessConfig) -> PreprocessReport:
     progress = Progress(sum(os.path.getsize(p) for p in paths), config.log_interval)
     builders: dict[str, list["IndexedDatasetBuilder"]] = {}
     try:
-        with _Workers(config, tokenizer, dtype) as workers:
+        with _Workers(config, tokenizer, dtype, _read_batches(paths, config)) as workers:
             # Opened after the fork, so that no worker holds the outputs open.
             for key, prefixes in part_prefixes.items():
                 builders[key] = [IndexedDatasetBuilder(p + ".bin", dtype=dtype) for p in prefixes]
-            for batch, result in workers.encode(_read_batches(paths, config)):
+            for batch, result in workers.results():
                 report.input_bytes += batch.nbytes
                 for offset, reason in result.errors:
                     if not config.skip_invalid:
