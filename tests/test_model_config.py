@@ -124,10 +124,29 @@ def count_built_parameters(rank, world_size, padded_vocabs):
     counts = {}
     for name, vocab in padded_vocabs.items():
         config = get_model_config(name)
-        with torch.device("meta"):  # real sizes, no memory
-            [model] = build_model_chunks(config, ParallelConfig(), vocab)
+        with torch.device("meta"):  # real sizes, no memory, no initialisation to run
+            [model] = build_model_chunks(config, ParallelConfig(), vocab, initialize=False)
         counts[name] = sum(p.numel() for p in model.parameters())
     return counts
+
+
+def built_tensors(rank, world_size, name, initialize):
+    import torch
+
+    from megatron_patch.distributed import initialize_distributed
+    from megatron_patch.model.builder import build_model_chunks
+
+    initialize_distributed()
+    torch.manual_seed(0)
+    [model] = build_model_chunks(get_model_config(name), ParallelConfig(), 128, initialize=initialize)
+    return {key: (tuple(t.shape), str(t.dtype)) for key, t in model.state_dict().items() if torch.is_tensor(t)}
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-bert", "tiny-mixtral"])
+def test_a_model_built_without_initialisation_has_the_same_tensors(name):
+    [initialised] = run_on_ranks(built_tensors, 1, args=(name, True))
+    [plain] = run_on_ranks(built_tensors, 1, args=(name, False))
+    assert plain == initialised
 
 
 def test_every_named_config_builds_with_the_hugging_face_count():

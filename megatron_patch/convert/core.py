@@ -119,7 +119,10 @@ def build_reference_model(model_config: ModelConfig, padded_vocab_size: int, dty
         [model] = build_model_chunks(model_config, parallel, padded_vocab_size)
         return model
     with torch.device("meta"):
-        [model] = build_model_chunks(model_config, parallel, padded_vocab_size)
+        # A model left on the meta device only lends names, shapes and sharding. One given memory keeps megatron-core's
+        # initialisation: without it, exporting per-rank files saved at PP > 1 found the last stage's output layer
+        # differing from the tied embeddings (tests/test_convert.py).
+        [model] = build_model_chunks(model_config, parallel, padded_vocab_size, initialize=not meta)
     if meta:
         return model
     # to_empty makes new Parameters; megatron's attributes on them (partition_dim, shared, ...) must survive.

@@ -13,6 +13,8 @@ GPT-2, LLaMA, Mistral, Qwen2 and Qwen3 are all GPTModel with different Transform
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 from typing import Callable
 
@@ -193,7 +195,7 @@ _FAMILIES = {"gpt": _gpt, "bert": _bert}
 
 
 def build_model_chunks(
-    model_config: ModelConfig, parallel_config: ParallelConfig, padded_vocab_size: int
+    model_config: ModelConfig, parallel_config: ParallelConfig, padded_vocab_size: int, *, initialize: bool = True
 ) -> list[MegatronModule]:
     """This rank's model chunks (one per virtual pipeline stage): GPTModel or BertModel (LM + binary head).
 
@@ -203,8 +205,13 @@ def build_model_chunks(
         per_token_loss = chunks[0](tokens, position_ids, None, labels=labels)
 
     megatron-core's process groups must already be initialised with the same sizes (``initialize_distributed``).
+    ``initialize=False`` skips the random initialisation (megatron-core's ``perform_initialization``), for a model
+    whose every tensor is overwritten or that lives on the meta device: on the meta device torch's initialisers still
+    cost half a second of CPU for a 1B model, and import torch._dynamo.
     """
     config = to_transformer_config(model_config, parallel_config)
+    if not initialize:
+        config = dataclasses.replace(config, perform_initialization=False)
     build = _FAMILIES[model_config.family]
     return _build_chunks(
         parallel_config, functools.partial(build, model_config, config, parallel_config, padded_vocab_size)
