@@ -720,7 +720,7 @@ def collect_only_new_objects():
         gc.unfreeze()
 
 
-def _optimizer_parts(optimizer):
+def optimizer_parts(optimizer):
     """(megatron optimizer, its torch optimizer or None) for each part of a possibly chained optimizer."""
     for part in getattr(optimizer, "chained_optimizers", [optimizer]):
         yield part, getattr(part, "optimizer", None)
@@ -742,7 +742,7 @@ def initialise_adam_state(optimizer, is_loading: bool) -> None:
     """
     import torch
 
-    parts = list(_optimizer_parts(optimizer))
+    parts = list(optimizer_parts(optimizer))
     if not is_loading and all(inner is None or inner.state for _, inner in parts):
         return
     for part, inner in parts:
@@ -788,7 +788,7 @@ def restore_adam_step(optimizer) -> None:
     """
     import torch
 
-    for _, inner in _optimizer_parts(optimizer):
+    for _, inner in optimizer_parts(optimizer):
         for group in getattr(inner, "param_groups", []):
             if group.get("step") is not None:
                 for param in group["params"]:

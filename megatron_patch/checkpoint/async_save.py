@@ -10,7 +10,7 @@ Example::
 megatron-core's ``AsyncCallsQueue`` forks a process for each save (``TemporalAsyncCaller``,
 dist_checkpointing/strategies/async_utils.py:216-221). Training on a CPU keeps its whole state in host memory, which
 the fork shares copy-on-write: the first step after it copied every page it wrote (the weights, the gradients,
-Adam's moments), which made that step about twice as long. A thread shares the memory instead, so the tensors it
+Adam's moments), which made that step two to four times as long. A thread shares the memory instead, so the tensors it
 writes must be ones training does not write: megatron-core's save already copies the model's parameters (views of
 DDP's buffer, ``_clone_if_needed``, filesystem_async.py:136) and builds the distributed optimizer's state anew, and
 :func:`with_snapshot` copies whatever else still shares memory with the model or the optimizer (a plain optimizer's
@@ -27,7 +27,7 @@ from typing import Iterable
 
 
 def async_save_queue():
-    """megatron-core's ``AsyncCallsQueue`` whose calls run in a thread of this process (:class:`_ThreadCaller`)."""
+    """megatron-core's ``AsyncCallsQueue`` whose calls run in a thread of this process (``ThreadCaller``)."""
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
     class ThreadCallsQueue(AsyncCallsQueue):
@@ -83,10 +83,11 @@ def live_storages(chunks: Iterable, optimizer) -> set[int]:
     optimizer part's state and (fp32 main) parameters."""
     import torch
 
+    from megatron_patch.compat import optimizer_parts
+
     # Module's own methods: megatron-core's DDP names its gradient buffers ``buffers``.
     tensors = [t for chunk in chunks for t in (*torch.nn.Module.parameters(chunk), *torch.nn.Module.buffers(chunk))]
-    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(part, "optimizer", None)
+    for _, inner in optimizer_parts(optimizer):
         if inner is None:
             continue
         tensors += [p for group in inner.param_groups for p in group["params"]]
