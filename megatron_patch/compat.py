@@ -19,7 +19,8 @@ Everything version-specific lives here, each workaround naming the upstream line
 - fixes to process lifetimes (checkpoint writers, torchrun's shutdown);
 - checkpoint workarounds: the distributed optimizer's Adam state, its loading and its resharding metadata,
   megatron-core's sharded-key renaming and its collections (``initialise_adam_state``, ``load_optimizer_state``,
-  ``restore_adam_step``, ``DISTRIB_OPTIMIZER_METADATA``, ``by_sharded_key``, ``collect_only_new_objects``).
+  ``restore_adam_step``, ``DISTRIB_OPTIMIZER_METADATA``, ``by_sharded_key``, ``collect_only_new_objects``,
+  ``write_results_in_this_process``).
 """
 
 from __future__ import annotations
@@ -718,6 +719,36 @@ def collect_only_new_objects():
         yield
     finally:
         gc.unfreeze()
+
+
+@contextlib.contextmanager
+def write_results_in_this_process():
+    """Let the ``dist_checkpointing.save`` calls in the block report their write results through a queue of this
+    process, not a spawned one (checked on megatron-core 0.16.1).
+
+    Example::
+
+        with write_results_in_this_process():
+            request = dist_checkpointing.save(state, staging, async_sharded_save=True)
+
+    megatron-core's file writer takes its results queue from ``_get_write_results_queue``
+    (strategies/filesystem_async.py:51-56): a ``Manager().Queue()``, served by a process it spawns the first time a
+    process saves, so that the forked writer of its own asynchronous save can report through it. That start is a new
+    interpreter importing what the saving one imported: ~2 s of every training job's first save here. Our writes never
+    leave the saving process (``integrity.write_checksummed`` runs its writers in threads, ``--async-save`` in a thread:
+    ``checkpoint.async_save``), so a ``queue.Queue`` serves them; the writer keeps the queue it was given
+    (``prepare_write_data``, :185), and the module's own is put back after the block for any other caller.
+    """
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    saved = filesystem_async._results_queue
+    filesystem_async._results_queue = queue.Queue()
+    try:
+        yield
+    finally:
+        filesystem_async._results_queue = saved
 
 
 def optimizer_parts(optimizer):

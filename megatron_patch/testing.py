@@ -39,6 +39,7 @@ import multiprocessing.util  # before our atexit hook: see shutdown
 import os
 import pickle
 import queue
+import shutil
 import signal
 import sys
 import tempfile
@@ -167,10 +168,14 @@ class _Pool:
 
 
 _pools: dict[int, _Pool] = {}
-_log_dir = tempfile.mkdtemp(prefix="megatron_patch_ranks_")
+# Made by the first pool this process starts, not at import: every spawned worker imports this module too.
+_log_dir: str | None = None
 
 
 def _start_pool(world_size: int) -> _Pool:
+    global _log_dir
+    if _log_dir is None:
+        _log_dir = tempfile.mkdtemp(prefix="megatron_patch_ranks_")
     ctx = multiprocessing.get_context("spawn")
     port = free_port()
     results = ctx.Queue()
@@ -227,9 +232,14 @@ def _discard(world_size: int) -> None:
 # the interpreter would wait on them forever at exit.
 @atexit.register
 def shutdown() -> None:
-    """End every worker this process started (idle ones finish cleanly, the rest are killed with their groups)."""
+    """End every worker this process started (idle ones finish cleanly, the rest are killed with their groups), and
+    remove their logs."""
+    global _log_dir
     for world_size in list(_pools):
         _pools.pop(world_size).close()
+    if _log_dir is not None:
+        shutil.rmtree(_log_dir, ignore_errors=True)
+        _log_dir = None
 
 
 def _collect(pool: _Pool, fn: Callable[..., Any], args: tuple, kwargs: dict, timeout: float):

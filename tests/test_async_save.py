@@ -1,5 +1,6 @@
-"""``--async-save`` writes the state of the iteration it was called at, however far training has gone on while the
-files were being written: its thread (checkpoint/async_save.py) shares the training process's memory."""
+"""Where a save's work runs. ``--async-save`` writes the state of the iteration it was called at, however far training
+has gone on while the files were being written: its thread (checkpoint/async_save.py) shares the training process's
+memory. No save, synchronous or not, starts a process."""
 
 import pytest
 
@@ -71,3 +72,42 @@ def test_without_the_snapshot_the_save_holds_the_later_state(tmp_path):
     [(weights, moments)] = run_on_ranks(state_after_a_mutated_async_save, 1,
                                         args=(str(tmp_path / "ckpt"), False, False))
     assert not (weights and moments)
+
+
+def processes_started_by_saves(rank, world_size, save_dir):
+    """The processes this rank has after a synchronous and an asynchronous save that it had not before, starting
+    from a process that never saved (megatron-core keeps its results queue's server for the process's lifetime)."""
+    import psutil
+    import torch
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+
+    from megatron_patch.checkpoint import async_save
+    from megatron_patch.distributed import initialize_distributed
+    from megatron_patch.testing import SEQ, counting_batches, tiny_gpt
+    from megatron_patch.training.backends import megatron
+    from megatron_patch.training.step import build_optimizer, lm_forward_step, train_step, wrap_model
+
+    initialize_distributed(seed=1234)
+    chunks = wrap_model([tiny_gpt()], DistributedDataParallelConfig(use_distributed_optimizer=True))
+    optimizer = build_optimizer(chunks, OptimizerConfig(optimizer="adam", lr=1e-3, use_distributed_optimizer=True))
+    train_step(lm_forward_step, counting_batches(torch.Generator().manual_seed(0), 2, 1), chunks, optimizer, 1, SEQ, 2)
+    before = {child.pid for child in psutil.Process().children(recursive=True)}
+    earlier_queue, filesystem_async._results_queue = filesystem_async._results_queue, None
+    try:
+        megatron.save_megatron_checkpoint(save_dir, 1, chunks, optimizer, None)
+        queue = async_save.async_save_queue()
+        megatron.save_megatron_checkpoint(save_dir, 2, chunks, optimizer, None, async_queue=queue)
+        queue.maybe_finalize_async_calls(blocking=True)
+        queue.close()
+        started = [child.cmdline() for child in psutil.Process().children(recursive=True) if child.pid not in before]
+    finally:
+        filesystem_async._results_queue = earlier_queue
+    return started
+
+
+def test_no_save_starts_a_process(tmp_path):
+    """megatron-core reports its writers' results through a queue served by a process it spawns on the first save of
+    each process (~2 s of start-up); ours report in-process."""
+    assert run_on_ranks(processes_started_by_saves, 1, args=(str(tmp_path / "ckpt"),)) == [[]]

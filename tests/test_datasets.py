@@ -155,3 +155,19 @@ def test_parse_data_path(assets, tmp_path):
         parse_data_path([str(tmp_path / "missing_text_document")])
     with pytest.raises(ValueError, match="alternate"):
         parse_data_path(["0.3", prefix, "0.7"])
+
+
+@pytest.mark.parametrize("words", [["a"], ["a", "b"], ["a", "b", "c"], ["0.3", "a", "0.7", "b"], ["1", "a"],
+                                   ["30", "a", "70", "b", "0", "c"], ["1e-2", "a", "2", "b"]])
+def test_the_launchers_check_finds_the_prefixes_megatron_core_reads(tmp_path, words):
+    """The launcher checks --data-path without megatron-core; the prefixes it checks are those megatron-core's
+    parser, which the ranks use, reads."""
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    from megatron_patch.data.data_path import check_data_path
+
+    named = [word if word[0].isdigit() else str(tmp_path / word) for word in words]
+    for word in words:
+        for suffix in (".bin", ".idx"):
+            (tmp_path / (word + suffix)).write_bytes(b"tokens")
+    assert check_data_path(named) == get_blend_from_list(named)[0]

@@ -75,12 +75,15 @@ ENDINGS = {
 
 def _end_session(root, ending):
     """Run the inner session, end it as ``ending`` says; (its exit status, its output, the pids it recorded and those of
-    them still running 5 s after it ended, which are then killed)."""
+    them still running 5 s after it ended, which are then killed, and the workers' log directories left in its
+    temporary directory)."""
     sig, hang, timeout, method = ENDINGS[ending]
     (root / "test_inner.py").write_text(INNER_TEST)
     pid_file = root / "pids"
+    temp = root / "tmp"  # the inner session's temporary files, pytest's and the workers' logs
+    temp.mkdir()
     env = dict(os.environ, PID_FILE=str(pid_file), HANG=str(int(hang)), INNER_TIMEOUT=str(timeout),
-               INNER_TIMEOUT_METHOD=method)
+               INNER_TIMEOUT_METHOD=method, TMPDIR=str(temp))
     # Its own session, as a terminal's foreground job: Ctrl-C reaches the whole process group.
     inner = subprocess.Popen(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_inner.py"], cwd=root, env=env,
@@ -106,7 +109,7 @@ def _end_session(root, ending):
     survivors = [pid for pid in pids if _alive(pid)]
     for pid in survivors:
         os.kill(pid, signal.SIGKILL)
-    return inner.returncode, output, pids, survivors
+    return inner.returncode, output, pids, survivors, sorted(path.name for path in temp.glob("megatron_patch_ranks_*"))
 
 
 JOBS = {f"test_no_worker_survives_the_session[{ending}]": (_end_session, ending) for ending in ENDINGS}
@@ -119,7 +122,8 @@ def jobs(tmp_path_factory, request):
 
 @pytest.mark.parametrize("ending", list(ENDINGS))
 def test_no_worker_survives_the_session(job, ending):
-    returncode, output, _, survivors = job
+    returncode, output, _, survivors, log_dirs = job
     if ending == "passes":
         assert returncode == 0, output
+        assert not log_dirs, f"the session left its workers' logs behind: {log_dirs}"
     assert not survivors, f"{len(survivors)} of the workers and their children outlived pytest ({ending}):\n{output}"

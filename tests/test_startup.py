@@ -17,26 +17,29 @@ import pytest
 
 HEAVY = ("torch", "megatron.core", "transformers")
 
-# Runs `module` as __main__ with `argv` and prints which of HEAVY are in sys.modules afterwards, whatever the exit.
+# Runs `module` as __main__ with `argv` and prints which of HEAVY are in sys.modules afterwards, whatever the exit
+# (and an exit's message, as the interpreter would).
 PROBE = """
 import json, runpy, sys
 module, heavy, argv = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
 sys.argv = [module, *argv]
 try:
     runpy.run_module(module, run_name="__main__", alter_sys=True)
-except SystemExit:
-    pass
+except SystemExit as exit:
+    if isinstance(exit.code, str):  # the message the interpreter would print
+        print(exit.code, file=sys.stderr)
 print("IMPORTED " + json.dumps(sorted(name for name in heavy if name in sys.modules)))
 """
 
 
-def imported_heavy_modules(module: str, *argv: str) -> list[str]:
+def imported_heavy_modules(module: str, *argv: str, output: str = "") -> list[str]:
+    """Which of HEAVY ``python -m module *argv`` imported; its output must contain ``output``."""
     result = subprocess.run(
         [sys.executable, "-c", PROBE, module, json.dumps(HEAVY), json.dumps(list(argv))],
         capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONWARNINGS="ignore"),
     )
     lines = [line for line in result.stdout.splitlines() if line.startswith("IMPORTED ")]
-    assert lines, result.stdout + result.stderr
+    assert lines and output in result.stdout + result.stderr, result.stdout + result.stderr
     return json.loads(lines[-1][len("IMPORTED "):])
 
 
@@ -50,6 +53,21 @@ def imported_heavy_modules(module: str, *argv: str) -> list[str]:
 ])
 def test_help_imports_no_heavy_library(argv):
     assert imported_heavy_modules("megatron_patch.cli", *argv) == []
+
+
+def test_the_launcher_checks_a_job_without_megatron_core(tmp_path):
+    """``train`` checks the flags, the data and the layout in the launcher's process, before torchrun starts, without
+    importing megatron-core (~3 s of every job's start-up): torchrun's agent needs torch only. The refused layout
+    is checked after the data."""
+    for suffix in (".bin", ".idx"):
+        (tmp_path / f"corpus{suffix}").write_bytes(b"tokens")
+    imported = imported_heavy_modules(
+        "megatron_patch.cli", "train", "--task", "pretraining", "--data-path", str(tmp_path / "corpus"),
+        "--nproc-per-node", "2", "--tensor-model-parallel-size", "4", "--num-layers", "2", "--hidden-size", "32",
+        "--num-attention-heads", "4", "--seq-length", "32", "--max-position-embeddings", "32",
+        "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "2",
+        output="world size 2 is not divisible by --tensor-model-parallel-size 4")
+    assert "megatron.core" not in imported
 
 
 def test_rapidformer_help_imports_no_heavy_library():

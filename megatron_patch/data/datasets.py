@@ -11,7 +11,6 @@ then exits the process).
 """
 
 import contextlib
-import os
 from typing import Callable, Iterator, Sequence
 
 import numpy
@@ -24,56 +23,22 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.utils import get_blend_from_list
 
-from megatron_patch.errors import UserError
+from megatron_patch.data.data_path import EmptyDataError, check_data_path, data_path_words
 
 # megatron-core's BERT sample index (helpers.cpp, LONG_SENTENCE_LEN) skips a document of several sentences when one
 # of them has more tokens than this.
 _LONG_SENTENCE_LEN = 512
 
 
-class EmptyDataError(UserError, ValueError):
-    """--data-path names data that gives no training samples. A ValueError as well: the launcher's argument check
-    (training/arguments.py) reports those as one line before torchrun starts."""
-
-
 def parse_data_path(data_path: Sequence[str]) -> tuple[list[str], list[float] | None]:
-    """`--data-path` values -> (prefixes, weights or None), checking that the files exist.
+    """`--data-path` values -> (prefixes, weights or None), checking that the files exist (``check_data_path``).
 
         parse_data_path(["0.3", "a", "0.7", "b"])   # (["a", "b"], [0.3, 0.7])
         parse_data_path(["a", "b"])                 # (["a", "b"], None): weighted by size
         parse_data_path(["0.3 a 0.7 b"])            # one quoted string works too
     """
-    items = [word for value in data_path for word in value.split()]
-    if not items:
-        raise ValueError("--data-path is empty; give prefixes (optionally weighted) or use --mock-data")
-    prefixes, weights = get_blend_from_list(items)
-    if weights is None and any(_is_number(p) for p in prefixes):
-        raise ValueError(
-            f"--data-path {' '.join(items)}: weights and prefixes must alternate ('0.3 a 0.7 b')"
-        )
-    for prefix in prefixes:
-        missing = [prefix + s for s in (".bin", ".idx") if not os.path.isfile(prefix + s)]
-        if missing:
-            raise ValueError(
-                f"--data-path {prefix}: {' and '.join(missing)} not found; give the prefix without "
-                "the suffix, e.g. data/corpus_text_document"
-            )
-        # megatron-core memory-maps the .bin (indexed_dataset.py:402), which numpy refuses for an empty file:
-        # "cannot mmap an empty file", deep in the dataset build.
-        if os.path.getsize(prefix + ".bin") == 0:
-            raise EmptyDataError(
-                f"--data-path {prefix}: {prefix}.bin holds no tokens (its input had no documents, or only empty "
-                "ones); preprocess a JSONL with text into it (megatron-patch preprocess-data), or leave it out"
-            )
-    return prefixes, weights
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
+    check_data_path(data_path)
+    return get_blend_from_list(data_path_words(data_path))
 
 
 @contextlib.contextmanager

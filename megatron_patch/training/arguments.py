@@ -518,10 +518,10 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     if args.task == "pretraining" and args.data_path and not args.mock_data:
         # Found now, before torchrun starts and models are built, not when the datasets are (user scripts that
         # build megatron-core datasets get the same check then, still before the first step).
-        from megatron_patch.data.datasets import parse_data_path
+        from megatron_patch.data.data_path import check_data_path
 
         try:
-            parse_data_path(args.data_path)
+            check_data_path(args.data_path)
         except ValueError as error:
             _refuse(str(error))
     args.flag_notices = flag_notices(args)

@@ -298,8 +298,9 @@ def save_megatron_checkpoint(root: str, iteration: int, chunks: list, optimizer,
         # writing (each DP rank holds the whole gathered optimizer state), not DP rank 0 alone.
         strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(),
                                                     parallel_state.get_data_parallel_group(with_context_parallel=True))
-        request = dist_checkpointing.save(state, staging, sharded_strategy=strategy, async_sharded_save=True,
-                                          content_metadata=dict(compat.DISTRIB_OPTIMIZER_METADATA))
+        with compat.write_results_in_this_process():
+            request = dist_checkpointing.save(state, staging, sharded_strategy=strategy, async_sharded_save=True,
+                                              content_metadata=dict(compat.DISTRIB_OPTIMIZER_METADATA))
         if request.async_fn is None:  # this rank holds only replicas another rank writes: no .distcp of its own
             write_rank_checksums(staging, rank, checksums)
         else:
