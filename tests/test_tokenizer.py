@@ -158,6 +158,19 @@ def test_sentencepiece_variants(assets):
     assert llama.tokenize(text) == [sp.bos_id()] + sp.encode_as_ids(text) and llama.eod == sp.eos_id()
 
 
+def test_llama2_tokenizer_refuses_a_model_without_bos(assets, tmp_path):
+    import sentencepiece
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(assets.texts))
+    sentencepiece.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "nobos"), vocab_size=300,
+                                             bos_id=-1, minloglevel=2)
+    model = str(tmp_path / "nobos.model")
+    assert build_tokenizer("GPTSentencePieceTokenizer", tokenizer_model=model).tokenize("x = 1")
+    with pytest.raises(TokenizerFileError, match=f"{model}: the SentencePiece model has no bos piece"):
+        build_tokenizer("Llama2Tokenizer", tokenizer_model=model)
+
+
 def test_huggingface_tokenizer_equals_transformers(assets):
     from transformers import AutoTokenizer
 

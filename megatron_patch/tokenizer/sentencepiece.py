@@ -68,6 +68,15 @@ class GPTSentencePieceTokenizer(_SentencePieceBase):
 class Llama2Tokenizer(_SentencePieceBase):
     """Megatron-LM's `_Llama2Tokenizer`: bos before every text."""
 
+    def __init__(self, tokenizer_model: str | None = None, **options):
+        super().__init__(tokenizer_model, **options)
+        if self.bos is None:
+            # Megatron-LM would prepend SentencePiece's -1, which the .bin stores as its dtype's largest id.
+            raise TokenizerFileError(
+                f"{tokenizer_model}: the SentencePiece model has no bos piece, which Llama2Tokenizer puts before every "
+                "text; use --tokenizer-type GPTSentencePieceTokenizer (the model alone), or a model trained with one "
+                "(spm_train --bos_id)")
+
     def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
         return [[self.bos, *ids] for ids in super().tokenize_batch(texts)]
 
