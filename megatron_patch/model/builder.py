@@ -14,7 +14,6 @@ GPT-2, LLaMA, Mistral, Qwen2 and Qwen3 are all GPTModel with different Transform
 from __future__ import annotations
 
 import dataclasses
-
 import functools
 from typing import Callable
 
