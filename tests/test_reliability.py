@@ -144,7 +144,11 @@ def _sigterm_then_resume(assets, root):
     save, logs = str(root / "ckpt"), str(root / "logs")
     argv = _flags(assets, "--save", save, "--load", save, "--save-interval", "100", "--log-dir", logs,
                   "--exit-signal-handler")
-    process = _start(argv)
+    # Iterations 6 on wait 0.2 s each, so the SIGTERM lands between iterations even when this process is slow to see
+    # iteration 5 (a loaded machine: at full speed the 11 iterations left took ~0.4 s, and a late SIGTERM found the run
+    # finished). The waits change no number: the records are still compared with the reference run's.
+    process = _start(argv, script=FAULTY_SCRIPT, env={"FAULT": "slow", "FAULT_RANK": "0",
+                                                      "FAULT_ITERATIONS": ",".join(map(str, range(6, ITERS + 1)))})
     deadline = time.monotonic() + 300
     while _last_iteration(logs) < 5 and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.002)

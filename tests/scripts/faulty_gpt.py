@@ -1,10 +1,11 @@
 """The megatron GPT pretraining task with a fault injected on one rank, chosen by environment variables.
 
-    FAULT=raise|hang|nan FAULT_RANK=1 FAULT_ITERATIONS=3,4 \
+    FAULT=raise|hang|nan|slow FAULT_RANK=1 FAULT_ITERATIONS=3,4 \
         rapidformer --user-script tests/scripts/faulty_gpt.py <the --task pretraining flags>
 
 ``raise``: the rank raises in its forward step; ``hang``: it sleeps instead of computing (its peers wait in a
-collective); ``nan``: its loss is NaN, so every gradient is (a poisoned step).
+collective); ``nan``: its loss is NaN, so every gradient is (a poisoned step); ``slow``: it waits 0.2 s before
+computing, and computes the same (a test then has time to act between iterations).
 """
 
 import os
@@ -26,10 +27,10 @@ class FaultyPretrainer(MegatronGPTPretrainer):
         faulty = torch.distributed.get_rank() in RANKS and self.iteration + 1 in ITERATIONS
         if faulty and FAULT == "raise":
             raise RuntimeError(f"injected fault on rank {torch.distributed.get_rank()}")
-        if faulty and FAULT == "hang":
-            time.sleep(3600)
+        if faulty and FAULT in ("hang", "slow"):
+            time.sleep(3600 if FAULT == "hang" else 0.2)
         output, loss_func = super().run_forward_step(data_iterator, model)
-        return (output * float("nan") if faulty else output), loss_func
+        return (output * float("nan") if faulty and FAULT == "nan" else output), loss_func
 
 
 FaultyPretrainer(engine=RapidformerEngine()).train()
