@@ -26,7 +26,7 @@ setup(
     extras_require={"test": ["pytest>=8", "pytest-timeout", "tensorboard"]},
     entry_points={
         "console_scripts": [
-            "megatron-patch=megatron_patch.cli:main",
+            "megatron-patch=megatron_patch.cli:run",
             "rapidformer=megatron_patch.training.launcher:main",
         ]
     },

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import sys
+from typing import NoReturn
 
 from megatron_patch.errors import DEBUG_ENV
 
@@ -70,5 +72,31 @@ def main(argv: list[str] | None = None) -> int:
     return args.run(args, rest)
 
 
+def exit_with(status: int) -> NoReturn:
+    """End a command's process with ``status``.
+
+    Example::
+
+        exit_with(main())      # never returns
+
+    A process that ran gloo collectives (a conversion's or a verification's own world, a torchrun rank of
+    ``convert verify``) ends through ``distributed.exit_rank``: after gloo, a normal interpreter exit sometimes
+    aborts with "terminate called without an active exception" (SIGABRT, status -6; docs/megatron-core-on-cpu.md,
+    item 11), which turned a passed verification into a failed command. torch is looked up in ``sys.modules``, so a
+    command that never needed it (``--help``, the data tools) is not made to import it.
+    """
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.distributed.is_initialized():
+        from megatron_patch.distributed import exit_rank
+
+        exit_rank(status)
+    sys.exit(status)
+
+
+def run() -> NoReturn:
+    """The ``megatron-patch`` console script: ``main()`` on the command line's arguments, then ``exit_with``."""
+    exit_with(main())
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run()

@@ -8,9 +8,8 @@ Example::
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
 """
 
-import sys
-
+from megatron_patch.cli import exit_with
 from megatron_patch.convert.cli import main
 
 if __name__ == "__main__":  # dist_checkpointing's writer processes re-import this file
-    sys.exit(main())
+    exit_with(main())

@@ -170,11 +170,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    status = main()
-    # A torchrun rank of verify ends without the interpreter's teardown. Asked through sys.modules: a command that
-    # never needed torch (--help, a flag error) is not made to import it here.
-    if "torch" in sys.modules and sys.modules["torch"].distributed.is_initialized():
-        from megatron_patch.distributed import exit_rank
+    from megatron_patch.cli import exit_with
 
-        exit_rank(status)
-    sys.exit(status)
+    exit_with(main())
