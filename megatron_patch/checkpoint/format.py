@@ -73,6 +73,7 @@ def dtype_name(dtype: torch.dtype | str) -> str | None:
 
     Example::
 
+        >>> import torch
         >>> dtype_name("bf16"), dtype_name(torch.float16), dtype_name(torch.int8)
         ('bfloat16', 'float16', None)
     """

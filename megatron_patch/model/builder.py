@@ -47,6 +47,7 @@ def to_transformer_config(model_config: ModelConfig, parallel_config: ParallelCo
 
     Example::
 
+        >>> from megatron_patch.model.config import get_model_config
         >>> to_transformer_config(get_model_config("tiny-llama"), ParallelConfig()).gated_linear_unit
         True
     """

@@ -24,6 +24,7 @@ def num_floating_point_operations(
 
     Example::
 
+        >>> from megatron_patch.model.config import get_model_config
         >>> m = get_model_config("tiny-gpt2")
         >>> num_floating_point_operations(m, batch_size=1, seq_length=32, padded_vocab_size=128)
         22020096.0
@@ -62,6 +63,7 @@ def expert_parameters(m: ModelConfig) -> int:
 
     Example::
 
+        >>> from megatron_patch.model.config import get_model_config
         >>> expert_parameters(get_model_config("mixtral-8x7b"))    # 8 experts x 3 x 4096 x 14336
         1409286144
     """
@@ -92,6 +94,7 @@ def num_parameters(model_config: ModelConfig, padded_vocab_size: int) -> int:
 
     Example::
 
+        >>> from megatron_patch.model.config import get_model_config
         >>> num_parameters(get_model_config("gpt2-124m"), padded_vocab_size=50257)   # HF's GPT2Model
         124439808
     """

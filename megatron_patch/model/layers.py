@@ -56,7 +56,13 @@ class TorchNorm:
 
     Example::
 
-        >>> norm = TorchNorm(config, hidden_size=64, eps=1e-5)     # an nn.LayerNorm
+        >>> from megatron_patch.model.builder import to_transformer_config
+        >>> from megatron_patch.model.config import get_model_config
+        >>> from megatron_patch.model.parallel import ParallelConfig
+        >>> config = to_transformer_config(get_model_config("tiny-gpt2"), ParallelConfig())
+        >>> type(TorchNorm(config, hidden_size=64, eps=1e-5)).__name__
+        'LayerNorm'
+
 
     megatron-core's ``WrappedTorchNorm`` (its fallback without apex or TE) asserts ``not config.sequence_parallel``
     and ``not config.layernorm_zero_centered_gamma`` (``transformer/torch_norm.py:26-32``) although nothing in the

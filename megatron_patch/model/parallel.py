@@ -94,6 +94,7 @@ class ParallelConfig:
 
         Example::
 
+            >>> from megatron_patch.model.config import get_model_config
             >>> ParallelConfig(tensor_model_parallel_size=2).check_layout(get_model_config("gpt2-124m"), world_size=8)
             4
         """
@@ -112,13 +113,15 @@ class ParallelConfig:
         )
 
     def validate(self, model_config: ModelConfig, world_size: int | None = None) -> None:
-        """Raise ValueError, naming the flags, when this layout cannot run ``model_config`` on this machine.
+        """Raise a ValueError (LayoutError), naming the flags, when this layout cannot run ``model_config`` on this
+        machine.
 
         Example::
 
+            >>> from megatron_patch.model.config import get_model_config
             >>> ParallelConfig(tensor_model_parallel_size=5).validate(get_model_config("gpt2-124m"))
             Traceback (most recent call last):
-            LayoutError: --num-attention-heads 12 is not divisible by --tensor-model-parallel-size 5; ...
+            megatron_patch.layout.LayoutError: --num-attention-heads 12 is not divisible by --tensor-model-parallel-size 5; ...
         """
         self.check_layout(model_config, world_size)
         if self.context_parallel_size > 1 and not compat.transformer_engine_available():

@@ -64,6 +64,7 @@ def layer_spec(model_config: ModelConfig, parallel_config: ParallelConfig | None
 
     Example::
 
+        >>> from megatron_patch.model.config import get_model_config
         >>> layer_spec(get_model_config("tiny-bert")).module.__name__
         'PostLNTransformerLayer'
     """

@@ -139,6 +139,7 @@ def pretraining_family(config: RunConfig) -> str:
 
     Example::
 
+        >>> from megatron_patch.training.arguments import parse_run
         >>> config, _ = parse_run(["--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", "v.txt"], 1)
         >>> pretraining_family(config)
         'bert'
