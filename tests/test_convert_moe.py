@@ -8,6 +8,10 @@ configs and from Megatron-LM's args."""
 
 import argparse
 import dataclasses
+import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -215,3 +219,27 @@ def test_megatron_lm_moe_options_our_layer_cannot_compute_are_refused_by_name(fi
     state["args"] = argparse.Namespace(**{**_MEGATRON_LM_MOE, field: value})
     with pytest.raises(CheckpointMismatch, match="^common.pt: " + ("args." + field if fmt != "torch" else "per-rank")):
         info_from_megatron_lm(state, fmt, "common.pt")
+
+
+def test_verify_compares_a_text_of_any_length_at_tensor_parallelism(tmp_path, tmp_path_factory):
+    """``verify --text`` at TP=2 on a mixture-of-experts model, whose layers need sequence parallelism there (the
+    sequence split over the TP ranks): a text of an odd number of tokens is compared as it is, token for token."""
+    from conftest_data import data_assets
+    from transformers import AutoTokenizer
+
+    tokenizer_dir = data_assets(tmp_path_factory).options["HuggingFaceTokenizer"]["tokenizer_model"]
+    hf, dist = make_hf_model("mixtral", str(tmp_path / "hf"), vocab_size=1000), str(tmp_path / "dist")
+    for name in os.listdir(tokenizer_dir):
+        shutil.copy(os.path.join(tokenizer_dir, name), hf)
+    assert run_on_ranks(cli, 1, args=(["hf-to-megatron", "--hf-dir", hf, "--save-dir", dist, "--no-verify",
+                                       "--no-progress"],), timeout=300) == [0]
+    tokenizer = AutoTokenizer.from_pretrained(hf)
+    text = "def main():\n    return 0"
+    while len(tokenizer(text)["input_ids"]) % 2 == 0:
+        text += " x"
+    done = subprocess.run([sys.executable, "-m", "megatron_patch.cli", "convert", "verify", "--hf-dir", hf,
+                           "--megatron-dir", dist, "--tensor-model-parallel-size", "2", "--text", text],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    [logits] = [line for line in done.stdout.splitlines() if line.startswith("logits: ")]
+    assert logits.endswith("PASS"), done.stdout

@@ -118,6 +118,35 @@ def make_inputs(info: CheckpointInfo, hf_dir: str, text: str | None = None, batc
     return inputs
 
 
+def _sequence_parallel(info: CheckpointInfo, tp: int) -> bool:
+    """megatron-core's MoELayer asserts sequence parallelism under TP > 1 (moe_layer.py); a forward is the same."""
+    return tp > 1 and info.model_config.num_moe_experts is not None
+
+
+def pad_to_multiple(inputs: dict, multiple: int) -> dict:
+    """A GPT's ``inputs`` with each sequence lengthened to a multiple of ``multiple`` by repeating its last token.
+
+    Example::
+
+        >>> pad_to_multiple({"tokens": torch.tensor([[5, 6, 7]]), "position_ids": torch.arange(3)[None],
+        ...                  "attention_mask": torch.ones(1, 3, dtype=torch.long)}, 2)["tokens"]
+        tensor([[5, 6, 7, 7]])
+
+    Sequence parallelism splits the sequence over the TP ranks, so its length must divide by TP; a ``--text`` has
+    any length. The model is causal: its outputs at the text's own positions do not depend on the tokens after them,
+    and those are the ones compared.
+    """
+    tokens = inputs["tokens"]
+    b, s = tokens.shape
+    extra = -s % multiple
+    if not extra:
+        return inputs
+    padded = s + extra
+    return {**inputs, "tokens": torch.cat([tokens, tokens[:, -1:].expand(b, extra)], dim=1),
+            "position_ids": torch.arange(padded).expand(b, padded).contiguous(),
+            "attention_mask": torch.ones(b, padded, dtype=torch.long)}
+
+
 def hf_outputs(hf_dir: str, architecture: str, inputs: dict, dtype: str = "float32") -> dict[str, torch.Tensor]:
     import transformers
 
@@ -180,10 +209,8 @@ def build_and_load(megatron_dir: str, info: CheckpointInfo, tp: int, pp: int, dt
     initialize_distributed(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                            expert_model_parallel_size=ep, seed=1234)
     config = info.model_config.replace(hidden_dropout=0.0, attention_dropout=0.0)
-    # megatron-core's MoELayer asserts sequence parallelism under TP > 1 (moe_layer.py); a forward is the same.
     parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                              expert_model_parallel_size=ep,
-                              sequence_parallel=tp > 1 and config.num_moe_experts is not None,
+                              expert_model_parallel_size=ep, sequence_parallel=_sequence_parallel(info, tp),
                               bf16=dtype == "bfloat16", fp16=dtype == "float16")
     chunks = build_model_chunks(config, parallel, info.padded_vocab_size)
     load_into_chunks(chunks, megatron_dir, info)
@@ -199,8 +226,10 @@ def verify_on_rank(hf_dir: str, megatron_dir: str, tp: int = 1, pp: int = 1, tex
     info, architecture = check_pair(hf_dir, megatron_dir)
     wanted = set(_HF_OUTPUTS[architecture])
     inputs = make_inputs(info, hf_dir, text)
+    length = inputs["tokens"].shape[1]
     chunks = build_and_load(megatron_dir, info, tp, pp, dtype, ep)
-    actual = megatron_outputs(chunks, info, inputs, wanted)
+    model_inputs = pad_to_multiple(inputs, tp) if _sequence_parallel(info, tp) else inputs
+    actual = megatron_outputs(chunks, info, model_inputs, wanted)
     if not (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
             and parallel_state.get_tensor_model_parallel_rank() == 0):
         return None
@@ -208,7 +237,8 @@ def verify_on_rank(hf_dir: str, megatron_dir: str, tp: int = 1, pp: int = 1, tex
     vocab = info.model_config.vocab_size
     results = []
     for name, hf_value in expected.items():
-        value = actual[name][..., :vocab] if name == "logits" else actual[name]
+        # (batch, sequence, vocabulary): the text's own positions (pad_to_multiple), the model's own vocabulary
+        value = actual[name][:, :length, :vocab] if name == "logits" else actual[name]
         if value.shape != hf_value.shape:
             raise ValueError(f"{name}: Megatron output has shape {tuple(value.shape)}, Hugging Face "
                              f"{tuple(hf_value.shape)}")
