@@ -223,6 +223,31 @@ def test_rank_file_with_megatron_lm_types_loads_and_leaves_the_safe_globals(tmp_
     assert argparse.Namespace in torch.serialization.get_safe_globals()
 
 
+def _anonymous_memory() -> int:
+    """This process's RssAnon in bytes: memory it allocated, not the file pages it maps."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+
+
+@pytest.mark.parametrize("zip_format", [True, False], ids=["zip", "before-torch-1.6"])
+def test_the_args_of_a_rank_file_are_read_without_loading_its_tensors(tmp_path, zip_format):
+    """Reading a checkpoint's description (find_info, the resume's recorded samples) maps a rank file instead of
+    loading it: its 128 MB of tensors take no memory. Failed before: the whole file was loaded for its args. A file
+    of torch's older format, which torch cannot map, is read whole as before."""
+    path = str(tmp_path / "model_optim_rng.pt")
+    size = 128 << 20
+    torch.save({**_state(), "model": {"embedding.word_embeddings.weight": torch.ones(size, dtype=torch.uint8)}}, path,
+               _use_new_zipfile_serialization=zip_format)
+    from megatron.core.safe_globals import register_safe_globals
+
+    register_safe_globals()  # the reader's first step, here before the measure: importing megatron-core takes memory
+    before = _anonymous_memory()
+    state = load_megatron_file(path, mapped=True)
+    grown = _anonymous_memory() - before
+    assert state["args"].hidden_size == 32 and state["model"]["embedding.word_embeddings.weight"].numel() == size
+    assert grown < size // 4 if zip_format else grown >= size, grown
+
+
 # The Megatron-LM run saves after SAVED_AT iterations; the resumed run and its reference go on to 4. The schedule
 # (a warm-up iteration at lr 0, cosine decay over 8) does not depend on --train-iters, so every run shares it.
 SAVED_AT = 2

@@ -34,6 +34,7 @@ import json
 import os
 import pickle
 import re
+import zipfile
 from typing import TYPE_CHECKING, NamedTuple
 
 from megatron_patch.errors import UserError, read_json
@@ -262,7 +263,7 @@ def find_info(megatron_dir: str) -> tuple[CheckpointInfo, str] | None:
     if fmt is None:
         return None
     source = _args_source(weights, fmt)
-    return info_from_megatron_lm(load_megatron_file(source), fmt, source), source
+    return info_from_megatron_lm(load_megatron_file(source, mapped=True), fmt, source), source
 
 
 def _args_source(weights: str, fmt: str) -> str:
@@ -289,7 +290,7 @@ def recorded_train_samples(weights: str) -> tuple[int, int] | None:
     fmt = checkpoint_format(weights)
     if fmt is None:
         return None
-    args = load_megatron_file(_args_source(weights, fmt)).get("args")
+    args = load_megatron_file(_args_source(weights, fmt), mapped=True).get("args")
     consumed = getattr(args, "consumed_train_samples", None)
     if not consumed:  # Megatron-LM too counts a 0 at a later iteration as unrecorded (its backward compatibility)
         return None
@@ -307,7 +308,7 @@ def _read_args_file(path: str) -> CheckpointInfo:
                                  f"{fix}") from None
 
 
-def load_megatron_file(path: str) -> dict:
+def load_megatron_file(path: str, *, mapped: bool = False) -> dict:
     """A legacy rank file (``mp_rank_*/model_optim_rng.pt``) or torch_dist's common.pt, unpickled with
     ``weights_only=True``: besides tensors only the types megatron-core registers as safe
     (megatron/core/safe_globals.py: Megatron-LM's ``args`` Namespace, its enums, numpy's RNG state in
@@ -318,13 +319,19 @@ def load_megatron_file(path: str) -> dict:
     Example::
 
         load_megatron_file("ckpt/iter_0000100/mp_rank_00/model_optim_rng.pt")["args"].hidden_size    # 4096
+
+    ``mapped``: the file is memory-mapped instead of read, so its tensors cost no memory or reading until they are
+    touched. For the args and the tensors' names alone: a Megatron-LM rank file holds a shard of the model and, saved
+    with its optimizer, three times as much again, all of which a plain read loads into memory. torch maps only its
+    zip format (``torch.save``'s since torch 1.6); a file of the older format is read.
     """
     import torch
     from megatron.core.safe_globals import register_safe_globals
 
     register_safe_globals()
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        mapped = mapped and zipfile.is_zipfile(path)  # a truncated zip is read, and its error named, as before
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mapped)
     except pickle.UnpicklingError as error:
         raise CheckpointMismatch(f"{path} holds a type no Megatron checkpoint holds ({str(error).splitlines()[-1]}); "
                                  "load it only if you trust its source, then re-save it") from None
