@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 from megatron_patch.errors import UserError, one_line_errors
 

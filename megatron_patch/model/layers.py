@@ -63,7 +63,6 @@ class TorchNorm:
         >>> type(TorchNorm(config, hidden_size=64, eps=1e-5)).__name__
         'LayerNorm'
 
-
     megatron-core's ``WrappedTorchNorm`` (its fallback without apex or TE) asserts ``not config.sequence_parallel``
     and ``not config.layernorm_zero_centered_gamma`` (``transformer/torch_norm.py:26-32``) although nothing in the
     maths forbids either; this is the same constructor signature without those assertions.
