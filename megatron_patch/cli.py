@@ -11,7 +11,7 @@ import argparse
 import importlib
 import os
 import sys
-from typing import NoReturn
+from typing import Callable, NoReturn
 
 from megatron_patch.errors import DEBUG_ENV
 
@@ -77,7 +77,7 @@ def exit_with(status: int) -> NoReturn:
 
     Example::
 
-        exit_with(main())      # never returns
+        exit_with(status)      # never returns
 
     A process that ran gloo collectives (a conversion's or a verification's own world, a torchrun rank of
     ``convert verify``) ends through ``distributed.exit_rank``: after gloo, a normal interpreter exit sometimes
@@ -93,9 +93,25 @@ def exit_with(status: int) -> NoReturn:
     sys.exit(status)
 
 
-def run() -> NoReturn:
-    """The ``megatron-patch`` console script: ``main()`` on the command line's arguments, then ``exit_with``."""
-    exit_with(main())
+def run(command: Callable[[], int] | None = None) -> NoReturn:
+    """Run ``command`` (by default the ``megatron-patch`` console script's ``main``) and end through ``exit_with``.
+
+    Example::
+
+        run(convert_main)      # a module's __main__; never returns
+
+    A ``SystemExit`` raised on the way (a usage error, a SIGTERM's 143) ends through ``exit_with`` too: it can come
+    after gloo collectives as well.
+    """
+    try:
+        status = (command or main)()
+    except SystemExit as stop:
+        if stop.code is None or isinstance(stop.code, int):
+            status = stop.code or 0
+        else:
+            print(stop.code, file=sys.stderr)
+            status = 1
+    exit_with(status)
 
 
 if __name__ == "__main__":

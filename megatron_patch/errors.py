@@ -12,7 +12,7 @@ prints ``megatron-patch convert: error: ckpt/args.json: not valid JSON ...`` and
 ``MEGATRON_PATCH_DEBUG=1`` in the environment (``megatron-patch --debug ...`` sets it, and torchrun's ranks inherit
 it) the traceback is printed first.
 
-Below it, two helpers for such messages: ``first_problems`` (a long list cut to one line) and ``read_json`` (a
+Below it, ``unwind_on_sigterm`` and two helpers for such messages: ``first_problems`` (a long list cut to one line) and ``read_json`` (a
 damaged JSON file as a UserError naming it).
 """
 
@@ -22,6 +22,7 @@ import errno
 import functools
 import json
 import os
+import signal
 import sys
 import traceback
 from typing import Callable
@@ -91,3 +92,22 @@ def read_json(path: str, fix: str):
         except json.JSONDecodeError as error:
             raise UserError(f"{path}: not valid JSON ({error.msg}: line {error.lineno} column {error.colno}); "
                             f"{fix}") from None
+
+
+def unwind_on_sigterm() -> None:
+    """From now on a SIGTERM (a scheduler's time limit, ``kill``) raises ``SystemExit(143)`` in the main thread.
+
+    Example::
+
+        unwind_on_sigterm()
+        with open("out.tmp", "w") as f:    # a SIGTERM here still runs the cleanup below
+            ...
+
+    The default action ends the process at once, so no ``finally`` or ``except`` block runs and a command's
+    temporary files stay behind; raised, the signal unwinds like an error and they are removed.
+    """
+    signal.signal(signal.SIGTERM, _raise_exit)
+
+
+def _raise_exit(signum, frame) -> None:
+    raise SystemExit(128 + signum)

@@ -1,10 +1,13 @@
 """Bad input gives an error naming the tensor and both shapes, and leaves nothing under the final name;
 verify fails on corrupted weights and on the post-LN -> pre-LN BERT trap, refuses a directory of another model
-at once, and works on a trainer's checkpoint; the command line reports each error as one line."""
+at once, and works on a trainer's checkpoint; the command line reports each error as one line; a killed conversion's
+files are gone once the next has run."""
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -291,3 +294,96 @@ def test_a_conversion_that_fails_verification_leaves_nothing_and_keeps_the_previ
         assert_one_line_error(err, hf, f"nothing was written to {save_dir}")
     assert sorted(os.listdir(tmp_path)) == ["nan-hf", "previous"]  # no fresh/, no temporary sibling
     assert tree_bytes(previous) == before
+
+
+def _staging_dirs(root):
+    return {name for name in os.listdir(root) if ".partial-" in name}
+
+
+def _start_conversion(hf, save_dir, *flags):
+    return subprocess.Popen([sys.executable, "-m", "megatron_patch.cli", "convert", "hf-to-megatron", "--hf-dir", hf,
+                             "--save-dir", save_dir, "--no-progress", *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_new_staging(process, root, known, timeout=120):
+    """The staging directory ``process`` writes into, once it holds a file (the conversion is under way)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.communicate()
+        for name in _staging_dirs(root) - known:
+            with contextlib.suppress(FileNotFoundError):
+                if os.listdir(os.path.join(root, name)):
+                    return name
+        time.sleep(0.02)
+    process.kill()
+    raise AssertionError(f"no staging directory appeared in {root} within {timeout} s")
+
+
+def test_a_killed_conversion_leaves_nothing_once_the_next_has_run(tmp_path):
+    """Failed before: a SIGKILL (the out-of-memory killer) runs no cleanup, and SIGTERM's default action ran none
+    either, so each left ``SAVE.partial-<pid>``, as large as the model, which no later conversion removed."""
+    hf = make_hf_model("llama-gqa", str(tmp_path / "hf"))
+    save = str(tmp_path / "out")
+    killed = _start_conversion(hf, save)
+    left = _wait_for_new_staging(killed, tmp_path, set())
+    killed.kill()
+    killed.communicate(timeout=60)
+    assert _staging_dirs(tmp_path) == {left}  # nothing can clean up after a SIGKILL
+
+    stopped = _start_conversion(hf, save)
+    _wait_for_new_staging(stopped, tmp_path, {left})
+    stopped.terminate()
+    _, err = stopped.communicate(timeout=60)
+    assert stopped.returncode == 128 + signal.SIGTERM, err
+    assert f"removed {tmp_path / left}, left by process" in err, err
+    assert sorted(os.listdir(tmp_path)) == ["hf"], "the final name or a staging directory was left"
+
+
+def test_the_previous_checkpoint_moved_aside_by_a_killed_conversion_is_restored(tmp_path):
+    """The instant between moving ``--overwrite``'s previous checkpoint aside and renaming the new one into place:
+    killed there, the next conversion finds no checkpoint under the name, and the previous one comes back."""
+    import socket
+
+    from megatron_patch.convert.core import remove_killed_staging
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # reaped: its pid names no process now
+    host = socket.gethostname()
+    final = tmp_path / "ckpt"
+    aside, partial = tmp_path / f"ckpt.old-{host}-{dead.pid}", tmp_path / f"ckpt.partial-{host}-{dead.pid}"
+    running = tmp_path / f"ckpt.partial-{host}-{os.getpid()}"
+    other_host = tmp_path / f"ckpt.partial-{host}x-{dead.pid}"
+    for folder in (aside, partial, running, other_host):
+        folder.mkdir()
+        (folder / "file").write_text(folder.name)
+    remove_killed_staging(str(final))
+    assert (final / "file").read_text() == aside.name
+    assert sorted(os.listdir(tmp_path)) == sorted(["ckpt", running.name, other_host.name])
+
+
+def _ranks_started(pid):
+    """Whether process ``pid`` has started the ranks of ``convert verify``."""
+    import psutil
+
+    for child in psutil.Process(pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):  # one that ended meanwhile
+            if "verify" in child.cmdline():
+                return True
+    return False
+
+
+def test_a_conversion_stopped_while_its_ranks_verify_leaves_nothing(tmp_path):
+    """Failed before: at TP=2 the verification runs on torchrun ranks, which the SIGTERM reached and ended; the
+    conversion then reported a failed verification ("check the Hugging Face weights (NaN or inf?)"), status 1."""
+    hf = make_hf_model("llama-gqa", str(tmp_path / "hf"))
+    process = _start_conversion(hf, str(tmp_path / "out"), "--target-tensor-parallel-size", "2")
+    deadline = time.monotonic() + 120
+    while not _ranks_started(process.pid):
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.02)
+    process.terminate()
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 128 + signal.SIGTERM, err
+    assert "rapidformer: stopped by signal 15" in err and "verification" not in err, err
+    assert sorted(os.listdir(tmp_path)) == ["hf"]

@@ -8,8 +8,8 @@ Example::
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
 """
 
-from megatron_patch.cli import exit_with
+from megatron_patch.cli import run
 from megatron_patch.convert.cli import main
 
 if __name__ == "__main__":  # dist_checkpointing's writer processes re-import this file
-    exit_with(main())
+    run(main)

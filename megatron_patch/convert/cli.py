@@ -12,16 +12,18 @@ Example::
 
 ``verify`` with more than one rank (TP x PP x EP) relaunches itself under torchrun (one per rank); exit status 1 when
 the outputs differ beyond the threshold. ``hf-to-megatron`` verifies at the target layout unless --no-verify, before
-the checkpoint gets its name: a conversion that fails verification leaves nothing under --save-dir. Bad input is
-one line naming the file and the fix (``megatron-patch --debug convert ...`` adds the traceback).
+the checkpoint gets its name: a conversion that fails verification, or is stopped by SIGTERM (status 143), leaves
+nothing under --save-dir. Bad input is one line naming the file and the fix (``megatron-patch --debug convert ...``
+adds the traceback).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 
-from megatron_patch.errors import UserError, one_line_errors
+from megatron_patch.errors import UserError, one_line_errors, unwind_on_sigterm
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -129,7 +131,10 @@ def hf_to_megatron(args) -> int:
             pipeline_model_parallel_size=args.target_pipeline_parallel_size,
             expert_model_parallel_size=args.target_expert_model_parallel_size,
         )
-        if verify(verify_args):
+        status = verify(verify_args)
+        if status == 128 + signal.SIGTERM:  # the ranks of a verification at TP/PP/EP > 1 stopped on it
+            raise SystemExit(status)
+        if status:
             kept = "; the checkpoint already there is kept" if os.path.exists(args.save_dir) else ""
             raise UserError(f"{args.hf_dir}: verification of the conversion failed (above), so "
                             f"nothing was written to {args.save_dir}{kept}; check the Hugging Face weights "
@@ -165,10 +170,11 @@ _COMMANDS = {"hf-to-megatron": hf_to_megatron, "megatron-to-hf": megatron_to_hf,
 @one_line_errors("megatron-patch convert")
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    unwind_on_sigterm()  # a SIGTERM removes the conversion's temporary directory
     return _COMMANDS[args.command](args)
 
 
 if __name__ == "__main__":
-    from megatron_patch.cli import exit_with
+    from megatron_patch.cli import run
 
-    exit_with(main())
+    run(main)

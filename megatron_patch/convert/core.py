@@ -9,8 +9,8 @@ Example::
 
 Before any data is read, the names and shapes in the Hugging Face files are checked against what config.json
 implies (missing, extra, mis-shaped tensors are errors naming the tensor and both shapes). Output goes to a
-``<dir>.partial-<pid>`` sibling that is renamed into place only when everything is written, so a failed run
-leaves nothing under the final name.
+``<dir>.partial-<host>-<pid>`` sibling that is renamed into place only when everything is written, so a failed run
+leaves nothing under the final name; what a killed run left is removed by the next run into the same directory.
 
 Tensors pass through megatron-core's own model at TP=1, PP=1, EP=1 (:func:`build_reference_model`, on the meta
 device when only its names, shapes and sharding are needed); the Megatron files themselves, either format, are
@@ -26,6 +26,7 @@ import dataclasses
 import os
 import re
 import shutil
+import socket
 import sys
 import threading
 from typing import Callable
@@ -60,11 +61,20 @@ def shapes_of(model_config: ModelConfig, padded_vocab: int) -> Shapes:
 
 @contextlib.contextmanager
 def atomic_directory(final_dir: str, overwrite: bool = False):
-    """Yield a temporary sibling of ``final_dir``; rename it to ``final_dir`` only if the block succeeds."""
+    """Yield a temporary sibling of ``final_dir``; rename it to ``final_dir`` only if the block succeeds.
+
+    Example::
+
+        with atomic_directory("llama-mcore") as tmp:    # llama-mcore.partial-<host>-<pid>
+            write_checkpoint(tmp)
+
+    What a killed conversion into ``final_dir`` left is cleared first (:func:`remove_killed_staging`).
+    """
     final_dir = os.path.abspath(final_dir)
+    remove_killed_staging(final_dir)
     if os.path.exists(final_dir) and os.listdir(final_dir) and not overwrite:
         raise FileExistsError(f"{final_dir} exists and is not empty; choose another directory or pass --overwrite")
-    tmp = f"{final_dir}.partial-{os.getpid()}"
+    tmp = _staging_name(final_dir, "partial")
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
@@ -73,12 +83,58 @@ def atomic_directory(final_dir: str, overwrite: bool = False):
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if os.path.exists(final_dir):
-        old = f"{final_dir}.old-{os.getpid()}"
+        old = _staging_name(final_dir, "old")
         os.replace(final_dir, old)
         os.replace(tmp, final_dir)
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, final_dir)
+
+
+def _staging_name(final_dir: str, kind: str) -> str:
+    # The host as well as the pid: on a shared file system only this host can tell whether the pid is alive.
+    return f"{final_dir}.{kind}-{socket.gethostname()}-{os.getpid()}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_killed_staging(final_dir: str) -> None:
+    """Clear what conversions into ``final_dir`` that were killed on this host left behind.
+
+    Example::
+
+        remove_killed_staging("/ckpt/llama-mcore")   # removes /ckpt/llama-mcore.partial-node1-4242 if 4242 is dead
+
+    A SIGKILL (the out-of-memory killer, a scheduler's hard limit) runs no cleanup, and a conversion's directory is
+    as large as the model. A ``.partial-`` directory of a dead process is removed. An ``.old-`` one is the previous
+    checkpoint, moved aside for the instant of the swap: it goes back under ``final_dir`` if the swap never
+    finished, and is removed if it did.
+    """
+    parent, base = os.path.split(final_dir)
+    if not os.path.isdir(parent):
+        return
+    pattern = re.compile(rf"{re.escape(base)}\.(partial|old)-{re.escape(socket.gethostname())}-(\d+)")
+    for name in os.listdir(parent):
+        found = pattern.fullmatch(name)
+        if found is None or _alive(int(found[2])):
+            continue
+        path = os.path.join(parent, name)
+        if found[1] == "old" and not os.path.exists(final_dir):
+            os.replace(path, final_dir)
+            print(f"note: restored {final_dir} from {path}: process {found[2]} was killed while replacing it",
+                  file=sys.stderr, flush=True)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+            print(f"note: removed {path}, left by process {found[2]}, a conversion that was killed",
+                  file=sys.stderr, flush=True)
 
 
 class _Progress:

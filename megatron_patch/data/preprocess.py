@@ -29,7 +29,6 @@ import multiprocessing
 import os
 import signal
 import socket
-import sys
 import threading
 import time
 import traceback
@@ -45,7 +44,7 @@ import numpy
 from megatron_patch.data.jsonl import InputError, expand_inputs, open_input
 from megatron_patch.data.progress import Progress
 from megatron_patch.data.sentences import SentenceSplitter
-from megatron_patch.errors import UserError, one_line_errors
+from megatron_patch.errors import UserError, one_line_errors, unwind_on_sigterm
 from megatron_patch.tokenizer import (
     add_tokenizer_args,
     build_tokenizer,
@@ -754,9 +753,8 @@ def main(argv: list[str] | None = None) -> int:
     """The `preprocess_data` command; exit status 1 with one `error:` line on bad input, a dead
     worker or a full disk (the traceback too with MEGATRON_PATCH_DEBUG=1)."""
     args = build_parser().parse_args(argv)
-    # A SIGTERM (a scheduler's timeout) unwinds like Ctrl-C: the workers are stopped and the
-    # temporary files removed.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    # The workers are stopped and the temporary files removed on a SIGTERM as on Ctrl-C.
+    unwind_on_sigterm()
     preprocess(PreprocessConfig(
         input=args.input,
         output_prefix=args.output_prefix,

@@ -110,8 +110,9 @@ def run_torchrun(command: list[str]) -> int:
         run_torchrun(torchrun_command("my_module", ["--flag", "1"], nproc_per_node=2))
 
     The first SIGTERM goes on to the ranks and the job ends as they do (0 after their save with
-    ``--exit-signal-handler``); a second one stops them (status 143). A failed job is summed up in one line; torchrun's
-    own table names the first rank to exit as the "root cause", which after a hang is a rank that waited for it.
+    ``--exit-signal-handler``, 143 if they stopped on it); a second one stops them (status 143). A failed job is
+    summed up in one line; torchrun's own table names the first rank to exit as the "root cause", which after a hang
+    is a rank that waited for it.
     """
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -127,6 +128,12 @@ def run_torchrun(command: list[str]) -> int:
     try:
         torchrun.run(args)
     except ChildFailedError as error:
+        if forward.forwarded:
+            # The ranks ended on the SIGTERM passed on to them (no --exit-signal-handler, or a command with nothing
+            # to save, such as convert verify): the job was stopped, as a scheduler asked, not broken.
+            print(f"rapidformer: stopped by signal {forward.signum}: {_describe_failures(error.failures)}",
+                  file=sys.stderr, flush=True)
+            return 128 + forward.signum
         print(f"rapidformer: the job failed: {_describe_failures(error.failures)}", file=sys.stderr, flush=True)
         return 1
     except SignalException as error:
