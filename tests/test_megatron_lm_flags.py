@@ -6,6 +6,7 @@ with the learning rates and global batches of Megatron-LM's formulas (computed h
 ``--task pretraining`` with BERT flags trains a BertModel; the log starts with Megatron-LM's arguments block."""
 
 import contextlib
+import dataclasses
 import io
 import itertools
 import json
@@ -341,3 +342,24 @@ def test_log_starts_with_megatron_lm_arguments_block_once_from_rank_0():
     assert "  swiglu " + "." * 42 + " True" in lines
     # The notices follow the block, from rank 0 only.
     assert any(line.startswith("[rapidformer] ignored on this machine: --profile") for line in lines[end + 1:])
+
+
+@pytest.mark.parametrize("impl", ["transformer_engine", "local"])
+def test_transformer_impl_picks_the_layers_and_says_what_this_machine_ignores(monkeypatch, impl):
+    """Failed before: ``--transformer-impl``, in Megatron-LM's and Pai-Megatron-Patch's recipes, was refused as an
+    unrecognized argument. ``local`` keeps megatron-core's local layers on a machine with Transformer Engine too."""
+    from megatron_patch import compat
+    from megatron_patch.model import get_model_config
+    from megatron_patch.model.specs import LocalBackend, backend
+    from megatron_patch.training.arguments import parse_run
+
+    config, args = parse_run(["--micro-batch-size", "1", "--transformer-impl", impl], 1)
+    assert config.parallel.transformer_impl == impl
+    ignored = [n for n in args.flag_notices if "--transformer-impl" in n]
+    assert len(ignored) == (impl == "transformer_engine" and not compat.transformer_engine_available()), ignored
+    if impl == "local":
+        monkeypatch.setattr(compat, "transformer_engine_available", lambda: True)  # as on a GPU machine
+        assert isinstance(backend(config.parallel), LocalBackend)
+        with pytest.raises(ValueError, match=re.escape("--context-parallel-size greater than 1 needs Transformer "
+                                                       "Engine, but --transformer-impl local is given")):
+            dataclasses.replace(config.parallel, context_parallel_size=2).validate(get_model_config("gpt2-124m"))

@@ -32,7 +32,7 @@ from megatron_patch.testing import run_on_ranks
 from tests.convert_oracles import _fixed_data_pretrainer, cli, hf_reference, make_hf_model, training_sequences
 
 ITERATION = 5
-LAYOUTS = ("torch_dist-tp2", "torch-tp2pp2")
+LAYOUTS = ("torch_dist-tp2", "torch-tp2pp2", "torch-tp2pp2-te")
 
 
 def save_as_megatron_lm(rank, world_size, converted: str, out: str) -> None:
@@ -75,6 +75,29 @@ def as_megatron_lm(converted: str, out: str) -> str:
     return out
 
 
+def as_transformer_engine(megatron_lm: str, out: str) -> str:
+    """A copy of the per-rank checkpoint ``megatron_lm`` as Megatron-LM writes it with Transformer Engine's layers
+    (its default ``--transformer-impl``): each pre-norm under the linear layer it fuses into, and TE's FP8
+    metadata in ``_extra_state``, a tensor in newer TE versions and a ``BytesIO`` in older ones."""
+    import io
+
+    shutil.copytree(megatron_lm, out)
+    for path in glob.glob(os.path.join(out, "iter_*", "mp_rank_*", "model_optim_rng.pt")):
+        state = load_megatron_file(path)
+        model = {}
+        for name, value in state["model"].items():
+            name = (name.replace("input_layernorm.", "self_attention.linear_qkv.layer_norm_")
+                    .replace("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"))
+            model[name] = value
+            if name.endswith(("linear_qkv.weight", "linear_fc1.weight")):
+                model[name.replace(".weight", "._extra_state")] = torch.zeros(0, dtype=torch.uint8)
+            elif name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+                model[name.replace(".weight", "._extra_state")] = io.BytesIO()
+        assert any("layer_norm_weight" in name for name in model)
+        torch.save({**state, "model": model}, path)
+    return out
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """The Hugging Face source and {layout: (our conversion, the same model in Megatron-LM's layout)}."""
@@ -91,13 +114,16 @@ def checkpoints(tmp_path_factory):
     run_on_ranks(save_as_megatron_lm, 2, args=(dist, dist_lm), timeout=300)
     legacy = convert(str(root / "legacy"), "--ckpt-format", "torch", "--target-tensor-parallel-size", "2",
                      "--target-pipeline-parallel-size", "2")
-    return hf, {"torch_dist-tp2": (dist, dist_lm),
-                "torch-tp2pp2": (legacy, as_megatron_lm(legacy, str(root / "legacy-megatron-lm")))}
+    legacy_lm = as_megatron_lm(legacy, str(root / "legacy-megatron-lm"))
+    return hf, {"torch_dist-tp2": (dist, dist_lm), "torch-tp2pp2": (legacy, legacy_lm),
+                "torch-tp2pp2-te": (legacy, as_transformer_engine(legacy_lm, str(root / "legacy-te")))}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_megatron_lm_checkpoint_exports_to_the_source_models_logits(checkpoints, layout, tmp_path):
-    """Failed before: megatron-to-hf said '... has no megatron_patch_args.json' even with --model-type."""
+    """Failed before: megatron-to-hf said '... has no megatron_patch_args.json' even with --model-type; and, with
+    Transformer Engine's names, 'decoder.layers.0.self_attention.linear_qkv.layer_norm_weight ... is not a tensor
+    of the model'."""
     from transformers import AutoModelForCausalLM
 
     hf, made = checkpoints

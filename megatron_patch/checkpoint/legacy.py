@@ -26,7 +26,7 @@ import re
 import torch
 
 from megatron_patch.checkpoint.format import (
-    ARGS_FILE, LAYER, CheckpointInfo, CheckpointMismatch, full_state_dict, load_megatron_file,
+    ARGS_FILE, FUSED_NORM_NAMES, LAYER, CheckpointInfo, CheckpointMismatch, full_state_dict, load_megatron_file,
     megatron_lm_common_state, partition_dims,
 )
 from megatron_patch.errors import first_problems
@@ -118,11 +118,13 @@ def merge_legacy(ckpt_dir: str, info: CheckpointInfo, dims: dict[str, int | None
                 raise CheckpointMismatch(f"{path} is missing (the checkpoint records TP={tp}, PP={pp})")
             shards.append(load_megatron_file(path)["model"])
         for local, value in shards[0].items():
-            if not isinstance(value, torch.Tensor):
+            # Transformer Engine's FP8 metadata (saved as a tensor by newer TE): no weight of the model.
+            if not isinstance(value, torch.Tensor) or local.endswith("._extra_state"):
                 continue
             match = LAYER.match(local)
             name = (f"{match.group(1)}{int(match.group(2)) + pp_rank * per_stage}.{local[match.end():]}"
                     if match else local)
+            name = _fused_norm_alias(name, dims)
             template = LAYER.sub(r"\1{}.", name)
             if template not in dims and template != "output_layer.weight":
                 raise CheckpointMismatch(f"{local} (rank files of stage {pp_rank}) is not a tensor of the model")
@@ -136,6 +138,26 @@ def merge_legacy(ckpt_dir: str, info: CheckpointInfo, dims: dict[str, int | None
         raise CheckpointMismatch("the last pipeline stage's output_layer.weight differs from the tied word "
                                  "embeddings of the first stage; the checkpoint is inconsistent")
     return full
+
+
+def _fused_norm_alias(name: str, dims: dict[str, int | None]) -> str:
+    """``name`` as the model calls it: a rank file written with Transformer Engine's layers (Megatron-LM's default
+    ``--transformer-impl``, and Pai-Megatron-Patch's converters) holds a pre-norm inside the linear layer it fuses
+    into, where megatron-core's local layers have a norm module, and the other way round.
+
+    Example::
+
+        _fused_norm_alias("decoder.layers.3.self_attention.linear_qkv.layer_norm_weight", dims)
+        # 'decoder.layers.3.input_layernorm.weight' for a model of local layers
+    """
+    if LAYER.sub(r"\1{}.", name) in dims:
+        return name
+    for local, fused in FUSED_NORM_NAMES.items():
+        for theirs, ours in ((fused, local), (local, fused)):
+            alias = name.replace(theirs, ours)
+            if theirs in name and LAYER.sub(r"\1{}.", alias) in dims:
+                return alias
+    return name
 
 
 def load_legacy(model, ckpt_dir: str, info: CheckpointInfo) -> None:

@@ -170,7 +170,9 @@ def build_reference_model(model_config: ModelConfig, padded_vocab_size: int, dty
     if not torch.distributed.is_initialized():
         os.environ.setdefault("MASTER_PORT", str(free_port()))
     initialize_distributed(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, seed=1234)
-    parallel = ParallelConfig(bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16)
+    # megatron-core's local layers even where Transformer Engine is installed: the conversion tables name their
+    # tensors, the model stays in this process's memory, and their checkpoints load into TE's layers.
+    parallel = ParallelConfig(bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, transformer_impl="local")
     if not (allocate_only or meta):
         [model] = build_model_chunks(model_config, parallel, padded_vocab_size)
         return model

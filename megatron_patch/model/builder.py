@@ -91,6 +91,7 @@ def to_transformer_config(model_config: ModelConfig, parallel_config: ParallelCo
         masked_softmax_fusion=False,  # our SDPA core attention does the softmax
         bias_dropout_fusion=p.fused_kernels,
         attention_backend=AttnBackend[p.attention_backend],
+        transformer_impl="transformer_engine" if p.use_transformer_engine else "local",
         **_moe_fields(m, p),
     )
 
@@ -170,7 +171,7 @@ def _gpt(m: ModelConfig, config: TransformerConfig, p: ParallelConfig, vocab: in
 
 def _bert_kwargs(m: ModelConfig, config: TransformerConfig, p: ParallelConfig, vocab: int, **stage) -> dict:
     return dict(
-        norm=norm_module(m),
+        norm=norm_module(m, p),
         embedding_layernorm=m.bert_layernorm_style == "post",
         num_tokentypes=m.num_tokentypes,
         transformer_layer_spec=block_spec(m, config, p, stage["vp_stage"]),

@@ -69,9 +69,22 @@ class ParallelConfig:
     attention_backend: Literal["auto", "flash", "fused", "unfused", "local"] = "auto"
     """Transformer Engine's attention kernel (megatron-core's ``attention_backend``); without Transformer Engine the
     local spec's SDPA attention runs whatever this says (the trainers log that as ignored)."""
+    transformer_impl: Literal["transformer_engine", "local"] = "transformer_engine"
+    """Megatron-LM's ``--transformer-impl``: Transformer Engine's layers where TE imports (megatron-core's local
+    ones where it does not), or the local ones everywhere. Checkpoints of either load into the other."""
     fused_kernels: bool = False
     """megatron-core's torch.compile'd bias-activation (SwiGLU, tanh-GeLU) and bias-dropout-add fusions. Off by
     default: the first call compiles for seconds, which only pays off on long runs."""
+
+    @property
+    def use_transformer_engine(self) -> bool:
+        """Whether the layers are Transformer Engine's: asked for (the default) and installed."""
+        return self.transformer_impl == "transformer_engine" and compat.transformer_engine_available()
+
+    def _needs_transformer_engine(self, need: str, fix: str) -> str:
+        missing = ("--transformer-impl local is given" if self.transformer_impl == "local"
+                   else "Transformer Engine is not installed")
+        return f"{need}, but {missing}; {fix}"
 
     def __post_init__(self):
         if self.virtual_pipeline_model_parallel_size == 1:
@@ -124,8 +137,9 @@ class ParallelConfig:
             megatron_patch.layout.LayoutError: --num-attention-heads 12 is not divisible by --tensor-model-parallel-size 5; ...
         """
         self.check_layout(model_config, world_size)
-        if self.context_parallel_size > 1 and not compat.transformer_engine_available():
-            raise ValueError("--context-parallel-size greater than 1 needs Transformer Engine, which is not installed")
+        if self.context_parallel_size > 1 and not self.use_transformer_engine:
+            raise ValueError(self._needs_transformer_engine(
+                "--context-parallel-size greater than 1 needs Transformer Engine", "drop --context-parallel-size"))
         self.check_options(model_config)
         self.check_moe_backend(model_config)
 
@@ -133,9 +147,10 @@ class ParallelConfig:
         """The MoE kernels that need a package this machine lacks are refused by name."""
         if model_config.num_moe_experts is None:
             return
-        if self.moe_grouped_gemm and not compat.transformer_engine_available():
-            raise ValueError("--moe-grouped-gemm needs Transformer Engine's grouped GEMM, which is not installed; "
-                             "drop it (each rank then loops over its experts)")
+        if self.moe_grouped_gemm and not self.use_transformer_engine:
+            raise ValueError(self._needs_transformer_engine(
+                "--moe-grouped-gemm needs Transformer Engine's grouped GEMM", "drop it (each rank then loops over its "
+                "experts)"))
         if self.moe_token_dispatcher_type == "flex":
             raise ValueError("--moe-token-dispatcher-type flex needs DeepEP or HybridEP on GPUs; use alltoall or "
                              "allgather")
@@ -215,6 +230,10 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     group.add_argument("--attention-backend", choices=["auto", "flash", "fused", "unfused", "local"], default="auto",
                        help="Transformer Engine's attention kernel (megatron-core's attention_backend); without "
                             "Transformer Engine megatron-core's local attention (torch SDPA) runs")
+    group.add_argument("--transformer-impl", choices=["transformer_engine", "local"], default=None,
+                       help="Megatron-LM's: transformer_engine (the default) uses Transformer Engine's layers where "
+                            "it is installed, megatron-core's local layers where not; local uses the local ones "
+                            "everywhere. Checkpoints of either load into the other")
     group.add_argument("--fused-kernels", action="store_true",
                        help="torch.compile'd bias-activation and bias-dropout-add fusions (see ParallelConfig)")
     return parser
@@ -260,4 +279,5 @@ def parallel_config_from_args(args: argparse.Namespace, num_layers: int) -> Para
         fp16=args.fp16,
         fused_kernels=args.fused_kernels,
         attention_backend=args.attention_backend,
+        transformer_impl=args.transformer_impl or "transformer_engine",
     )

@@ -1,4 +1,5 @@
-"""The one place that picks the modules of a transformer layer: Transformer Engine when it imports, else local.
+"""The one place that picks the modules of a transformer layer: Transformer Engine when it imports (unless
+``--transformer-impl local``), else local.
 
 Example::
 
@@ -25,7 +26,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-from megatron_patch import compat
+from megatron_patch.checkpoint.format import FUSED_NORM_NAMES
 from megatron_patch.model.attention import SDPAttention
 from megatron_patch.model.config import ModelConfig
 from megatron_patch.model.layers import PostLNTransformerLayer, PostLNTransformerLayerSubmodules, TorchNorm
@@ -45,18 +46,19 @@ class LocalBackend(LocalSpecProvider):
         return SDPAttention
 
 
-def backend() -> BackendSpecProvider:
-    """Transformer Engine's provider when TE imports, otherwise ``LocalBackend``."""
-    if compat.transformer_engine_available():
+def backend(parallel_config: ParallelConfig | None = None) -> BackendSpecProvider:
+    """Transformer Engine's provider when TE imports and ``--transformer-impl`` is ``transformer_engine`` (the
+    default), otherwise ``LocalBackend``."""
+    if (parallel_config or ParallelConfig()).use_transformer_engine:
         from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
 
         return TESpecProvider()
     return LocalBackend()
 
 
-def norm_module(model_config: ModelConfig) -> type:
+def norm_module(model_config: ModelConfig, parallel_config: ParallelConfig | None = None) -> type:
     """The norm class every norm of the model is built from (also BERT's LM head and embedding norm)."""
-    return backend().layer_norm(rms_norm=model_config.normalization == "RMSNorm")
+    return backend(parallel_config).layer_norm(rms_norm=model_config.normalization == "RMSNorm")
 
 
 def layer_spec(model_config: ModelConfig, parallel_config: ParallelConfig | None = None) -> ModuleSpec:
@@ -68,10 +70,8 @@ def layer_spec(model_config: ModelConfig, parallel_config: ParallelConfig | None
         >>> layer_spec(get_model_config("tiny-bert")).module.__name__
         'PostLNTransformerLayer'
     """
-    provider = backend()
-    if parallel_config is not None and parallel_config.context_parallel_size > 1 and isinstance(provider, LocalBackend):
-        raise ValueError("--context-parallel-size greater than 1 needs Transformer Engine, which is not installed")
-    norm = norm_module(model_config)
+    provider = backend(parallel_config)
+    norm = norm_module(model_config, parallel_config)
     post_ln = model_config.family == "bert" and model_config.bert_layernorm_style == "post"
     # TE fuses a pre-norm into the linear layer after it; a post-norm has no linear layer after it to fuse into.
     fuse_norm = provider.fuse_layernorm_and_linear() and not post_ln
@@ -115,10 +115,9 @@ def layer_spec(model_config: ModelConfig, parallel_config: ParallelConfig | None
         )
     pre_norm = IdentityOp if fuse_norm else norm
     # Checkpoint keys as with TE's fused norm+linear, so local and TE checkpoints load into each other (as
-    # megatron-core's own local spec does, gpt_layer_specs.py:417-420); a MoE layer's MLP norm is unfused in both.
-    keys_map = {} if fuse_norm else {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
-    if not fuse_norm and not moe:
-        keys_map["pre_mlp_layernorm."] = "mlp.linear_fc1.layer_norm_"
+    # megatron-core's own local spec does); a MoE layer's MLP norm is unfused in both.
+    keys_map = {} if fuse_norm else {local: fused for local, fused in FUSED_NORM_NAMES.items()
+                                     if not (moe and local == "pre_mlp_layernorm.")}
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -145,5 +144,5 @@ def block_spec(
     num_layers = get_num_layers_to_build(transformer_config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(
         layer_specs=[layer_spec(model_config, parallel_config)] * num_layers,
-        layer_norm=None if post_ln else norm_module(model_config),
+        layer_norm=None if post_ln else norm_module(model_config, parallel_config),
     )

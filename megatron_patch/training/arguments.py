@@ -353,8 +353,13 @@ def flag_notices(args: argparse.Namespace) -> list[str]:
     from megatron_patch import compat
 
     cuda = torch.cuda.is_available()
-    te = compat.transformer_engine_available()
+    te = compat.transformer_engine_available() and args.transformer_impl != "local"
+    no_te = "Transformer Engine is not installed" if args.transformer_impl != "local" else "--transformer-impl local"
     notices = []
+    if args.transformer_impl == "transformer_engine" and not te:
+        notices.append("ignored on this machine: --transformer-impl transformer_engine (Transformer Engine is not "
+                       "installed; megatron-core's local layers run, and their checkpoints load into Transformer "
+                       "Engine's)")
     if args.use_mcore_models:
         notices.append("ignored: --use-mcore-models (deprecated in Megatron-LM 0.16, where megatron-core models are "
                        "the default; here every megatron model is one)")
@@ -374,7 +379,7 @@ def flag_notices(args: argparse.Namespace) -> list[str]:
     if args.grad_reduce_in_bf16 and not args.bf16:
         notices.append("ignored: --grad-reduce-in-bf16 (it applies to --bf16 runs)")
     if not (te and cuda):
-        missing = "Transformer Engine is not installed" if not te else "no CUDA device here"
+        missing = no_te if not te else "no CUDA device here"
         fp8 = [("--fp8-format", args.fp8_format is not None),
                ("--fp8-amax-history-len", args.fp8_amax_history_len != 1),
                ("--fp8-amax-compute-algo", args.fp8_amax_compute_algo != "most_recent"),
@@ -391,8 +396,7 @@ def flag_notices(args: argparse.Namespace) -> list[str]:
         args.fp8_param_gather = False
     if args.attention_backend in ("flash", "fused", "unfused") and not te:
         notices.append(f"ignored on this machine: --attention-backend {args.attention_backend} (a Transformer "
-                       "Engine kernel; Transformer Engine is not installed, so megatron-core's local attention "
-                       "(torch SDPA) runs)")
+                       f"Engine kernel; {no_te}, so megatron-core's local attention (torch SDPA) runs)")
         args.attention_backend = "auto"
     if not cuda:
         if args.profile:
