@@ -1,7 +1,9 @@
 """The O_DIRECT stream under hf-to-megatron's torch_dist writer: the same bytes as an ordinary file, and the same
-DCP checkpoint as PyTorch's own FileSystemWriter, also where the file system refuses O_DIRECT writes."""
+DCP checkpoint as PyTorch's own FileSystemWriter, also where the file system refuses O_DIRECT writes; a swiglu fc1
+written without a copy."""
 
 import errno
+import json
 import os
 import types
 
@@ -91,3 +93,38 @@ def test_a_failed_write_in_the_background_is_raised_to_the_writer(tmp_path, monk
     monkeypatch.setattr(direct_io, "os", _FailingOs())
     with pytest.raises(OSError, match="Input/output error"):
         _write(tmp_path / "__0_0.distcp", _chunks(3))
+
+
+def convert_recording_copies(rank, world_size, hf_dir, save_dir):
+    """hf_to_megatron with every ``Tensor.clone`` recorded: the shapes cloned."""
+    from megatron_patch import compat
+    from megatron_patch.convert.core import hf_to_megatron
+
+    compat.apply()
+    cloned, clone = [], torch.Tensor.clone
+
+    def recording(tensor, *args, **kwargs):
+        cloned.append(tuple(tensor.shape))
+        return clone(tensor, *args, **kwargs)
+
+    torch.Tensor.clone = recording
+    try:
+        hf_to_megatron(hf_dir, save_dir, progress=False)
+    finally:
+        torch.Tensor.clone = clone
+    return cloned
+
+
+def test_a_swiglu_fc1_is_written_without_a_copy(tmp_path):
+    """Failed before: megatron-core saves a swiglu ``linear_fc1`` as its gate and up halves, each a part of the one
+    tensor the conversion reads, and DCP's writer cloned every such part so as not to save the rest of its storage
+    (over 40% of a LLaMA-shaped model's bytes copied once more). The checkpoint's bytes are test_convert.py's."""
+    from megatron_patch.testing import run_on_ranks
+    from tests.convert_oracles import make_hf_model
+
+    hf = make_hf_model("llama-gqa", str(tmp_path / "hf"))
+    with open(os.path.join(hf, "config.json")) as f:
+        config = json.load(f)
+    half = (config["intermediate_size"], config["hidden_size"])
+    [cloned] = run_on_ranks(convert_recording_copies, 1, args=(hf, str(tmp_path / "out")))
+    assert not [shape for shape in cloned if shape[-2:] == half], cloned

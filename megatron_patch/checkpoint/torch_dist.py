@@ -131,7 +131,7 @@ def _streaming_strategy(sources: dict, materialise: Callable[[str], torch.Tensor
             expected = write_item.tensor_data.properties.dtype
             if tensor.dtype != expected:
                 raise CheckpointMismatch(f"{name}: produced {tensor.dtype}, the model holds {expected}")
-            return tensor
+            return _exact_storage(tensor)
 
     class StreamingStrategy(TorchDistSaveShardedStrategy):
         def save(self, sharded_state_dict, checkpoint_dir):
@@ -140,6 +140,26 @@ def _streaming_strategy(sources: dict, materialise: Callable[[str], torch.Tensor
                      storage_writer=DirectFileSystemWriter(checkpoint_dir))
 
     return StreamingStrategy("torch_dist", 1)
+
+
+def _exact_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` over a storage of exactly its own bytes, sharing them (the slice keeps the whole alive).
+
+    Example::
+
+        fc1 = torch.zeros(4, 2)
+        _exact_storage(fc1[:2]).untyped_storage().nbytes()     # 16, where fc1[:2]'s storage holds 32
+
+    PyTorch DCP's writer copies a tensor whose storage is larger than it (filesystem.py, ``_SerialCpuLoader.values``),
+    so as not to save the rest; a swiglu ``linear_fc1``'s gate and up halves, which megatron-core's factory saves as
+    two tensors, are each a contiguous part of one: copying them cost a conversion over 40% of a LLaMA-shaped
+    model's bytes.
+    """
+    storage = tensor.untyped_storage()
+    if storage.nbytes() == tensor.nbytes or not tensor.is_contiguous():
+        return tensor
+    start = tensor.storage_offset() * tensor.element_size()
+    return torch.empty(0, dtype=tensor.dtype).set_(storage[start:start + tensor.nbytes], 0, tensor.shape)
 
 
 def load_dist(chunks, ckpt_dir: str) -> None:
