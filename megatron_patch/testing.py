@@ -97,15 +97,15 @@ def _worker_main(rank: int, world_size: int, port: int, tasks, results, sys_path
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )
-    import torch
+    from megatron_patch.startup import import_libraries
 
-    from megatron_patch import compat
+    # Importing megatron-core takes seconds on a loaded machine: do it before reporting ready, so that a test's
+    # timeout measures its body, not the start-up.
+    import_libraries()
+    import torch
 
     # Ranks share two cores: one intra-op thread each keeps them from oversubscribing the machine.
     torch.set_num_threads(1)
-    # Importing megatron-core takes seconds on a loaded machine: do it before reporting ready, so that a test's
-    # timeout measures its body, not the start-up.
-    compat.apply()
     results.put((rank, True, _READY, 0))
     while True:
         task = tasks.get()

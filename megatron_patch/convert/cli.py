@@ -24,6 +24,7 @@ import os
 import signal
 
 from megatron_patch.errors import UserError, one_line_errors, unwind_on_sigterm
+from megatron_patch.startup import paused_collector
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -171,6 +172,8 @@ _COMMANDS = {"hf-to-megatron": hf_to_megatron, "megatron-to-hf": megatron_to_hf,
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     unwind_on_sigterm()  # a SIGTERM removes the conversion's temporary directory
+    with paused_collector():  # every command needs torch: imported here the faster way (megatron_patch.startup)
+        import torch  # noqa: F401
     return _COMMANDS[args.command](args)
 
 

@@ -11,11 +11,14 @@ an import of torch._dynamo (the package compiles them on first call: ``compat.co
 but megatron/core/timers.py:18 still imports tensorboard (with fsspec) for ``Timers.write``, under ``try: ...
 except ImportError``; a conversion keeps no timers, so the import is made to fail, as on a machine without
 tensorboard. Only a process that has not imported megatron-core yet is affected; one that has keeps what it has.
+The import runs with the garbage collector paused (:mod:`megatron_patch.startup`).
 """
 
 from __future__ import annotations
 
 import sys
+
+from megatron_patch.startup import paused_collector
 
 # Imported only by Timers.write's SummaryWriter (megatron/core/timers.py:18).
 _SKIPPED = "torch.utils.tensorboard"
@@ -29,7 +32,8 @@ def import_megatron_core() -> None:
     if skipped:
         sys.modules[_SKIPPED] = None  # an import of it raises ImportError
     try:
-        import megatron.core  # noqa: F401
+        with paused_collector():
+            import megatron.core  # noqa: F401
     finally:
         if skipped:
             del sys.modules[_SKIPPED]

@@ -114,9 +114,12 @@ def run_torchrun(command: list[str]) -> int:
     summed up in one line; torchrun's own table names the first rank to exit as the "root cause", which after a hang
     is a rank that waited for it.
     """
-    from torch.distributed import run as torchrun
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from megatron_patch.startup import paused_collector
+
+    with paused_collector():
+        from torch.distributed import run as torchrun
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from megatron_patch.compat import shorten_elastic_shutdown
     from megatron_patch.training.signals import RanksForward
@@ -157,13 +160,14 @@ def _describe_failures(failures: dict) -> str:
 def _run_rank(argv: list[str]) -> int:
     """One rank's work: the user script or the task. Returns the exit status."""
     from megatron_patch import compat
+    from megatron_patch.startup import import_libraries
 
     # torch's elastic agent starts each rank in a session of its own (elastic/multiprocessing/subprocess_handler/
     # subprocess_handler.py, ``start_new_session``), so a SIGKILL of the launcher's process group (a container's
     # teardown, a scheduler's end of the grace period) would leave the ranks running, holding their devices. A
     # launcher that died before this call leaves the rank to fail at the rendezvous: its store lived in the launcher.
     compat.die_with_parent()
-    compat.apply()
+    import_libraries()
     from megatron_patch.training import mpu
 
     mpu.install()

@@ -1,0 +1,52 @@
+"""What every process of ours pays before its work, made cheaper: importing torch and megatron-core.
+
+Example::
+
+    from megatron_patch.startup import import_libraries, paused_collector
+    import_libraries()            # torch, the CPU shim (compat.apply) and megatron-core, the collector paused
+    with paused_collector():
+        import transformers
+
+Importing torch and megatron-core makes about 700,000 objects, and every one of them lives as long as the process.
+CPython's cyclic garbage collector runs on allocation counts, so it walks them again and again while they are
+being made: on this machine 0.75 s of a 3.7 s import (0.15 s of torch's, 0.6 s of megatron-core's), in every rank,
+conversion and test worker. Modules are not garbage, so pausing the collector for the imports loses nothing; it
+runs again, with its usual thresholds, as soon as they are done.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+
+
+@contextlib.contextmanager
+def paused_collector():
+    """Run the block without Python's cyclic garbage collector; afterwards it is on again if it was before.
+
+    Example::
+
+        >>> import gc
+        >>> with paused_collector():
+        ...     gc.isenabled()
+        False
+        >>> gc.isenabled()
+        True
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def import_libraries() -> None:
+    """Import torch and megatron-core with the collector paused, megatron-core after the CPU shim's view of torch
+    is in place (``compat.apply``, which on a machine without CUDA imports both itself)."""
+    with paused_collector():
+        from megatron_patch import compat
+
+        compat.apply()
+        import megatron.core  # noqa: F401  (with CUDA, compat.apply imports none of it)
