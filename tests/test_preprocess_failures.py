@@ -131,3 +131,24 @@ def test_a_full_disk_is_one_line_naming_the_output(tmp_path, debug):
     else:
         assert "Traceback" not in done.stderr
     assert done.stdout.splitlines()[-1] == "left: "
+
+
+def test_what_a_killed_run_left_the_next_run_removes(started, tmp_path):
+    """Failed before: a SIGKILL of the main process (the out-of-memory killer) left its `*.tmp-PID.bin`, as large
+    as the data written so far, and later runs to the same prefix never removed it."""
+    process, workers, run = started
+    deadline = time.monotonic() + 60
+    while not [name for name in os.listdir(run) if ".tmp-" in name]:
+        assert time.monotonic() < deadline and process.poll() is None, "no temporary output appeared"
+        time.sleep(0.01)
+    process.kill()
+    process.communicate()
+    left = sorted(name for name in os.listdir(run) if ".tmp-" in name)
+    assert left, "a SIGKILL runs no cleanup: its temporary files should still be there"
+    small = tmp_path / "small.jsonl"
+    small.write_text('{"text": "1 2 3"}\n')
+    done = subprocess.run(_command(small, run / "out"), capture_output=True, text=True, env=ENV, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(os.listdir(run)) == sorted(PREVIOUS), os.listdir(run)
+    for name in left:
+        assert f"note: removed {run / name}, left by process {process.pid}" in done.stderr, done.stderr[-3000:]

@@ -26,7 +26,6 @@ import dataclasses
 import os
 import re
 import shutil
-import socket
 import sys
 import threading
 from typing import Callable
@@ -48,6 +47,7 @@ from megatron_patch.convert.transforms import Shapes, apply_to_hf, apply_to_mcor
 from megatron_patch.distributed import free_port, initialize_distributed
 from megatron_patch.errors import UserError, first_problems
 from megatron_patch.model.config import ModelConfig
+from megatron_patch.staging import killed_leftovers, staging_tag, tag_pattern
 
 
 class ConversionError(UserError, ValueError):
@@ -74,7 +74,7 @@ def atomic_directory(final_dir: str, overwrite: bool = False):
     remove_killed_staging(final_dir)
     if os.path.exists(final_dir) and os.listdir(final_dir) and not overwrite:
         raise FileExistsError(f"{final_dir} exists and is not empty; choose another directory or pass --overwrite")
-    tmp = _staging_name(final_dir, "partial")
+    tmp = final_dir + staging_tag("partial")
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
@@ -83,27 +83,12 @@ def atomic_directory(final_dir: str, overwrite: bool = False):
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if os.path.exists(final_dir):
-        old = _staging_name(final_dir, "old")
+        old = final_dir + staging_tag("old")
         os.replace(final_dir, old)
         os.replace(tmp, final_dir)
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, final_dir)
-
-
-def _staging_name(final_dir: str, kind: str) -> str:
-    # The host as well as the pid: on a shared file system only this host can tell whether the pid is alive.
-    return f"{final_dir}.{kind}-{socket.gethostname()}-{os.getpid()}"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def remove_killed_staging(final_dir: str) -> None:
@@ -119,22 +104,15 @@ def remove_killed_staging(final_dir: str) -> None:
     finished, and is removed if it did.
     """
     parent, base = os.path.split(final_dir)
-    if not os.path.isdir(parent):
-        return
-    pattern = re.compile(rf"{re.escape(base)}\.(partial|old)-{re.escape(socket.gethostname())}-(\d+)")
-    for name in os.listdir(parent):
-        found = pattern.fullmatch(name)
-        if found is None or _alive(int(found[2])):
-            continue
-        path = os.path.join(parent, name)
-        if found[1] == "old" and not os.path.exists(final_dir):
+    for path, pid, found in killed_leftovers(parent, re.escape(base) + tag_pattern("(?P<kind>partial|old)")):
+        if found["kind"] == "old" and not os.path.exists(final_dir):
             os.replace(path, final_dir)
-            print(f"note: restored {final_dir} from {path}: process {found[2]} was killed while replacing it",
+            print(f"note: restored {final_dir} from {path}: process {pid} was killed while replacing it",
                   file=sys.stderr, flush=True)
         else:
             shutil.rmtree(path, ignore_errors=True)
-            print(f"note: removed {path}, left by process {found[2]}, a conversion that was killed",
-                  file=sys.stderr, flush=True)
+            print(f"note: removed {path}, left by process {pid}, a conversion that was killed", file=sys.stderr,
+                  flush=True)
 
 
 class _Progress:

@@ -16,6 +16,7 @@ what Megatron-LM writes for the same tokenizer, flags and input, documents witho
   line saying how it died, instead of hanging; SIGTERM stops the run and its workers.
 - Outputs are written under temporary names and renamed when complete: a failed or interrupted
   run leaves no `.bin/.idx` that look valid, and earlier outputs under the final names untouched.
+  What a killed main process left (`*.tmp-HOST-PID.bin`) the next run to the same prefix removes.
 - `--split-sentences` needs no nltk download (see `sentences.py`), works with one partition, and
   every `--json-keys` key gets its `.idx` (Megatron-LM finalizes only the last key's).
 - `--input` may be a glob and `.gz` with any `--partitions`; partitions are handled in one pass
@@ -27,8 +28,10 @@ import gc
 import json
 import multiprocessing
 import os
+import re
 import signal
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -45,6 +48,7 @@ from megatron_patch.data.jsonl import InputError, expand_inputs, open_input
 from megatron_patch.data.progress import Progress
 from megatron_patch.data.sentences import SentenceSplitter
 from megatron_patch.errors import UserError, one_line_errors, unwind_on_sigterm
+from megatron_patch.staging import killed_leftovers, staging_tag, tag_pattern
 from megatron_patch.tokenizer import (
     add_tokenizer_args,
     build_tokenizer,
@@ -604,6 +608,16 @@ def _remove(*paths: str) -> None:
             os.remove(path)
 
 
+def _remove_killed_leftovers(final: str) -> None:
+    """Remove the temporary `.bin/.idx` files that killed runs into `final` left (`megatron_patch.staging`)."""
+    directory, base = os.path.split(os.path.abspath(final))
+    pattern = re.escape(base) + r"(?:\.part\d+)?" + tag_pattern("tmp") + r"\.(?:bin|idx)"
+    for path, pid, _ in killed_leftovers(directory, pattern):
+        os.remove(path)
+        print(f"note: removed {path}, left by process {pid}, a preprocess-data run that was killed",
+              file=sys.stderr, flush=True)
+
+
 def _publish(temporary: str, final: str) -> None:
     """Move `temporary.bin/.idx` to `final.bin/.idx` so that no moment shows a mismatched pair:
     the old `.idx` goes first and the new one arrives last."""
@@ -633,7 +647,9 @@ def preprocess(config: PreprocessConfig) -> PreprocessReport:
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     finals = config.output_prefixes()
     os.makedirs(os.path.dirname(os.path.abspath(config.output_prefix)), exist_ok=True)
-    tmp = f".tmp-{os.getpid()}"
+    for final in finals.values():
+        _remove_killed_leftovers(final)
+    tmp = staging_tag("tmp")
     part_prefixes = {
         key: [final + tmp] if config.partitions == 1 else [f"{final}.part{p}{tmp}" for p in range(config.partitions)]
         for key, final in finals.items()
