@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 
+from megatron_patch.startup import paused_collector
 from megatron_patch.training.bert import BertPretrainer
 from megatron_patch.training.config import RunConfig
 from megatron_patch.training.data import (
@@ -80,8 +81,9 @@ class SequenceClassificationFinetuner(Finetuner):
     def model_optimizer_lr_scheduler_provider(self):
         from transformers import AutoModelForSequenceClassification
 
-        model = AutoModelForSequenceClassification.from_pretrained(
-            self.config.pretrained_model_name_or_path, num_labels=self.num_labels)
+        with paused_collector():  # the first use of a model class imports its module (startup.py)
+            model = AutoModelForSequenceClassification.from_pretrained(
+                self.config.pretrained_model_name_or_path, num_labels=self.num_labels)
         return model, None, None
 
     def run_forward_step(self, batch, model):
@@ -110,7 +112,8 @@ class HuggingFaceBertPretrainer(Pretrainer):
     def model_optimizer_lr_scheduler_provider(self):
         from transformers import AutoModelForPreTraining
 
-        return AutoModelForPreTraining.from_pretrained(self.config.pretrained_model_name_or_path), None, None
+        with paused_collector():  # the first use of a model class imports its module (startup.py)
+            return AutoModelForPreTraining.from_pretrained(self.config.pretrained_model_name_or_path), None, None
 
     def run_forward_step(self, data_iterator, model):
         return model(**next(data_iterator)).loss
