@@ -227,7 +227,8 @@ def test_the_recipe_leaves_the_layout_to_the_launcher(tmp_path):
     assert "torch.distributed.run" not in output and "Traceback" not in output
 
 
-# tiny-mixtral has 4 experts of width 32 (tiny-llama none); each is what the ranks would refuse after they started.
+# tiny-mixtral has 4 experts of width 32 (tiny-llama none); each is what the ranks would refuse after they started,
+# as are the layouts that need Transformer Engine's layers.
 _MOE_REFUSALS = [
     (["--model-name", "tiny-mixtral", "--num-experts", "6", "--expert-model-parallel-size", "4"],
      "--num-experts 6 is not divisible by --expert-model-parallel-size 4"),
@@ -244,11 +245,17 @@ _MOE_REFUSALS = [
     (["--model-name", "tiny-mixtral", "--moe-grouped-gemm"], "--moe-grouped-gemm needs Transformer Engine"),
     (["--model-name", "tiny-mixtral", "--moe-token-dispatcher-type", "flex"],
      "--moe-token-dispatcher-type flex needs DeepEP or HybridEP"),
+    # Failed before: refused only by each rank, with its traceback, after torchrun had started them.
+    pytest.param(["--model-name", "tiny-llama", "--context-parallel-size", "2"],
+                 "--context-parallel-size greater than 1 needs Transformer Engine, but Transformer Engine is not "
+                 "installed", marks=pytest.mark.skipif(transformer_engine_available(), reason="TE is installed")),
+    (["--model-name", "tiny-llama", "--context-parallel-size", "2", "--transformer-impl", "local"],
+     "--context-parallel-size greater than 1 needs Transformer Engine, but --transformer-impl local is given"),
 ]
 
 
 @pytest.mark.parametrize("flags, message", _MOE_REFUSALS)
-def test_the_launcher_refuses_a_bad_expert_layout_before_torchrun(monkeypatch, flags, message):
+def test_the_launcher_refuses_a_bad_expert_or_backend_layout_before_torchrun(monkeypatch, flags, message):
     """launch_command is the launcher's check (check_launch_layout) before it builds the torchrun command; in this
     process, so that a layout it let through starts no ranks here."""
     from megatron_patch.training.launcher import launch_command

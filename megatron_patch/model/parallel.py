@@ -137,15 +137,16 @@ class ParallelConfig:
             megatron_patch.layout.LayoutError: --num-attention-heads 12 is not divisible by --tensor-model-parallel-size 5; ...
         """
         self.check_layout(model_config, world_size)
+        self.check_options(model_config)
+        self.check_backend(model_config)
+
+    def check_backend(self, model_config: ModelConfig | None) -> None:
+        """What needs a package this machine lacks, or Transformer Engine's layers, is refused by name (the launcher
+        checks this before any rank starts, ``model_config`` None when the flags describe no model)."""
         if self.context_parallel_size > 1 and not self.use_transformer_engine:
             raise ValueError(self._needs_transformer_engine(
                 "--context-parallel-size greater than 1 needs Transformer Engine", "drop --context-parallel-size"))
-        self.check_options(model_config)
-        self.check_moe_backend(model_config)
-
-    def check_moe_backend(self, model_config: ModelConfig) -> None:
-        """The MoE kernels that need a package this machine lacks are refused by name."""
-        if model_config.num_moe_experts is None:
+        if model_config is None or model_config.num_moe_experts is None:
             return
         if self.moe_grouped_gemm and not self.use_transformer_engine:
             raise ValueError(self._needs_transformer_engine(

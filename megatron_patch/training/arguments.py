@@ -633,8 +633,7 @@ def _check_layout(args: argparse.Namespace, spec: ModelSpec, world_size: int | N
             num_query_groups=model and model.num_query_groups, ffn_hidden_size=model and model.ffn_hidden_size,
             seq_length=model and model.seq_length, padded_vocab_size=loaded and loaded.padded_vocab_size,
             num_moe_experts=model and model.num_moe_experts, moe_ffn_hidden_size=model and model.moe_ffn_hidden_size)
-        if model is not None:
-            parallel.check_moe_backend(model)
+        parallel.check_backend(model)
     except ValueError as error:
         _refuse(str(error))
     return parallel, data_parallel_size
