@@ -387,3 +387,24 @@ def test_a_conversion_stopped_while_its_ranks_verify_leaves_nothing(tmp_path):
     assert process.returncode == 128 + signal.SIGTERM, err
     assert "rapidformer: stopped by signal 15" in err and "verification" not in err, err
     assert sorted(os.listdir(tmp_path)) == ["hf"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["hf-to-megatron", "--hf-dir", "{hf}", "--save-dir", "{out}", "--target-tensor-parallel-size", "3"],
+     "--num-attention-heads 4 is not divisible by --target-tensor-parallel-size 3"),
+    (["hf-to-megatron", "--hf-dir", "{hf}", "--save-dir", "{out}", "--ckpt-format", "torch",
+      "--target-pipeline-parallel-size", "3"], "--num-layers 4 is not divisible by --target-pipeline-parallel-size 3"),
+    (["verify", "--hf-dir", "{hf}", "--megatron-dir", "{ckpt}", "--tensor-model-parallel-size", "3"],
+     "--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 3"),
+], ids=["hf-to-megatron-tp", "hf-to-megatron-pp", "verify-tp"])
+def test_a_layout_the_model_cannot_take_is_refused_before_any_work(llama_checkpoint, tmp_path, argv, message):
+    """Failed before: hf-to-megatron read and wrote every weight, then each rank of its verification printed the
+    error and the command blamed the weights ("verification ... failed ... NaN or inf?"), or the per-rank writer
+    raised a traceback; verify started its ranks, each failing alone."""
+    _, hf, ckpt = llama_checkpoint
+    out = str(tmp_path / "out")
+    status, stdout, err, _ = megatron_patch("convert", *(word.format(hf=hf, ckpt=ckpt, out=out) for word in argv))
+    assert status == 1
+    assert_one_line_error(err, message)
+    assert "torch.distributed.run" not in stdout + err
+    assert not os.listdir(tmp_path)  # neither the output nor a staging directory

@@ -95,9 +95,12 @@ def _verify_here(args) -> int:
 
 
 def verify(args) -> int:
-    from megatron_patch.convert.core import check_pair
+    from megatron_patch.convert.core import check_layout_of, check_pair
 
-    check_pair(args.hf_dir, args.megatron_dir)  # from the config files, before megatron-core's seconds of import
+    # From the config files, before megatron-core's seconds of import and before any rank starts.
+    info, _ = check_pair(args.hf_dir, args.megatron_dir)
+    check_layout_of(info.model_config, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                    args.expert_model_parallel_size, info.padded_vocab_size)
     world = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.expert_model_parallel_size
     # Not already a rank of such a world (torchrun's): a conversion's own one-rank world, or none, starts one.
     if world > 1 and os.environ.get("WORLD_SIZE") != str(world):

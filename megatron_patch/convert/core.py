@@ -46,6 +46,7 @@ from megatron_patch.convert.startup import import_megatron_core
 from megatron_patch.convert.transforms import Shapes, apply_to_hf, apply_to_mcore, row_runs
 from megatron_patch.distributed import free_port, initialize_distributed
 from megatron_patch.errors import UserError, first_problems
+from megatron_patch.layout import LayoutError, check_layout
 from megatron_patch.model.config import ModelConfig
 from megatron_patch.staging import killed_leftovers, staging_tag, tag_pattern
 
@@ -395,6 +396,8 @@ def hf_to_megatron(
     src = _source(hf_dir, make_vocab_size_divisible_by)
     m = src.model_config
     _check_expert_target(m, ckpt_format, target_tensor_parallel_size, target_expert_model_parallel_size)
+    check_layout_of(m, target_tensor_parallel_size, target_pipeline_parallel_size, target_expert_model_parallel_size,
+                    flags=_TARGET_FLAGS)
     padded = padded_vocab_size(m.vocab_size, make_vocab_size_divisible_by, target_tensor_parallel_size)
     rules = src.table.expanded(m.num_layers)
     reader = HFReader(hf_dir)
@@ -470,6 +473,37 @@ def hf_to_megatron(
     finally:
         ahead.close()
     return info
+
+
+# hf-to-megatron's names for the layout flags of megatron_patch.layout's messages.
+_TARGET_FLAGS = {"--tensor-model-parallel-size": "--target-tensor-parallel-size",
+                 "--pipeline-model-parallel-size": "--target-pipeline-parallel-size",
+                 "--expert-model-parallel-size": "--target-expert-model-parallel-size"}
+
+
+def check_layout_of(m: ModelConfig, tp: int, pp: int, ep: int = 1, padded_vocab_size: int | None = None,
+                    flags: dict[str, str] | None = None) -> None:
+    """Refuse, before anything is read, a TP x PP x EP layout ``m`` cannot be split into (megatron_patch.layout's one
+    check), naming the layout flags as ``flags`` renames them.
+
+    Example::
+
+        check_layout_of(model_config, tp=3, pp=1)   # ConversionError: --num-attention-heads 4 is not divisible ...
+
+    Otherwise the conversion read and wrote every weight first, and each rank of its verification failed alone.
+    """
+    try:
+        check_layout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+                     # megatron-core's MoE layers at TP > 1 need sequence parallelism, which verify turns on
+                     sequence_parallel=tp > 1 and m.num_moe_experts is not None, num_layers=m.num_layers,
+                     num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
+                     ffn_hidden_size=m.ffn_hidden_size, padded_vocab_size=padded_vocab_size,
+                     num_moe_experts=m.num_moe_experts, moe_ffn_hidden_size=m.moe_ffn_hidden_size)
+    except LayoutError as error:
+        message = str(error)
+        for theirs, ours in (flags or {}).items():
+            message = message.replace(theirs, ours)
+        raise ConversionError(message) from None
 
 
 def _check_expert_target(m: ModelConfig, ckpt_format: str, tp: int, ep: int) -> None:
