@@ -165,3 +165,34 @@ def test_the_gpt_forward_step_broadcasts_only_at_tensor_parallel_sizes_above_one
     (calls0, loss0), (calls1, loss1) = run_on_ranks(forward_step_broadcasts, 2, args=(2,))
     assert calls0 > 0 and calls1 > 0
     assert loss0.equal(loss1), "both tensor-parallel ranks compute on rank 0's batch"
+
+
+def train_gpt_logging(rank, world_size, argv):
+    """train_gpt's first loss and every message the trainer logged."""
+    import logging
+
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("rapidformer").addHandler(handler)
+    try:
+        return train_gpt(rank, world_size, argv)["losses"][0], messages
+    finally:
+        logging.getLogger("rapidformer").removeHandler(handler)
+
+
+def test_a_load_directory_without_a_checkpoint_is_named_before_training_from_random_weights(assets, tmp_path):
+    """Failed before: a --load with no checkpoint, a Hugging Face model's directory among them, started from random
+    weights without a word (Megatron-LM warns); the first run of a job saving to its --load does the same."""
+    from tests.convert_oracles import make_hf_model
+
+    hf = make_hf_model("llama-gqa", str(tmp_path / "hf"))
+    missing = str(tmp_path / "ckpt")
+    step = ["--train-iters", "1", "--micro-batch-size", "2", "--global-batch-size", "2"]
+    [(scratch, _)] = run_on_ranks(train_gpt_logging, 1, args=(_gpt_flags(assets, *step),))
+    for load in (hf, missing):
+        [(loss, messages)] = run_on_ranks(train_gpt_logging, 1, args=(_gpt_flags(assets, *step, "--load", load),))
+        assert loss == scratch  # nothing was loaded
+        [notice] = [m for m in messages if m.startswith(f"--load {load}: no checkpoint there")]
+        convert = f"convert it with `megatron-patch convert hf-to-megatron --hf-dir {hf} --save-dir CONVERTED`"
+        assert (convert in notice) == (load == hf), notice

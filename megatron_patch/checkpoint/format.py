@@ -135,6 +135,23 @@ def read_tracker(root: str) -> int | str | None:
     return int(text)
 
 
+def no_checkpoint_notice(root: str) -> str:
+    """What a run given ``--load root`` with no checkpoint there logs before it starts from random weights, as
+    Megatron-LM does ("could not find the metadata file ... will start from random"): the first run of a job that
+    saves and loads one directory. A Hugging Face model directory there is named, with the command that makes it
+    loadable.
+
+    Example::
+
+        logger.warning(no_checkpoint_notice("llama-hf"))   # ... holds a Hugging Face model: convert it with ...
+    """
+    notice = f"--load {root}: no checkpoint there (no {TRACKER_FILE}), so the model starts from random weights"
+    if os.path.isfile(os.path.join(root, "config.json")):
+        notice += (f"; {root} holds a Hugging Face model: convert it with `megatron-patch convert hf-to-megatron "
+                   f"--hf-dir {root} --save-dir CONVERTED` and pass --load CONVERTED --finetune to start from it")
+    return notice
+
+
 def write_tracker(root: str, iteration: int | str) -> None:
     """Replace the tracker atomically: a reader (or a restart after a crash) sees the old or the new iteration,
     never an empty file.

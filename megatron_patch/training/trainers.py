@@ -34,7 +34,9 @@ import torch
 from torch.utils.data import default_collate
 
 from megatron_patch.distributed import record_progress, sum_over_data_parallel
-from megatron_patch.checkpoint.format import checkpoint_dir, read_tracker, recorded_train_samples
+from megatron_patch.checkpoint.format import (
+    checkpoint_dir, no_checkpoint_notice, read_tracker, recorded_train_samples,
+)
 from megatron_patch.training.engine import Engine
 from megatron_patch.training.metrics import RoutingLog, TrainingLog
 from megatron_patch.training.schedule import consumed_samples
@@ -172,6 +174,8 @@ class _Trainer:
                 checkpoints.load, load_optim=not checkpoints.no_load_optim, load_rng=not checkpoints.no_load_rng,
                 finetune=checkpoints.finetune, load_fallback=checkpoints.load_fallback,
                 verify_checksums=not checkpoints.no_verify_checksums, logger=self.engine.logger)
+        elif checkpoints.load:
+            self.engine.logger.warning(no_checkpoint_notice(checkpoints.load))
         self.consumed_samples, self.skipped_samples = self._resumed_samples()
 
     def _resumed_samples(self) -> tuple[int, int]:
