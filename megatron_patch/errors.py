@@ -12,8 +12,8 @@ prints ``megatron-patch convert: error: ckpt/args.json: not valid JSON ...`` and
 ``MEGATRON_PATCH_DEBUG=1`` in the environment (``megatron-patch --debug ...`` sets it, and torchrun's ranks inherit
 it) the traceback is printed first.
 
-Below it, ``unwind_on_sigterm`` and two helpers for such messages: ``first_problems`` (a long list cut to one line) and ``read_json`` (a
-damaged JSON file as a UserError naming it).
+Below it, ``unwind_on_sigterm`` (a SIGTERM that runs the cleanup) and two helpers for such messages:
+``first_problems`` (a long list cut to one line) and ``read_json`` (a damaged JSON file as a UserError naming it).
 """
 
 from __future__ import annotations
