@@ -79,12 +79,10 @@ class ParallelConfig:
     @property
     def use_transformer_engine(self) -> bool:
         """Whether the layers are Transformer Engine's: asked for (the default) and installed."""
-        return self.transformer_impl == "transformer_engine" and compat.transformer_engine_available()
+        return transformer_engine_missing(self.transformer_impl) is None
 
     def _needs_transformer_engine(self, need: str, fix: str) -> str:
-        missing = ("--transformer-impl local is given" if self.transformer_impl == "local"
-                   else "Transformer Engine is not installed")
-        return f"{need}, but {missing}; {fix}"
+        return f"{need}, but {transformer_engine_missing(self.transformer_impl)}; {fix}"
 
     def __post_init__(self):
         if self.virtual_pipeline_model_parallel_size == 1:
@@ -191,6 +189,22 @@ class ParallelConfig:
                 f"{self.pipeline_model_parallel_size} / --virtual-pipeline-model-parallel-size "
                 f"{self.virtual_pipeline_model_parallel_size or 1})"
             )
+
+
+def transformer_engine_missing(transformer_impl: str | None) -> str | None:
+    """Why a run with ``--transformer-impl transformer_impl`` (None: the default, transformer_engine) has no
+    Transformer Engine layers, or None when it has them.
+
+    Example::
+
+        >>> transformer_engine_missing("local")
+        '--transformer-impl local is given'
+    """
+    if transformer_impl == "local":
+        return "--transformer-impl local is given"
+    if not compat.transformer_engine_available():
+        return "Transformer Engine is not installed"
+    return None
 
 
 def _cuda_available() -> bool:

@@ -35,7 +35,9 @@ from megatron_patch.layout import check_layout
 from megatron_patch.model.config import (
     _SWITCH_FLAGS, _VALUE_FLAGS, add_model_arguments, get_model_config, model_flag_values,
 )
-from megatron_patch.model.parallel import ParallelConfig, add_parallel_arguments, parallel_config_from_args
+from megatron_patch.model.parallel import (
+    ParallelConfig, add_parallel_arguments, parallel_config_from_args, transformer_engine_missing,
+)
 from megatron_patch.tokenizer.registry import add_tokenizer_args, tokenizer_options
 from megatron_patch.training.config import (
     CheckpointConfig, DataConfig, LoggingConfig, ModelSpec, RunConfig, TrainingConfig, rampup_batch_sizes,
@@ -350,16 +352,13 @@ def flag_notices(args: argparse.Namespace) -> list[str]:
     """
     import torch
 
-    from megatron_patch import compat
-
     cuda = torch.cuda.is_available()
-    te = compat.transformer_engine_available() and args.transformer_impl != "local"
-    no_te = "Transformer Engine is not installed" if args.transformer_impl != "local" else "--transformer-impl local"
+    no_te = transformer_engine_missing(args.transformer_impl)
+    te = no_te is None
     notices = []
     if args.transformer_impl == "transformer_engine" and not te:
-        notices.append("ignored on this machine: --transformer-impl transformer_engine (Transformer Engine is not "
-                       "installed; megatron-core's local layers run, and their checkpoints load into Transformer "
-                       "Engine's)")
+        notices.append(f"ignored on this machine: --transformer-impl transformer_engine ({no_te}; megatron-core's "
+                       "local layers run, and their checkpoints load into Transformer Engine's)")
     if args.use_mcore_models:
         notices.append("ignored: --use-mcore-models (deprecated in Megatron-LM 0.16, where megatron-core models are "
                        "the default; here every megatron model is one)")
