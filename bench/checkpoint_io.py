@@ -61,6 +61,9 @@ def _plain_write_read(path: str, payload: bytearray) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from megatron_patch.startup import import_libraries
+
+    import_libraries()  # as a training rank imports them, which leaves the collector's generations as a rank has them
     import torch
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig

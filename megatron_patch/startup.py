@@ -13,6 +13,11 @@ being made: on this machine 0.2-0.75 s of a 2-3.7 s import (0.15 s of torch's, t
 rank, conversion and test worker, and 0.8 s of the 2.9 s transformers takes to import a model class. Modules are
 not garbage, so pausing the collector for the imports loses nothing; it runs again, with its usual thresholds, as
 soon as they are done.
+
+Resuming alone would still have the collector walk them all twice more: the objects made while it was paused wait in
+its youngest generation, which its next run, a few hundred allocations later, walks whole, and the run after ten of
+those walks the next generation. So they go straight to the oldest generation, which only the rare full collection
+walks: 0.25-0.3 s less of a rank's start-up here.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ import gc
 
 @contextlib.contextmanager
 def paused_collector():
-    """Run the block without Python's cyclic garbage collector; afterwards it is on again if it was before.
+    """Run the block without Python's cyclic garbage collector; afterwards it is on again if it was before, and every
+    object then alive (the block's among them) is in the collector's oldest generation.
 
     Example::
 
@@ -39,6 +45,10 @@ def paused_collector():
     try:
         yield
     finally:
+        if not gc.get_freeze_count():  # unfreezing would also thaw what the process froze itself
+            # Moves every tracked object to the permanent generation and back into the oldest one, without a walk.
+            gc.freeze()
+            gc.unfreeze()
         if enabled:
             gc.enable()
 

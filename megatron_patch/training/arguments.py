@@ -350,7 +350,10 @@ def flag_notices(args: argparse.Namespace) -> list[str]:
         flag_notices(parse_args([..., "--profile"]))   # on a machine without CUDA:
         # ['ignored on this machine: --profile (runs CUDA's profiler for nsys; no CUDA device here)']
     """
-    import torch
+    from megatron_patch.startup import paused_collector
+
+    with paused_collector():  # the launcher's first import of torch (startup.py)
+        import torch
 
     cuda = torch.cuda.is_available()
     no_te = transformer_engine_missing(args.transformer_impl)

@@ -212,7 +212,10 @@ def run_user_script(path: str, argv: list[str]) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == [_RANK_ENTRY]:
-        from megatron_patch.distributed import exit_rank, report_failure  # here: the launcher's --help needs no torch
+        from megatron_patch.startup import paused_collector
+
+        with paused_collector():  # the rank's first import of torch (startup.py); here: the launcher's --help needs none
+            from megatron_patch.distributed import exit_rank, report_failure
 
         try:
             status = _run_rank(argv[1:])
