@@ -48,8 +48,6 @@ import time
 import traceback
 from typing import Any, Callable
 
-from megatron_patch.distributed import free_port
-
 DEFAULT_TIMEOUT_S = 120.0
 STARTUP_TIMEOUT_S = 300.0
 _READY = b"ready"
@@ -104,6 +102,9 @@ def _worker_main(rank: int, world_size: int, port: int, tasks, results, sys_path
     import_libraries()
     import torch
 
+    # A worker runs many tests, each followed by a full collection (below): set aside for good what exists now, the
+    # libraries' ~400,000 objects, so that each collection walks only what later tests made (0.25-0.4 s less each).
+    gc.freeze()
     # Ranks share two cores: one intra-op thread each keeps them from oversubscribing the machine.
     torch.set_num_threads(1)
     results.put((rank, True, _READY, 0))
@@ -120,8 +121,10 @@ def _worker_main(rank: int, world_size: int, port: int, tasks, results, sys_path
             results.put((rank, False, traceback.format_exc(), 0))
         else:
             # Models and optimizers hold process groups in reference cycles; collecting them lets the groups'
-            # communication threads end. The thread count tells the harness when to recycle this worker.
+            # communication threads end. The thread count tells the harness when to recycle this worker. What
+            # survives (modules a test imported, caches) lives on like the libraries: set aside too.
             gc.collect()
+            gc.freeze()
             results.put((rank, True, value, _thread_count()))
         sys.stdout.flush()
         sys.stderr.flush()
@@ -177,6 +180,10 @@ def _start_pool(world_size: int) -> _Pool:
     if _log_dir is None:
         _log_dir = tempfile.mkdtemp(prefix="megatron_patch_ranks_")
     ctx = multiprocessing.get_context("spawn")
+    # Here, not at the top: every spawned worker imports this module, and its first import of torch is
+    # import_libraries' (startup.py).
+    from megatron_patch.distributed import free_port
+
     port = free_port()
     results = ctx.Queue()
     tasks = [ctx.Queue() for _ in range(world_size)]

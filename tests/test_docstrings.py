@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megatron_patch.testing import free_port
+from megatron_patch.distributed import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
