@@ -634,9 +634,13 @@ def preprocess(config: PreprocessConfig) -> PreprocessReport:
                                              tokenizer_options={"vocab_size": 1000}))
         report.outputs  # ['out/a_text_document']
     """
+    from megatron_patch.compat import collect_only_new_objects
+    from megatron_patch.startup import paused_collector
+
     # Here, not at the top: megatron-core (and torch with it) costs seconds that `--help` and a
     # flag error need not wait for.
-    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+    with paused_collector():
+        from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
     start = time.perf_counter()
     paths = expand_inputs(config.input)
@@ -694,7 +698,8 @@ def preprocess(config: PreprocessConfig) -> PreprocessReport:
                     merged = IndexedDatasetBuilder(finals[key] + tmp + ".bin", dtype=dtype)
                     builders[key].append(merged)
                     for prefix in prefixes:
-                        merged.add_index(prefix)
+                        with collect_only_new_objects():  # add_index ends in a full gc.collect()
+                            merged.add_index(prefix)
                     merged.finalize(finals[key] + tmp + ".idx")
         for final in finals.values():
             _publish(final + tmp, final)
