@@ -507,39 +507,6 @@ def test_progress_in_a_log_prints_a_line_per_interval(clock):
     assert "\r" not in stream.getvalue() and "\x1b" not in stream.getvalue()
 
 
-def _finalised_cycle(finalised: list) -> list:
-    class Node:
-        def __del__(self):
-            finalised.append("old garbage")
-
-    node = Node()
-    node.self = node
-    return [node]
-
-
-def test_merging_partitions_leaves_older_objects_to_the_collector(tmp_path):
-    """Failed before: megatron-core's add_index ends in a full gc.collect(), which walked every object of the process
-    (0.13-0.2 s per merged file with torch and megatron-core imported); the merge's now walks only its own."""
-    import gc
-
-    path = tmp_path / "in.jsonl"
-    path.write_bytes(GOOD * 10)
-    finalised = []
-    holder = _finalised_cycle(finalised)
-    enabled = gc.isenabled()
-    gc.disable()  # no collection but the merge's own
-    try:
-        gc.collect()  # the cycle is old now
-        holder.clear()  # and garbage only a full collection finds
-        preprocess(_null_config(path, tmp_path / "out", partitions=2))
-        assert finalised == []
-        gc.collect()
-        assert finalised == ["old garbage"]  # still collected by the process's own collections
-    finally:
-        if enabled:
-            gc.enable()
-
-
 def test_interrupted_run_leaves_no_outputs_and_keeps_previous_ones(tmp_path, monkeypatch):
     path = tmp_path / "in.jsonl"
     path.write_bytes(GOOD * 10)
