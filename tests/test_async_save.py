@@ -74,9 +74,13 @@ def test_without_the_snapshot_the_save_holds_the_later_state(tmp_path):
     assert not (weights and moments)
 
 
-def processes_started_by_saves(rank, world_size, save_dir):
-    """The processes this rank has after a synchronous and an asynchronous save that it had not before, starting
-    from a process that never saved (megatron-core keeps its results queue's server for the process's lifetime)."""
+def what_saves_leave(rank, world_size, save_dir):
+    """A synchronous and an asynchronous save, starting from a process that never saved (megatron-core keeps its
+    results queue's server for the process's lifetime): the processes this rank has after them that it had not
+    before, and what megatron-core's checkpointing logged at WARNING or above meanwhile."""
+    import io
+    import logging
+
     import psutil
     import torch
     from megatron.core.dist_checkpointing.strategies import filesystem_async
@@ -94,6 +98,10 @@ def processes_started_by_saves(rank, world_size, save_dir):
     optimizer = build_optimizer(chunks, OptimizerConfig(optimizer="adam", lr=1e-3, use_distributed_optimizer=True))
     train_step(lm_forward_step, counting_batches(torch.Generator().manual_seed(0), 2, 1), chunks, optimizer, 1, SEQ, 2)
     before = {child.pid for child in psutil.Process().children(recursive=True)}
+    logged = io.StringIO()
+    handler = logging.StreamHandler(logged)
+    handler.setLevel(logging.WARNING)
+    logging.getLogger("megatron.core.dist_checkpointing").addHandler(handler)
     earlier_queue, filesystem_async._results_queue = filesystem_async._results_queue, None
     try:
         megatron.save_megatron_checkpoint(save_dir, 1, chunks, optimizer, None)
@@ -104,10 +112,25 @@ def processes_started_by_saves(rank, world_size, save_dir):
         started = [child.cmdline() for child in psutil.Process().children(recursive=True) if child.pid not in before]
     finally:
         filesystem_async._results_queue = earlier_queue
-    return started
+        logging.getLogger("megatron.core.dist_checkpointing").removeHandler(handler)
+    return started, logged.getvalue()
 
 
-def test_no_save_starts_a_process(tmp_path):
+@pytest.fixture(scope="module")
+def two_saves(tmp_path_factory):
+    [left] = run_on_ranks(what_saves_leave, 1, args=(str(tmp_path_factory.mktemp("saves") / "ckpt"),))
+    return left
+
+
+def test_no_save_starts_a_process(two_saves):
     """megatron-core reports its writers' results through a queue served by a process it spawns on the first save of
     each process (~2 s of start-up); ours report in-process."""
-    assert run_on_ranks(processes_started_by_saves, 1, args=(str(tmp_path / "ckpt"),)) == [[]]
+    started, _ = two_saves
+    assert started == []
+
+
+def test_no_save_warns_of_overwriting_a_checkpoint(two_saves):
+    """Each save writes into a fresh staging directory: megatron-core's warning that it overwrites an "old incomplete
+    / corrupted checkpoint" (a directory not empty when its save starts) would tell the user of damage there is not."""
+    _, logged = two_saves
+    assert logged == ""

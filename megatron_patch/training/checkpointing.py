@@ -77,15 +77,18 @@ def save_checkpoint(root: str, iteration: int, write_state: Callable, *, info: C
         save_checkpoint("ckpt", 300, backend.write_state, info=info, keep_last_k=2)
         # ckpt/iter_0000200, ckpt/iter_0000300; the tracker holds 300
 
-    ``write_state(staging, rank, checksums, finalize)`` writes this rank's model, optimizer and scheduler under
-    ``staging``, adds the checksums of what it wrote to ``checksums`` (this rank's RNG file is in it already) and
-    calls ``finalize()`` on every rank once the files are written: at once, or when an asynchronous save is done.
+    ``write_state(staging, rank, write_rng, finalize)`` writes this rank's model, optimizer and scheduler under
+    ``staging``, calls ``write_rng()`` once its writer has started (it writes this rank's RNG state as it was at
+    this call and returns the file's checksum, keyed by its name), checksums what it wrote, and calls
+    ``finalize()`` on every rank once the files are written: at once, or when an asynchronous save is done.
     """
     path = checkpoint_dir(root, iteration)
     rank = torch.distributed.get_rank()
     staging = make_staging_dir(path, rank)
     finalize = functools.partial(_publish_when_written, root, staging, path, iteration, info, keep_last_k)
-    write_state(staging, rank, _save_rng(staging, rank), finalize)
+    write_rng = functools.partial(_save_rng, staging, rank, {**_rng_state(),
+                                                             "world_size": torch.distributed.get_world_size()})
+    write_state(staging, rank, write_rng, finalize)
     return path
 
 
@@ -127,10 +130,9 @@ def _set_rng_state(state: dict) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def _save_rng(path: str, rank: int) -> dict:
-    """Write this rank's RNG state; return its file's checksum, keyed by its name in the checkpoint."""
+def _save_rng(path: str, rank: int, state: dict) -> dict:
+    """Write this rank's RNG ``state``; return its file's checksum, keyed by its name in the checkpoint."""
     os.makedirs(os.path.join(path, "rng"), exist_ok=True)
-    state = {**_rng_state(), "world_size": torch.distributed.get_world_size()}
     return {rng_file(rank): save_checksummed(state, os.path.join(path, rng_file(rank)))}
 
 

@@ -280,7 +280,7 @@ def save_megatron_checkpoint(root: str, iteration: int, chunks: list, optimizer,
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 
-    def write_state(staging: str, rank: int, checksums: dict, finalize: Callable[[], None]) -> None:
+    def write_state(staging: str, rank: int, write_rng: Callable[[], dict], finalize: Callable[[], None]) -> None:
         state = _megatron_state(chunks, optimizer, scheduler, is_loading=False, with_optimizer=True,
                                 metadata=compat.DISTRIB_OPTIMIZER_METADATA)
         # dist_checkpointing.save writes the state's non-sharded entries to common.pt (rank 0), which
@@ -289,9 +289,7 @@ def save_megatron_checkpoint(root: str, iteration: int, chunks: list, optimizer,
                      else {"iteration": iteration})
         # Asynchronous in form even for a synchronous save (run at once by execute_sync, as megatron-core's own
         # synchronous save does: strategies/base.py:212), so that its write function can be replaced by ours, which
-        # runs megatron-core's per-file writer in threads and checksums the files (integrity.write_checksummed). The
-        # RNG file was written into staging before: dist_checkpointing.save only warns about a non-empty directory
-        # (serialization.py:383).
+        # runs megatron-core's per-file writer in threads and checksums the files (integrity.write_checksummed).
         # content_metadata: the metadata the state was built with, which Megatron-LM's load reads back
         # (load_content_metadata) to build the state it loads into; without it, it guesses another optimizer format.
         # Fully parallel, as Megatron-LM's default --ckpt-fully-parallel-save: the data-parallel replicas share the
@@ -301,6 +299,10 @@ def save_megatron_checkpoint(root: str, iteration: int, chunks: list, optimizer,
         with compat.write_results_in_this_process():
             request = dist_checkpointing.save(state, staging, sharded_strategy=strategy, async_sharded_save=True,
                                               content_metadata=dict(compat.DISTRIB_OPTIMIZER_METADATA))
+        # Only now: rank 0's dist_checkpointing.save warns "Overwriting old incomplete / corrupted checkpoint" when
+        # the directory holds a file (serialization.py:383-387), and no rank leaves save() before rank 0 has
+        # passed that check (its sharding validation is a collective).
+        checksums = write_rng()
         if request.async_fn is None:  # this rank holds only replicas another rank writes: no .distcp of its own
             write_rank_checksums(staging, rank, checksums)
         else:

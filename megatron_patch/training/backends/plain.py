@@ -281,8 +281,8 @@ def save_plain_checkpoint(root: str, iteration: int, model: torch.nn.Module, opt
         save_plain_checkpoint("ckpt", 100, model, optimizer, scheduler)
     """
 
-    def write_state(staging: str, rank: int, checksums: dict, finalize: Callable[[], None]) -> None:
-        checksums.update(_save_plain(staging, model, optimizer, scheduler, iteration, rank))
+    def write_state(staging: str, rank: int, write_rng: Callable[[], dict], finalize: Callable[[], None]) -> None:
+        checksums = {**write_rng(), **_save_plain(staging, model, optimizer, scheduler, iteration, rank)}
         write_rank_checksums(staging, rank, checksums)
         finalize()
 
