@@ -86,8 +86,7 @@ def save_checkpoint(root: str, iteration: int, write_state: Callable, *, info: C
     rank = torch.distributed.get_rank()
     staging = make_staging_dir(path, rank)
     finalize = functools.partial(_publish_when_written, root, staging, path, iteration, info, keep_last_k)
-    write_rng = functools.partial(_save_rng, staging, rank, {**_rng_state(),
-                                                             "world_size": torch.distributed.get_world_size()})
+    write_rng = functools.partial(_save_rng, staging, rank, _rng_state())
     write_state(staging, rank, write_rng, finalize)
     return path
 
@@ -109,13 +108,14 @@ def _publish_when_written(root: str, staging: str, path: str, iteration: int, in
 def _rng_state() -> dict:
     """Every generator a step draws from, as Megatron-LM saves them: Python's and NumPy's (data code), torch's
     (dropout outside tensor-parallel regions), the GPU's, and megatron-core's tensor-parallel tracker (dropout
-    inside them, different per TP rank)."""
+    inside them, different per TP rank); and the world size, which a resume must match to restore them."""
     from megatron.core import tensor_parallel
 
     return {
         "python": random.getstate(), "numpy": numpy.random.get_state(), "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
         "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+        "world_size": torch.distributed.get_world_size(),
     }
 
 
