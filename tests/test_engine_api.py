@@ -54,6 +54,40 @@ def test_get_logger_and_get_timers():
     assert result["after_reset"] == 0.0 and result["same_timer"]
 
 
+def run_twice_in_one_process(rank, world_size):
+    import gc
+    import os
+    import weakref
+
+    from megatron_patch.testing import tiny_gpt
+    from megatron_patch.training.engine import Engine, get_args
+
+    threads, models = [], []
+    for _ in range(2):
+        engine = Engine(["--micro-batch-size", "1", "--lr", "1e-3", "--train-iters", "1"])
+        model = tiny_gpt()
+        engine.compose(model_obj=model)  # DDP and the optimizer hold megatron-core's process groups
+        threads.append(len(os.listdir("/proc/self/task")))  # gloo's communication threads are OS threads
+        models.append(weakref.ref(model))
+        del engine, model
+        gc.collect()
+    try:
+        message = f"get_args() answered {get_args()}"
+    except RuntimeError as error:
+        message = str(error)
+    return {"threads": threads, "freed": [ref() is None for ref in models], "message": message}
+
+
+def test_an_engine_the_script_dropped_frees_its_model_and_process_groups():
+    """Failed before: the module kept the last engine (for ``get_args()``), so its model, optimizer and process groups
+    lived on after the script let go of them, through the next engine's start-up: two models in memory at once, and
+    the old groups' threads running after their groups were destroyed (a reused test worker gained ~48 per test)."""
+    [result] = run_on_ranks(run_twice_in_one_process, 1)
+    assert result["freed"] == [True, True]
+    assert result["threads"][1] == result["threads"][0]
+    assert "create `engine = RapidformerEngine()` and keep it" in result["message"]
+
+
 # -- get_ltor_masks_and_position_ids ------------------------------------------------------------------------------
 EOD = 0
 # Documents end with their EOD; one row ends in an EOD, the other starts with one.

@@ -24,6 +24,7 @@ import logging
 import os
 import sys
 import time
+import weakref
 
 import torch
 
@@ -32,13 +33,16 @@ from megatron_patch.training.arguments import parse_run
 from megatron_patch.training.backends import backend_for
 from megatron_patch.training.schedule import configure_batch_schedule
 
-_ENGINE: "Engine | None" = None
+# The engine the user holds, not an owner of it: an engine the user dropped frees its model, optimizer and process
+# groups (a second run in the same process, a reused test worker) instead of living on here until the next one.
+_ENGINE: "weakref.ref[Engine] | None" = None
 
 
 def _current() -> "Engine":
-    if _ENGINE is None:
-        raise RuntimeError("no RapidformerEngine yet: create `engine = RapidformerEngine()` first")
-    return _ENGINE
+    engine = None if _ENGINE is None else _ENGINE()
+    if engine is None:
+        raise RuntimeError("no RapidformerEngine alive: create `engine = RapidformerEngine()` and keep it")
+    return engine
 
 
 def get_args() -> argparse.Namespace:
@@ -193,7 +197,7 @@ class Engine:
         self.timers = Timers()
         self._tokenizer = None
         self.backend = None
-        _ENGINE = self
+        _ENGINE = weakref.ref(self)
 
     # ---------------------------------------------------------------------------------------------------
     @property
