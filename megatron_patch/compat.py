@@ -13,13 +13,13 @@ Everything version-specific lives here, each workaround naming the upstream line
   behaviour that would raise on a CPU-only build ("Torch not compiled with CUDA enabled"), so it can never change
   what happens on a GPU. ``docs/megatron-core-on-cpu.md`` says what runs on CPU as-is and what each patch is for;
 - fixes for running without TE/apex, applied with the shim by ``apply``;
-- workarounds the package calls where it builds process groups and models, on every machine
+- workarounds the package calls where it builds process groups, models and optimizers, on every machine
   (``destroy_model_parallel_and_free_groups``, ``pipeline_p2p_flags``, ``bert_lm_head_norm``,
-  ``default_store``);
+  ``default_store``, ``detach_main_param_views``);
 - fixes to process lifetimes (checkpoint writers, torchrun's shutdown);
 - checkpoint workarounds: the distributed optimizer's Adam state, its loading and its resharding metadata,
-  megatron-core's sharded-key renaming and its collections (``initialise_adam_state``, ``load_optimizer_state``,
-  ``restore_adam_step``, ``DISTRIB_OPTIMIZER_METADATA``, ``by_sharded_key``, ``collect_only_new_objects``,
+  megatron-core's sharded-key renaming and its collections (``initialise_adam_state``, ``restore_adam_step``,
+  ``DISTRIB_OPTIMIZER_METADATA``, ``by_sharded_key``, ``collect_only_new_objects``,
   ``write_results_in_this_process``).
 """
 
@@ -759,6 +759,41 @@ def optimizer_parts(optimizer):
         yield part, getattr(part, "optimizer", None)
 
 
+def detach_main_param_views(optimizer) -> None:
+    """Make the distributed optimizer's fp32 main parameters plain views of the model's weights, outside autograd
+    (checked on megatron-core 0.16.1 and torch 2.13).
+
+    Example::
+
+        optimizer = get_megatron_optimizer(optimizer_config, chunks)
+        detach_main_param_views(optimizer)
+
+    For fp32 parameters megatron-core takes this rank's shard as ``model_param.view(-1)[start:end]``
+    (``optimizer/distrib_optimizer.py:421``; its 16-bit branch detaches first, :368): a view that records its
+    autograd history, whose graph holds each parameter's gradient accumulator. DDP hangs its gradient hooks on those
+    accumulators, and their closures hold DDP: Python's collector sees through an accumulator only while nothing
+    else owns it (torch/csrc/autograd/python_cpp_function.cpp, ``THPCppFunction_traverse``), so the model, the
+    optimizer and their process groups could never be freed in that process. ``detach()`` gives a view of the same
+    memory without the history; the optimizer steps it in place as before. It replaces the view in both places
+    megatron-core keeps it: the shard groups and the torch optimizer's parameter lists.
+
+    Loads copy into these views in place without ``torch.no_grad()`` (``_set_main_param_and_optimizer_states``,
+    :940, for Megatron-LM's default ``dp_reshardable`` state; ``load_parameter_state_from_dp_zero``, :2067, for its
+    legacy files), which autograd refuses on a view of a parameter; detached, they load as they are.
+    """
+    for part, inner in optimizer_parts(optimizer):
+        detached = {}
+        for group in getattr(part, "shard_fp32_groups", ()):
+            for index, shard in enumerate(group):
+                if shard.grad_fn is not None:
+                    view = shard.detach()
+                    view.__dict__.update(shard.__dict__)  # the tensor-parallel attributes megatron-core copied
+                    group[index] = detached[id(shard)] = view
+        for param_group in inner.param_groups if detached else ():
+            # In place: the distributed optimizer's group ranges share these lists (distrib_optimizer.py:441, :607).
+            param_group["params"][:] = [detached.get(id(p), p) for p in param_group["params"]]
+
+
 def initialise_adam_state(optimizer, is_loading: bool) -> None:
     """Give torch Adam a state with a ``step`` before megatron-core's ``optimizer.sharded_state_dict`` (checked
     on megatron-core 0.16.1).
@@ -784,26 +819,6 @@ def initialise_adam_state(optimizer, is_loading: bool) -> None:
         part.init_state_fn(inner, part.config)
         for state in inner.state.values():
             state.setdefault("step", torch.tensor(0.0))
-
-
-def load_optimizer_state(optimizer, state_dict) -> None:
-    """``optimizer.load_state_dict(state_dict)`` with autograd off (checked on megatron-core 0.16.1).
-
-    Example::
-
-        load_optimizer_state(optimizer, loaded["optimizer"])
-        restore_adam_step(optimizer)
-
-    The distributed optimizer's fp32 main parameters are views of the model's parameters, which require grad
-    (``optimizer/distrib_optimizer.py:421``). Loading the ``dp_reshardable`` state (Megatron-LM's default) copies
-    into them (``_set_main_param_and_optimizer_states``, :940) without the ``torch.no_grad()`` that the loads of
-    the other formats carry (:1806, :2069), and raises "a view of a leaf Variable that requires grad is being used
-    in an in-place operation".
-    """
-    import torch
-
-    with torch.no_grad():
-        optimizer.load_state_dict(state_dict)
 
 
 def restore_adam_step(optimizer) -> None:

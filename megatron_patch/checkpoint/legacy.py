@@ -235,13 +235,9 @@ def load_legacy_optimizer(weights: str, info: CheckpointInfo, optimizer, schedul
     if distributed and not os.path.isfile(parameter_state):
         raise CheckpointMismatch(f"{parameter_state} is missing: the distributed optimizer's state is not all "
                                  f"there; {fix}")
-    compat.load_optimizer_state(optimizer, state["optimizer"])
+    optimizer.load_state_dict(state["optimizer"])
     if distributed:
-        # Without autograd, as compat.load_optimizer_state loads the groups: in fp32 the main parameters are views
-        # of the model's, and load_parameter_state_from_dp_zero copies into them in place
-        # (distrib_optimizer.py:2067 at megatron-core 0.16.1, no torch.no_grad() there).
-        with torch.no_grad():
-            optimizer.load_parameter_state(parameter_state)
+        optimizer.load_parameter_state(parameter_state)
     compat.restore_adam_step(optimizer)
     if scheduler is not None:
         scheduler.load_state_dict(state["opt_param_scheduler"])

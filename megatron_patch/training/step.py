@@ -37,6 +37,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 
+from megatron_patch import compat
 from megatron_patch.distributed import record_progress, sum_over_data_parallel
 
 
@@ -84,6 +85,7 @@ def build_optimizer(chunks: list[DistributedDataParallel], optimizer_config: Opt
     """megatron-core's optimizer (distributed when ``optimizer_config.use_distributed_optimizer``), with the
     model config's hooks set the way the pipeline schedules expect them."""
     optimizer = get_megatron_optimizer(optimizer_config, chunks)
+    compat.detach_main_param_views(optimizer)
     config = get_model_config(chunks[0])
     config.grad_scale_func = optimizer.scale_loss
     config.finalize_model_grads_func = _finalize_model_grads

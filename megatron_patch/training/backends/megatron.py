@@ -354,7 +354,7 @@ def load_megatron_checkpoint(root: str, chunks: list, optimizer, scheduler, **op
         for i, module in enumerate(modules):
             module.load_state_dict(loaded["model" if len(modules) == 1 else f"model{i}"], strict=not finetune)
         if with_optimizer:
-            compat.load_optimizer_state(optimizer, loaded["optimizer"])
+            optimizer.load_state_dict(loaded["optimizer"])
             compat.restore_adam_step(optimizer)
             if scheduler is not None and "opt_param_scheduler" in loaded:
                 scheduler.load_state_dict(loaded["opt_param_scheduler"])
