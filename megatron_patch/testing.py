@@ -373,3 +373,26 @@ def counting_batches(generator, micro_batch_size: int, num_microbatches: int):
             "loss_mask": torch.ones(micro_batch_size, SEQ),
             "position_ids": torch.arange(SEQ).expand(micro_batch_size, SEQ).contiguous(),
         }
+
+
+def tiny_gpt_after_one_step(distributed_optimizer: bool):
+    """``(DDP chunks, optimizer)``: :func:`tiny_gpt` on this process's own groups (seed 1234), after one Adam step on
+    two counting sequences, so that the optimizer has state to save, load or free.
+
+    Example::
+
+        chunks, optimizer = tiny_gpt_after_one_step(distributed_optimizer=True)
+    """
+    import torch
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+
+    from megatron_patch.distributed import initialize_distributed
+    from megatron_patch.training.step import build_optimizer, lm_forward_step, train_step, wrap_model
+
+    initialize_distributed(seed=1234)
+    chunks = wrap_model([tiny_gpt()], DistributedDataParallelConfig(use_distributed_optimizer=distributed_optimizer))
+    optimizer = build_optimizer(chunks, OptimizerConfig(optimizer="adam", lr=1e-3,
+                                                        use_distributed_optimizer=distributed_optimizer))
+    train_step(lm_forward_step, counting_batches(torch.Generator().manual_seed(0), 2, 1), chunks, optimizer, 1, SEQ, 2)
+    return chunks, optimizer

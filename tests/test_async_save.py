@@ -14,20 +14,12 @@ def state_after_a_mutated_async_save(rank, world_size, save_dir, distributed_opt
     from unittest import mock
 
     import torch
-    from megatron.core.distributed import DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig
 
     from megatron_patch.checkpoint import async_save
-    from megatron_patch.distributed import initialize_distributed
-    from megatron_patch.testing import SEQ, counting_batches, tiny_gpt
+    from megatron_patch.testing import tiny_gpt_after_one_step
     from megatron_patch.training.backends import megatron
-    from megatron_patch.training.step import build_optimizer, lm_forward_step, train_step, wrap_model
 
-    initialize_distributed(seed=1234)
-    chunks = wrap_model([tiny_gpt()], DistributedDataParallelConfig(use_distributed_optimizer=distributed_optimizer))
-    optimizer = build_optimizer(chunks, OptimizerConfig(optimizer="adam", lr=1e-3,
-                                                        use_distributed_optimizer=distributed_optimizer))
-    train_step(lm_forward_step, counting_batches(torch.Generator().manual_seed(0), 2, 1), chunks, optimizer, 1, SEQ, 2)
+    chunks, optimizer = tiny_gpt_after_one_step(distributed_optimizer)
 
     saved = {k: v.clone() for k, v in chunks[0].module.state_dict().items() if isinstance(v, torch.Tensor)}
     moments = {name: [s[name].clone() for s in optimizer.optimizer.state.values()] for name in ("exp_avg", "exp_avg_sq")}
@@ -82,21 +74,13 @@ def what_saves_leave(rank, world_size, save_dir):
     import logging
 
     import psutil
-    import torch
     from megatron.core.dist_checkpointing.strategies import filesystem_async
-    from megatron.core.distributed import DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig
 
     from megatron_patch.checkpoint import async_save
-    from megatron_patch.distributed import initialize_distributed
-    from megatron_patch.testing import SEQ, counting_batches, tiny_gpt
+    from megatron_patch.testing import tiny_gpt_after_one_step
     from megatron_patch.training.backends import megatron
-    from megatron_patch.training.step import build_optimizer, lm_forward_step, train_step, wrap_model
 
-    initialize_distributed(seed=1234)
-    chunks = wrap_model([tiny_gpt()], DistributedDataParallelConfig(use_distributed_optimizer=True))
-    optimizer = build_optimizer(chunks, OptimizerConfig(optimizer="adam", lr=1e-3, use_distributed_optimizer=True))
-    train_step(lm_forward_step, counting_batches(torch.Generator().manual_seed(0), 2, 1), chunks, optimizer, 1, SEQ, 2)
+    chunks, optimizer = tiny_gpt_after_one_step(distributed_optimizer=True)
     before = {child.pid for child in psutil.Process().children(recursive=True)}
     logged = io.StringIO()
     handler = logging.StreamHandler(logged)

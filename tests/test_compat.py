@@ -265,18 +265,13 @@ def distributed_optimizer_freed(rank, world_size):
     import weakref
 
     import torch
-    from megatron.core.distributed import DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig
 
-    from megatron_patch.distributed import initialize_distributed
-    from megatron_patch.testing import SEQ, counting_batches, tiny_gpt
-    from megatron_patch.training.step import build_optimizer, lm_forward_step, train_step, wrap_model
+    from megatron_patch.testing import SEQ, counting_batches, tiny_gpt_after_one_step
+    from megatron_patch.training.step import lm_forward_step, train_step
 
-    initialize_distributed(seed=1234)
-    chunks = wrap_model([tiny_gpt()], DistributedDataParallelConfig(use_distributed_optimizer=True))
-    optimizer = build_optimizer(chunks, OptimizerConfig(optimizer="adam", lr=1e-3, use_distributed_optimizer=True))
+    chunks, optimizer = tiny_gpt_after_one_step(distributed_optimizer=True)
     weights = [p.detach().clone() for p in chunks[0].parameters()]
-    train_step(lm_forward_step, counting_batches(torch.Generator().manual_seed(0), 2, 1), chunks, optimizer, 1, SEQ, 2)
+    train_step(lm_forward_step, counting_batches(torch.Generator().manual_seed(1), 2, 1), chunks, optimizer, 1, SEQ, 2)
     stepped = all(not torch.equal(before, p) for before, p in zip(weights, chunks[0].parameters()))
     model = weakref.ref(chunks[0])
     del chunks, optimizer
