@@ -15,7 +15,7 @@ Everything version-specific lives here, each workaround naming the upstream line
 - fixes for running without TE/apex, applied with the shim by ``apply``;
 - workarounds the package calls where it builds process groups, models and optimizers, on every machine
   (``destroy_model_parallel_and_free_groups``, ``pipeline_p2p_flags``, ``bert_lm_head_norm``,
-  ``default_store``, ``detach_main_param_views``);
+  ``default_store``, ``detach_main_param_views``, ``detach_moe_dispatcher_state``);
 - fixes to process lifetimes (checkpoint writers, torchrun's shutdown);
 - checkpoint workarounds: the distributed optimizer's Adam state, its loading and its resharding metadata,
   megatron-core's sharded-key renaming and its collections (``initialise_adam_state``, ``restore_adam_step``,
@@ -792,6 +792,38 @@ def detach_main_param_views(optimizer) -> None:
         for param_group in inner.param_groups if detached else ():
             # In place: the distributed optimizer's group ranges share these lists (distrib_optimizer.py:441, :607).
             param_group["params"][:] = [detached.get(id(p), p) for p in param_group["params"]]
+
+
+def detach_moe_dispatcher_state(model) -> None:
+    """Keep the tensors a mixture-of-experts layer's token dispatcher caches out of autograd once the layer's
+    forward has returned (checked on megatron-core 0.16.1, its ``allgather`` and ``alltoall`` dispatchers).
+
+    Example::
+
+        chunk = GPTModel(config=moe_config, ...)
+        detach_moe_dispatcher_state(chunk)
+
+    The dispatcher keeps the last forward's routing probabilities on itself, with their autograd history
+    (``local_probs``, token_dispatcher.py:304; ``probs``, :610), and that graph holds the router weight's gradient
+    accumulator, which DDP's hooks hang on: as with the distributed optimizer's views (``detach_main_param_views``)
+    the model, its optimizer and their process groups could then never be freed in that process. Nothing reads the
+    cached tensors' history after the forward (the backward has its own graph, a recompute runs the forward again),
+    so a hook detaches them there.
+    """
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    for module in model.modules():
+        if isinstance(module, MoELayer):
+            module.register_forward_hook(_detach_dispatcher_tensors)
+
+
+def _detach_dispatcher_tensors(layer, inputs, outputs) -> None:
+    import torch
+
+    state = vars(layer.token_dispatcher)
+    for name, value in state.items():
+        if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+            state[name] = value.detach()
 
 
 def initialise_adam_state(optimizer, is_loading: bool) -> None:

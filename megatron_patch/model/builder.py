@@ -149,6 +149,8 @@ def _build_chunks(parallel_config: ParallelConfig, build: Callable[..., Megatron
         )
         if torch.cuda.is_available():  # torch norms and plain Linear layers are created on the CPU
             chunk.cuda(torch.cuda.current_device())
+        if chunk.config.num_moe_experts:
+            compat.detach_moe_dispatcher_state(chunk)
         chunks.append(chunk)
     return chunks
 
