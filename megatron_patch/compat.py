@@ -534,6 +534,10 @@ def apply() -> None:
 # ----------------------------------------------------------------------------------------------------------
 
 
+_ROTARY_CACHES = (("megatron.core.models.common.embeddings.rotary_pos_embedding", "RotaryEmbedding"),
+                  ("megatron.core.models.common.embeddings.yarn_rotary_pos_embedding", "YarnRotaryEmbedding"))
+
+
 def destroy_model_parallel_and_free_groups() -> None:
     """Tear down megatron-core's groups *and* free them (checked on megatron-core 0.16.1 and torch 2.13).
 
@@ -547,10 +551,19 @@ def destroy_model_parallel_and_free_groups() -> None:
     re-initialising in a long-lived process (the test harness's workers) would leak ~30 groups a time. torch has
     no public list of live groups; ``distributed_c10d._world.pg_map`` (torch/distributed/distributed_c10d.py:703,
     the singleton at :805) is the registry that ``destroy_process_group`` itself reads (:2383) and prunes (:2436).
+
+    megatron-core also caches rotary tables with ``functools.lru_cache`` on the method
+    (models/common/embeddings/rotary_pos_embedding.py:177, yarn_rotary_pos_embedding.py:159): each entry keeps its
+    ``RotaryEmbedding`` alive after the model is gone, and with it the context-parallel group, whose threads then
+    outlive its destruction (one gloo group per trained RoPE model in a reused test worker). The tables belong to
+    the models of the groups torn down here, so their caches are cleared with them.
     """
     import torch
     from megatron.core import parallel_state
 
+    for module, rotary in _ROTARY_CACHES:
+        if module in sys.modules:  # not imported: nothing cached
+            getattr(sys.modules[module], rotary).forward.cache_clear()
     parallel_state.destroy_model_parallel()
     c10d = torch.distributed.distributed_c10d
     default = c10d._get_default_group()

@@ -192,6 +192,39 @@ def free_megatron_core_groups(rank, world_size):
     return built, list(c10d._world.pg_map) == [c10d._get_default_group()]
 
 
+def rotary_model_dropped(rank, world_size):
+    import gc
+    import os
+    import weakref
+
+    import torch
+
+    from megatron_patch.distributed import initialize_distributed
+    from megatron_patch.model.builder import build_model_chunks
+    from megatron_patch.model.config import get_model_config
+    from megatron_patch.model.parallel import ParallelConfig
+    from megatron_patch.testing import counting_batches
+
+    initialize_distributed()
+    threads = len(os.listdir("/proc/self/task"))  # gloo's communication threads are OS threads
+    [model] = build_model_chunks(get_model_config("tiny-llama"), ParallelConfig(), 128)
+    batch = next(counting_batches(torch.Generator().manual_seed(0), 2, 1))
+    model(batch["tokens"], batch["position_ids"], None)
+    rotary = weakref.ref(model.rotary_pos_emb)
+    del model
+    initialize_distributed()  # the next run in this process: the groups are destroyed and built again
+    gc.collect()
+    return rotary() is None, len(os.listdir("/proc/self/task")) - threads
+
+
+def test_a_dropped_rotary_model_leaves_no_group_behind():
+    """Failed before: megatron-core's lru_cache on RotaryEmbedding.forward kept the module of a model that had run
+    a forward, and with it its context-parallel group, whose three gloo threads outlived the group's destruction."""
+    [(freed, new_threads)] = run_on_ranks(rotary_model_dropped, 1)
+    assert freed
+    assert new_threads == 0
+
+
 def _unreachable_cycle(finalised: list, name: str) -> None:
     class Node:
         def __del__(self):
