@@ -15,8 +15,10 @@ Prints ``RESULT {json}`` lines with ratio = ours / plain (lower is better; 1.0 i
 checksums cost: the save against the same save with its CRC-32 (``integrity.crc32``, taken as the files are written)
 stubbed out, and the load against ``verify_checksums=False``; and the median training step while an asynchronous
 save (``checkpoint.async_save.async_save_queue``, as ``--async-save`` runs it) is in flight against the median step
-without one, each step followed by the trainer's ``maybe_finalize_async_calls(blocking=False)``; and what an
-asynchronous save costs training in all (its blocking part and the steps' slowdown) against a synchronous save.
+without one, each step followed by the trainer's ``maybe_finalize_async_calls(blocking=False)``, beside the same
+steps while a thread at the save writer's priority (nice 19) does nothing but write and ``fsync`` as many bytes: the
+slowdown any background write brings on this machine, the floor for the row before it; and what an asynchronous
+save costs training in all (its blocking part and the steps' slowdown) against a synchronous save.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from unittest import mock
 
@@ -58,6 +61,22 @@ def _plain_write_read(path: str, payload: bytearray) -> tuple[float, float]:
     with open(path, "rb") as f:
         f.readinto(payload)
     return written, time.perf_counter() - start
+
+
+def _background_write(path: str, payload: bytearray) -> threading.Thread:
+    """A started thread that writes ``payload`` to ``path`` and syncs it, at the priority of an ``--async-save``'s
+    writer (``integrity.write_checksummed``: nice 19, which on Linux applies to the calling thread)."""
+
+    def write():
+        os.nice(19)
+        with open(path, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+
+    thread = threading.Thread(target=write, name="plain-background-write")
+    thread.start()
+    return thread
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             timed("save unchecked", save_megatron_checkpoint, root, 1, chunks, optimizer, scheduler)
         shutil.rmtree(root)
 
-    alone, in_flight, blocked = [], [], []
+    alone, in_flight, blocked, beside_plain = [], [], [], []
     for attempt in range(args.repeats):
         # Each first in turn (the loads too), so that neither always follows the plain write's writeback.
         if attempt % 2:
@@ -149,9 +168,15 @@ def main(argv: list[str] | None = None) -> int:
         while saves.get_num_unfinalized_calls():
             in_flight.append(step())
         shutil.rmtree(root)
+        writing = _background_write(os.path.join(work, "plain.bin"), bytearray(os.urandom(size)))
+        beside_plain.append(step())  # one at least: a small write may end before the first step would start
+        while writing.is_alive():
+            beside_plain.append(step())
+        writing.join()
     saves.close()
     shutil.rmtree(work)
     step_alone, step_saving = statistics.median(alone), statistics.median(in_flight)
+    step_beside_plain = statistics.median(beside_plain)
     # What an asynchronous save costs training in all: its blocking part plus what the steps it overlapped took beyond
     # the median step, per save; a synchronous save costs training its whole time.
     async_cost = (sum(blocked) + sum(in_flight) - len(in_flight) * step_alone) / args.repeats
@@ -177,6 +202,12 @@ def main(argv: list[str] | None = None) -> int:
         "note": f"{len(in_flight)} steps in flight, {len(alone)} alone, their mean "
                 f"{statistics.mean(in_flight) / statistics.mean(alone):.3f}x; the save's blocking part "
                 f"{min(blocked):.2f}s not counted"}), flush=True)
+    print("RESULT " + json.dumps({
+        "benchmark": "training step while a background thread at the save writer's priority writes and syncs as "
+                     "many bytes vs without (median step; this machine's floor for the row above)",
+        "ratio": round(step_beside_plain / step_alone, 3), "target": "none (the floor)",
+        "note": f"{len(beside_plain)} steps in flight; the async save's steps are "
+                f"{step_saving / step_beside_plain:.3f}x these"}), flush=True)
     print("RESULT " + json.dumps({
         "benchmark": "training time an --async-save costs (blocking part + slowdown of the steps in flight) vs a "
                      "synchronous save's time", "ratio": round(async_cost / best["save"], 3),
