@@ -31,9 +31,11 @@ thread in every worker kills its group within a second of the parent's death (SI
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import faulthandler
 import gc
+import logging
 import multiprocessing
 import multiprocessing.util  # before our atexit hook: see shutdown
 import os
@@ -396,3 +398,27 @@ def tiny_gpt_after_one_step(distributed_optimizer: bool):
                                                         use_distributed_optimizer=distributed_optimizer))
     train_step(lm_forward_step, counting_batches(torch.Generator().manual_seed(0), 2, 1), chunks, optimizer, 1, SEQ, 2)
     return chunks, optimizer
+
+
+@contextlib.contextmanager
+def logged_messages(logger: logging.Logger | str = "rapidformer"):
+    """The messages ``logger`` (or the logger of that name) emits inside the block, in a list filled as they come.
+
+    Example::
+
+        with logged_messages() as messages:       # the trainer's logger, "rapidformer"
+            trainer.train()
+        assert any(m.startswith("successfully loaded checkpoint") for m in messages)
+
+    The handler goes when the block ends, however it ends: a test worker runs many bodies, and a handler one of
+    them left behind would keep collecting every later body's messages.
+    """
+    logger = logging.getLogger(logger) if isinstance(logger, str) else logger
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)

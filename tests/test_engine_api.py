@@ -15,25 +15,17 @@ import time
 import pytest
 import torch
 
-from megatron_patch.testing import run_on_ranks
+from megatron_patch.testing import logged_messages, run_on_ranks
 
 
 # -- get_logger / get_timers --------------------------------------------------------------------------------------
 def logger_and_timers(rank, world_size):
-    import logging
-
     from megatron_patch.training.engine import Engine, get_logger, get_timers
 
     engine = Engine(["--micro-batch-size", "1"])
     logger = get_logger()
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logger.addHandler(handler)
-    try:
+    with logged_messages(logger) as messages:
         logger.info("hello from a user script")
-    finally:
-        logger.removeHandler(handler)
     timer = get_timers()("forward")
     before = time.perf_counter()
     for _ in range(2):  # elapsed() adds up every start/stop pair, as Megatron-LM's timers do
@@ -42,7 +34,7 @@ def logger_and_timers(rank, world_size):
         timer.stop()
     bound = time.perf_counter() - before
     return {"same": logger is engine.logger and get_timers() is engine.timers, "name": logger.name,
-            "messages": [r.getMessage() for r in records], "elapsed": timer.elapsed(), "bound": bound,
+            "messages": messages, "elapsed": timer.elapsed(), "bound": bound,
             "after_reset": timer.elapsed(), "same_timer": get_timers()("forward") is timer}
 
 

@@ -1,10 +1,11 @@
 """The multi-process harness: results in rank order, tracebacks from the failing rank, and a hard timeout."""
 
+import logging
 import time
 
 import pytest
 
-from megatron_patch.testing import RankFailure, run_on_ranks
+from megatron_patch.testing import RankFailure, logged_messages, run_on_ranks
 
 
 def all_reduce_rank(rank, world_size):
@@ -95,3 +96,17 @@ def test_workers_set_the_libraries_aside_from_the_collection_after_each_test():
     """Failed before: the full collection after each test walked torch's and megatron-core's ~400,000 objects too,
     0.25-0.4 s of a worker's CPU per test."""
     assert run_on_ranks(_libraries_set_aside, 1) == [True]
+
+
+def test_logged_messages_collects_inside_the_block_and_then_lets_go():
+    """A worker runs many bodies: a handler left on the trainer's logger would collect every later body's lines."""
+    logger = logging.getLogger("test_harness.logged_messages")
+    logger.setLevel(logging.INFO)
+    handlers = list(logger.handlers)
+    with pytest.raises(ValueError):
+        with logged_messages(logger) as messages:
+            logger.info("step %d", 1)
+            raise ValueError("a body that fails")
+    logger.info("after the block")
+    assert messages == ["step 1"]
+    assert logger.handlers == handlers

@@ -4,14 +4,13 @@ and legacy rank files carry ``args`` with every field its loader reads, under it
 
 import glob
 import json
-import logging
 import os
 
 import pytest
 
 from megatron_patch.checkpoint.format import CheckpointInfo, load_megatron_file, megatron_lm_args, read_info
 from megatron_patch.model.config import get_model_config
-from megatron_patch.testing import run_on_ranks
+from megatron_patch.testing import logged_messages, run_on_ranks
 from tests.convert_oracles import cli, make_hf_model, training_sequences
 
 # The fields Megatron-LM (megatron/training/checkpointing.py at core_v0.16.1) reads from a checkpoint's ``args``:
@@ -161,14 +160,11 @@ def train_and_resume(rank, world_size, converted, trained, sequences):
     from megatron_patch.training.engine import Engine
     from tests.convert_oracles import _fixed_data_pretrainer
 
-    messages = []
-    handler = logging.Handler()
-    handler.emit = lambda record: messages.append(record.getMessage())
-    logging.getLogger("rapidformer").addHandler(handler)
     common = ["--micro-batch-size", "2", "--global-batch-size", "4", "--seq-length", "16", "--lr", "1e-3",
               "--lr-decay-style", "constant", "--seed", "3", "--save", trained]
-    _fixed_data_pretrainer(sequences)(engine=Engine(["--load", converted, "--train-iters", "2", *common])).train()
-    _fixed_data_pretrainer(sequences)(engine=Engine(["--load", trained, "--train-iters", "3", *common])).train()
+    with logged_messages() as messages:
+        _fixed_data_pretrainer(sequences)(engine=Engine(["--load", converted, "--train-iters", "2", *common])).train()
+        _fixed_data_pretrainer(sequences)(engine=Engine(["--load", trained, "--train-iters", "3", *common])).train()
     return messages
 
 

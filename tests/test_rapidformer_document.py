@@ -20,7 +20,7 @@ import sys
 
 import pytest
 
-from megatron_patch.testing import run_on_ranks
+from megatron_patch.testing import logged_messages, run_on_ranks
 from megatron_patch.training.arguments import parse_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,22 +59,16 @@ def test_args_load_names_the_pretrained_directory_but_nothing_resumes_from_it(tm
 def _log_lines(loss_name: str | None) -> list[str]:
     from megatron_patch.training.metrics import TrainingLog
 
-    records = []
     logger = logging.getLogger("test_rapidformer_document")
-    handler = logging.Handler()
-    handler.emit = records.append
-    logger.addHandler(handler)
     logger.setLevel(logging.INFO)
-    try:
+    with logged_messages(logger) as messages:
         named = {} if loss_name is None else {"loss_name": loss_name}
         log = TrainingLog(logger, log_interval=1, train_iters=1, **named)
         log.step(iteration=1, consumed_samples=8, lr=1e-4, loss=0.69, grad_norm=1.0, loss_scale=1.0, skipped=False,
                  step_time=0.1, tokens=256, samples=8)
         log.validation(iteration=1, loss=0.7)
         log.close()
-    finally:
-        logger.removeHandler(handler)
-    return [record.getMessage() for record in records]
+    return messages
 
 
 def test_the_log_names_the_loss_it_is_given():

@@ -18,7 +18,6 @@ saved as Megatron-LM's per-rank files (``save_as_megatron_lm_legacy_run``: each 
 
 import argparse
 import glob
-import logging
 import os
 import shutil
 
@@ -28,7 +27,7 @@ import torch
 
 from megatron_patch.checkpoint.format import CheckpointMismatch, info_from_megatron_lm, load_megatron_file, read_info
 from megatron_patch.errors import UserError
-from megatron_patch.testing import run_on_ranks
+from megatron_patch.testing import logged_messages, run_on_ranks
 from tests.convert_oracles import _fixed_data_pretrainer, cli, hf_reference, make_hf_model, training_sequences
 
 ITERATION = 5
@@ -154,13 +153,10 @@ def first_losses(rank, world_size, loads, sequences):
         log = _fixed_data_pretrainer(sequences)(
             engine=Engine(["--load", load, "--finetune", "--train-iters", "1", *common])).train()
         losses.append(log.train_losses[0][1])
-    messages = []
-    handler = logging.Handler()
-    handler.emit = lambda record: messages.append(record.getMessage())
-    logging.getLogger("rapidformer").addHandler(handler)
-    for load in loads[1::2]:
-        _fixed_data_pretrainer(sequences)(engine=Engine(["--load", load, "--no-load-optim", "--train-iters",
-                                                         str(ITERATION), *common])).train()
+    with logged_messages() as messages:
+        for load in loads[1::2]:
+            _fixed_data_pretrainer(sequences)(engine=Engine(["--load", load, "--no-load-optim", "--train-iters",
+                                                             str(ITERATION), *common])).train()
     refusals = []
     for load in loads[1::2]:
         try:
@@ -356,11 +352,8 @@ def resume(rank, world_size, load, sequences, flags):
     messages of resuming it up to iteration 4."""
     loaded = _run(load, SAVED_AT, sequences, flags)
     loaded.train()
-    messages = []
-    handler = logging.Handler()
-    handler.emit = lambda record: messages.append(record.getMessage())
-    logging.getLogger("rapidformer").addHandler(handler)
-    losses = _run(load, 4, sequences, flags).train().train_losses
+    with logged_messages() as messages:
+        losses = _run(load, 4, sequences, flags).train().train_losses
     return {"loaded": _optimizer_state(loaded), "losses": losses, "messages": messages}
 
 

@@ -169,16 +169,10 @@ def test_the_gpt_forward_step_broadcasts_only_at_tensor_parallel_sizes_above_one
 
 def train_gpt_logging(rank, world_size, argv):
     """train_gpt's first loss and every message the trainer logged."""
-    import logging
+    from megatron_patch.testing import logged_messages
 
-    messages = []
-    handler = logging.Handler()
-    handler.emit = lambda record: messages.append(record.getMessage())
-    logging.getLogger("rapidformer").addHandler(handler)
-    try:
+    with logged_messages() as messages:
         return train_gpt(rank, world_size, argv)["losses"][0], messages
-    finally:
-        logging.getLogger("rapidformer").removeHandler(handler)
 
 
 def test_a_load_directory_without_a_checkpoint_is_named_before_training_from_random_weights(assets, tmp_path):
