@@ -49,12 +49,16 @@ def _evict(path: str) -> None:
         os.close(fd)
 
 
-def _plain_write_read(path: str, payload: bytearray) -> tuple[float, float]:
-    start = time.perf_counter()
+def _write_synced(path: str, payload: bytearray) -> None:
     with open(path, "wb") as f:
         f.write(payload)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _plain_write_read(path: str, payload: bytearray) -> tuple[float, float]:
+    start = time.perf_counter()
+    _write_synced(path, payload)
     written = time.perf_counter() - start
     _evict(path)
     start = time.perf_counter()
@@ -69,10 +73,7 @@ def _background_write(path: str, payload: bytearray) -> threading.Thread:
 
     def write():
         os.nice(19)
-        with open(path, "wb") as f:
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
+        _write_synced(path, payload)
 
     thread = threading.Thread(target=write, name="plain-background-write")
     thread.start()
@@ -159,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             size = save_checked_then_load(attempt)
             save_unchecked()
-        written, read = _plain_write_read(os.path.join(work, "plain.bin"), bytearray(os.urandom(size)))
+        payload = bytearray(os.urandom(size))
+        written, read = _plain_write_read(os.path.join(work, "plain.bin"), payload)
         best["write"], best["read"] = min(best["write"], written), min(best["read"], read)
         alone += [step() for _ in range(args.steps)]
         start = time.perf_counter()
@@ -168,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         while saves.get_num_unfinalized_calls():
             in_flight.append(step())
         shutil.rmtree(root)
-        writing = _background_write(os.path.join(work, "plain.bin"), bytearray(os.urandom(size)))
+        writing = _background_write(os.path.join(work, "plain.bin"), payload)
         beside_plain.append(step())  # one at least: a small write may end before the first step would start
         while writing.is_alive():
             beside_plain.append(step())
