@@ -6,6 +6,7 @@ import gzip
 import io
 import json
 import os
+import random
 import re
 import struct
 import subprocess
@@ -23,7 +24,7 @@ from megatron_patch.data import progress as progress_module
 from megatron_patch.data.jsonl import InputError
 from megatron_patch.data.preprocess import PreprocessConfig, main, preprocess
 from megatron_patch.data.progress import Progress
-from megatron_patch.data.sentences import SentenceSplitter
+from megatron_patch.data.sentences import SentenceSplitter, last_word
 from megatron_patch.errors import UserError
 from megatron_patch.tokenizer import TokenizerFileError, build_tokenizer, register_tokenizer
 from megatron_patch.tokenizer.null import NullTokenizer
@@ -186,6 +187,16 @@ def test_sentence_splitter():
     text = "One.\nTwo.  Three."
     kept = SentenceSplitter(keep_newlines=True).split(text)
     assert kept == ["One.\n", "Two.  ", "Three."] and "".join(kept) == text
+
+
+def test_last_word_is_the_non_whitespace_run_a_regex_finds():
+    """The splitter's word before a `.`: what `(\\S+)\\Z` matches in the text up to it, Unicode spaces included."""
+    rng = random.Random(0)
+    for _ in range(5000):
+        text = "".join(rng.choice("ab.( \n\t\u00a0\u2003") for _ in range(rng.randint(0, 12)))
+        end = rng.randint(0, len(text))
+        match = re.search(r"(\S+)\Z", text[:end])
+        assert last_word(text, end) == (match.group(1) if match else ""), (text, end)
 
 
 def test_gz_and_glob_inputs_and_multiple_keys(tmp_path):

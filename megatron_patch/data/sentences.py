@@ -30,7 +30,21 @@ _BOUNDARY = re.compile(
     """,
     re.VERBOSE,
 )
-_LAST_WORD = re.compile(r"(\S+)$")
+
+
+def last_word(text: str, end: int) -> str:
+    """The run of non-whitespace characters that ends at `end` ("" after whitespace).
+
+        last_word("see Dr. Smith", 7)  # 'Dr.'
+
+    Scanning back from `end` costs the word's length; a regex search for `\\S+$` in
+    `text[:end]` tries every position from the start, which made splitting quadratic in the
+    document's length (a 20 kB document took 0.1 s).
+    """
+    start = end
+    while start > 0 and not text[start - 1].isspace():
+        start -= 1
+    return text[start:end]
 
 
 class SentenceSplitter:
@@ -43,10 +57,10 @@ class SentenceSplitter:
 
     def _is_abbreviation(self, text: str, end: int) -> bool:
         """Whether the `.` just before `end` closes an abbreviation or an initial (`J.`)."""
-        match = _LAST_WORD.search(text, 0, end)
-        if match is None or not match.group(1).endswith("."):
+        word = last_word(text, end)
+        if not word.endswith("."):
             return False
-        word = match.group(1).rstrip(".").lstrip("\"'([‘“").lower()
+        word = word.rstrip(".").lstrip("\"'([‘“").lower()
         return word in self.abbreviations or (len(word) == 1 and word.isalpha())
 
     def split(self, text: str) -> list[str]:
