@@ -30,7 +30,9 @@ while [ $# -gt 0 ]; do
   esac
 done
 PYTHON="${PYTHON:-python3}"
-if ! "$PYTHON" -c "import megatron.core, einops" 2>/dev/null; then
+# Whether they are installed, not importing them: megatron-core's import alone takes seconds.
+if ! "$PYTHON" -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('einops') and u.find_spec('megatron.core')))" \
+    2>/dev/null; then
   set -x
   "$PYTHON" -m pip install --no-index --find-links "$WHEELS" megatron-core==0.16.1 einops packaging
   set +x
