@@ -22,9 +22,9 @@ def assets(tmp_path_factory):
     return rapidformer_assets(tmp_path_factory)
 
 
-def _rapidformer(*argv, timeout=300):
+def _rapidformer(*argv, timeout=300, env=None):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", NNODES="1", NODE_RANK="0")
+               OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", NNODES="1", NODE_RANK="0", **(env or {}))
     env.pop("MASTER_PORT", None)
     result = subprocess.run([sys.executable, "-m", "megatron_patch.training.launcher", *argv], env=env,
                             capture_output=True, text=True, timeout=timeout)
@@ -78,12 +78,17 @@ def _assert_learns_pairs(code: int, output: str) -> None:
 ])
 def test_sequence_classification_reports_accuracy_and_f1_per_epoch(assets, memory, script):
     user = ["--user-script", os.path.join(SCRIPTS, script)] if script else []
-    code, output = _rapidformer(*user, "--task", "sequence_classification", *_finetune_flags(assets, memory))
+    code, output = _rapidformer(*user, "--task", "sequence_classification", *_finetune_flags(assets, memory),
+                                env={"TORCH_LOGS": "recompiles"})
     _assert_learns_pairs(code, output)
     losses = _losses(output, "classification loss")
     assert losses[-1] < 0.5 * losses[0], losses
     assert "lm loss" not in output
     assert "compiled with torch.compile(backend='aot_eager')" in output
+    if script is None:
+        # The task's model is compiled again for evaluation (no_grad), not for the problem_type transformers
+        # would set at the first forward (the seed's Finetuner script builds its own model).
+        assert "Recompiling function" in output and "problem_type" not in output, output[-4000:]
 
 
 def test_sequence_classification_reads_jsonl_pairs(assets, tmp_path):

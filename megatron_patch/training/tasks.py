@@ -84,6 +84,10 @@ class SequenceClassificationFinetuner(Finetuner):
         with paused_collector():  # the first use of a model class imports its module (startup.py)
             model = AutoModelForSequenceClassification.from_pretrained(
                 self.config.pretrained_model_name_or_path, num_labels=self.num_labels)
+        # What transformers would set at the first forward, from these integer labels. Set then, it changed the
+        # config a --onnx-runtime-training forward was compiled against, and the forward was compiled again.
+        if model.config.problem_type is None and self.num_labels > 1:
+            model.config.problem_type = "single_label_classification"
         return model, None, None
 
     def run_forward_step(self, batch, model):
