@@ -54,9 +54,20 @@ def one_line_errors(prog: str, expected: tuple[type[BaseException], ...] = (User
     def wrap(main: Callable[..., int]) -> Callable[..., int]:
         @functools.wraps(main)
         def run(*args, **kwargs) -> int:
+            global _stopped_by
+            _stopped_by = None
             try:
                 return main(*args, **kwargs)
-            except expected as error:
+            except BaseException as error:
+                if _stopped_by is not None and not isinstance(error, SystemExit):
+                    # A library caught the SystemExit that unwind_on_sigterm raised and raised its own error
+                    # instead (torch.distributed.checkpoint's collectives wrap every exception in a
+                    # CheckpointException): the command was stopped, not broken, and its cleanup has run.
+                    if debugging():
+                        traceback.print_exc()
+                    return 128 + _stopped_by
+                if not isinstance(error, expected):
+                    raise
                 if debugging():
                     traceback.print_exc()
                 print(f"{prog}: error: {describe(error)}", file=sys.stderr, flush=True)
@@ -109,5 +120,11 @@ def unwind_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, _raise_exit)
 
 
+# The signal _raise_exit turned into SystemExit during the current one_line_errors command, if any.
+_stopped_by: int | None = None
+
+
 def _raise_exit(signum, frame) -> None:
+    global _stopped_by
+    _stopped_by = signum
     raise SystemExit(128 + signum)

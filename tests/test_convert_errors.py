@@ -340,6 +340,37 @@ def test_a_killed_conversion_leaves_nothing_once_the_next_has_run(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["hf"], "the final name or a staging directory was left"
 
 
+def test_a_sigterm_a_library_turns_into_its_own_error_still_ends_the_command_with_143():
+    """A SIGTERM that lands while torch.distributed.checkpoint plans a save: its collectives catch every exception,
+    the SystemExit of ``unwind_on_sigterm`` too, and raise a CheckpointException instead, so the killed conversion
+    above once ended with status 1 (seen in CI). A later command's own error is its own again."""
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    from megatron_patch.errors import one_line_errors, unwind_on_sigterm
+
+    @one_line_errors("megatron-patch convert")
+    def stopped_while_saving() -> int:
+        unwind_on_sigterm()
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(10)  # the handler runs here
+        except BaseException as error:  # as torch/distributed/checkpoint/utils.py's reduce_scatter does
+            raise CheckpointException("plan", {0: _wrap_exception(error)}) from None
+        return 0
+
+    @one_line_errors("megatron-patch convert")
+    def broken() -> int:
+        raise CheckpointException("plan", {0: _wrap_exception(RuntimeError("a real failure"))})
+
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        assert stopped_while_saving() == 128 + signal.SIGTERM
+        with pytest.raises(CheckpointException, match="a real failure"):
+            broken()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_the_previous_checkpoint_moved_aside_by_a_killed_conversion_is_restored(tmp_path):
     """The instant between moving ``--overwrite``'s previous checkpoint aside and renaming the new one into place:
     killed there, the next conversion finds no checkpoint under the name, and the previous one comes back."""
