@@ -59,17 +59,16 @@ def one_line_errors(prog: str, expected: tuple[type[BaseException], ...] = (User
             try:
                 return main(*args, **kwargs)
             except BaseException as error:
-                if _stopped_by is not None and not isinstance(error, SystemExit):
-                    # A library caught the SystemExit that unwind_on_sigterm raised and raised its own error
-                    # instead (torch.distributed.checkpoint's collectives wrap every exception in a
-                    # CheckpointException): the command was stopped, not broken, and its cleanup has run.
-                    if debugging():
-                        traceback.print_exc()
-                    return 128 + _stopped_by
-                if not isinstance(error, expected):
+                # A library that caught the SystemExit unwind_on_sigterm raised, and raised its own error instead
+                # (torch.distributed.checkpoint's collectives wrap every exception in a CheckpointException): the
+                # command was stopped, not broken, and its cleanup has run.
+                stopped = _stopped_by is not None and not isinstance(error, SystemExit)
+                if not stopped and not isinstance(error, expected):
                     raise
                 if debugging():
                     traceback.print_exc()
+                if stopped:
+                    return 128 + _stopped_by
                 print(f"{prog}: error: {describe(error)}", file=sys.stderr, flush=True)
                 return 1
 
