@@ -1,9 +1,20 @@
-"""Session-wide hooks: the multi-process harness's workers end with the test session; ``job``, a test's result of
-its module's side-by-side jobs (tests/side_by_side.py)."""
+"""Session-wide hooks: tests marked ``gpu`` are skipped where torch sees no CUDA device; the multi-process harness's
+workers end with the test session; ``job``, a test's result of its module's side-by-side jobs (tests/side_by_side.py)."""
 
 import sys
 
 import pytest
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_tests = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_tests:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        for item in gpu_tests:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
 
 
 def pytest_sessionfinish(session, exitstatus):
