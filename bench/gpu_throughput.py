@@ -6,8 +6,8 @@ Example::
     python bench/gpu_throughput.py --dry-run --out /tmp/table.md             # CPU-sized, same code path (CI)
 
 Each case runs in its own process (fresh memory statistics and compile caches): the ~1B LLaMA-style model at
-sequence length 2048 with the local layer spec and our SDPA attention, with and without selective recompute,
-with torch.compile'd fusions on and off, BERT-large, and a mixture-of-experts model (Mixtral-8x7B's layer shape,
+sequence length 2048 with the local layer spec and our SDPA attention (PyTorch's choice of kernel, and its math
+kernel), with and without selective recompute and torch.compile'd fusions, BERT-large, and a mixture-of-experts model (Mixtral-8x7B's layer shape,
 3 of its 32 layers). FLOPs follow megatron-core's formula (``megatron_patch.model.flops``; for MoE only the
 top-k experts a token passes), so MFU is comparable with Megatron's published figures (peak 989 TFLOP/s bf16
 dense on H100/H200). The table is rewritten after every case, so a run stopped by ``gpu_throughput.sh``'s time
@@ -17,6 +17,7 @@ limit keeps the rows it finished.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -40,17 +41,19 @@ class Case:
     fused: bool = True
     num_layers: int | None = None
     """Fewer layers than the named model has, to fit one GPU (the dry run's tiny model keeps its own)."""
+    attention: str | None = None
+    """A ``torch.nn.attention.SDPBackend`` name the attention must use ("math", "flash_attention", ...); None lets
+    PyTorch choose."""
 
 
 # Budget on an H200, whole process: ~15 s imports and CUDA/NCCL start, ~5-10 s building the model and optimizer,
 # 20-40 s of torch.compile on the first steps (the fused cases), then 13 steps of ~270 TFLOP (LLaMA, MoE) or
 # ~70 TFLOP (BERT) each at an assumed 250-400 TFLOP/s: ~10-15 s. That is about 60 s per LLaMA case, 40 s for BERT
-# and 75 s for the MoE case, ~5 minutes in all, inside gpu_throughput.sh's default 480 s.
+# and 75 s for the MoE case, ~5 minutes in all. The most telling cases come first: a run stopped by
+# gpu_throughput.sh's time limit keeps the rows it finished.
 CASES = [
     Case("llama-1b", "llama3.2-1b", 2048, 4, 4),
-    Case("llama-1b selective-recompute", "llama3.2-1b", 2048, 4, 4, recompute="selective"),
     Case("llama-1b no-fusions", "llama3.2-1b", 2048, 4, 4, fused=False),
-    Case("llama-1b selective no-fusions", "llama3.2-1b", 2048, 4, 4, recompute="selective", fused=False),
     Case("bert-large", "bert-large", 512, 16, 4),
     # Mixtral's full expert shape (8 experts of 4096 x 14336, top-2) at EP=1, so the expert GEMMs are the real ones.
     # bf16 weights, fp32 grads, fp32 main weights and Adam's two moments are 18 bytes a parameter (the
@@ -60,6 +63,10 @@ CASES = [
     # (6.07B, ~124 GiB) would leave too little for the allocator's fragmentation. 32k tokens an iteration as in
     # the LLaMA rows.
     Case("mixtral moe 3 layers", "mixtral-8x7b", 4096, 2, 4, num_layers=3),
+    # SDPAttention lets PyTorch pick its kernel (flash on a GPU in bf16); the math kernel materialises the scores,
+    # as megatron-core's unfused local attention does: what the flash kernel is worth.
+    Case("llama-1b sdpa-math", "llama3.2-1b", 2048, 4, 4, attention="math"),
+    Case("llama-1b selective-recompute", "llama3.2-1b", 2048, 4, 4, recompute="selective"),
 ]
 # The same cases shrunk to run on a CPU in seconds: what CI runs so the script cannot rot.
 DRY_MODELS = {"llama3.2-1b": "tiny-llama", "bert-large": "tiny-bert", "mixtral-8x7b": "tiny-mixtral"}
@@ -128,17 +135,18 @@ def run_case(case: Case, dry_run: bool) -> dict:
         return train_step(forward_step, batches, chunks, optimizer, num_microbatches=case.num_microbatches,
                           seq_length=seq_length, micro_batch_size=micro_batch_size)
 
-    for _ in range(warmup):
-        step()
-    if on_gpu:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    for _ in range(timed):
-        stats = step()
-    if on_gpu:
-        torch.cuda.synchronize()
-    seconds = (time.perf_counter() - start) / timed
+    with _attention_kernel(case.attention):
+        for _ in range(warmup):
+            step()
+        if on_gpu:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        for _ in range(timed):
+            stats = step()
+        if on_gpu:
+            torch.cuda.synchronize()
+        seconds = (time.perf_counter() - start) / timed
     global_batch = micro_batch_size * case.num_microbatches
     # Counts only the top-k experts each token passes (flops.py), so a MoE row's MFU is that of its active part.
     tflops = num_floating_point_operations(model_config, global_batch, seq_length, vocab) / seconds / 1e12
@@ -159,6 +167,15 @@ def run_case(case: Case, dry_run: bool) -> dict:
         "loss": round(stats.loss, 3),
         "device": torch.cuda.get_device_name() if on_gpu else "cpu (dry run)",
     }
+
+
+def _attention_kernel(name: str | None):
+    """The context that restricts scaled_dot_product_attention to the kernel ``name``; no restriction for None."""
+    if name is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(getattr(SDPBackend, name.upper()))
 
 
 def _rounded(value: float, on_gpu: bool) -> float:
