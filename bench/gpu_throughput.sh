@@ -28,11 +28,11 @@ while [ $# -gt 0 ]; do
     --install-only) INSTALL_ONLY=1; shift ;;
     --prepare-wheels)
       # What a GPU image with PyTorch lacks: megatron-core (the newest release setup.py admits for that Python),
-      # ISA-L's CRC, and the build backend pip's isolated build of the package needs offline.
+      # ISA-L's CRC, and setuptools for pip's isolated build of the package (pyproject.toml).
       set -x
       python3 -m pip download --no-deps --only-binary=:all: --python-version "$2" --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-        -d "$WHEELS" 'megatron-core>=0.16.1,<0.20' isal 'setuptools>=68' wheel
+        -d "$WHEELS" 'megatron-core>=0.16.1,<0.20' isal 'setuptools>=70.1'
       exit 0 ;;
     *) echo "unknown flag $1 (see the header of $0)" >&2; exit 2 ;;
   esac
