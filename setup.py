@@ -6,11 +6,14 @@ setup(
     name="megatron_patch",
     version="0.1.0",
     description="Train GPT and BERT models on megatron-core: data preparation, HF conversion, trainers, recipes",
-    python_requires="==3.11.*",
+    # 3.11 resolves megatron-core to 0.16.1; 0.17 and later require Python 3.12.
+    python_requires=">=3.11,<3.14",
     packages=find_packages(include=["megatron_patch", "megatron_patch.*", "rapidformer", "rapidformer.*"]),
     install_requires=[
-        "torch==2.13.0",
-        "megatron-core==0.16.1",
+        # megatron-core's own floor (0.16.1 and 0.19.2 both require torch>=2.6.0), no ceiling: the user's torch
+        # (a CUDA build, say) is kept, never replaced. CI runs 2.13.0 (CPU) and 2.11.0 (PyPI's CUDA build).
+        "torch>=2.6.0",
+        "megatron-core>=0.16.1,<0.20",
         "transformers>=5.0,<6",
         "tokenizers>=0.22",
         "sentencepiece>=0.2",

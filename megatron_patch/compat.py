@@ -42,7 +42,8 @@ import textwrap
 import types
 import warnings
 
-SUPPORTED_MEGATRON_CORE = "0.16.1"
+# The megatron-core releases CI tests (setup.py's requirement says the same): 0.16.1 and the newest 0.19.
+TESTED_MEGATRON_CORE = ">=0.16.1,<0.20"
 
 # megatron-core warns at import time, once per module, that TE/apex are missing; the choice between TE and local
 # layers is made (and reported) by our spec builder, so these repeat what the user already knows.
@@ -124,32 +125,52 @@ def compile_fusions_on_first_call() -> None:
 
 
 class UnsupportedMegatronCore(ImportError):
-    """Raised when the installed megatron-core is not the version this package was verified against."""
+    """Raised when the installed megatron-core is outside the releases this package is tested on."""
 
 
 def check_megatron_core_version(installed: str | None = None) -> str:
-    """Return the installed megatron-core version, or raise with the fix if it is not the supported one.
+    """Return the installed megatron-core version, or raise, in one line with the fix, if CI does not test it.
 
     Example::
 
-        >>> check_megatron_core_version("0.16.1")
-        '0.16.1'
+        >>> check_megatron_core_version("0.19.2")
+        '0.19.2'
+
+    CI runs both ends of ``TESTED_MEGATRON_CORE`` (.ci/run): 0.16.1 on Python 3.11, 0.19.2 on Python 3.12 (0.17 and
+    later require 3.12). Each difference between them is a workaround below that names its release.
     """
+    from packaging.specifiers import SpecifierSet
+
+    fix = f"pip install 'megatron-core{TESTED_MEGATRON_CORE}'"
     if installed is None:
         try:
             installed = importlib.metadata.version("megatron-core")
         except importlib.metadata.PackageNotFoundError:
             raise UnsupportedMegatronCore(
-                f"megatron-core is not installed; megatron_patch needs megatron-core=={SUPPORTED_MEGATRON_CORE} "
-                f"(pip install megatron-core=={SUPPORTED_MEGATRON_CORE})"
+                f"megatron-core is not installed; megatron_patch is tested with megatron-core{TESTED_MEGATRON_CORE}. "
+                f"Fix: {fix}"
             ) from None
-    if installed != SUPPORTED_MEGATRON_CORE:
+    if not SpecifierSet(TESTED_MEGATRON_CORE).contains(installed, prereleases=True):
         raise UnsupportedMegatronCore(
-            f"megatron-core {installed} is installed, but megatron_patch supports megatron-core=="
-            f"{SUPPORTED_MEGATRON_CORE} only (its CPU shim and checkpoint layout are verified against that "
-            f"release). Fix: pip install megatron-core=={SUPPORTED_MEGATRON_CORE}"
+            f"megatron-core {installed} is installed, but megatron_patch is tested with megatron-core"
+            f"{TESTED_MEGATRON_CORE} only (its CPU shim and checkpoint workarounds are checked against those "
+            f"releases). Fix: {fix}"
         )
     return installed
+
+
+@functools.cache
+def megatron_core_at_least(release: str) -> bool:
+    """Whether the installed megatron-core is ``release`` or later: how a workaround picks its release's code.
+
+    Example::
+
+        >>> megatron_core_at_least("0.16.1")    # megatron_core_at_least("0.17"): False on 0.16.1, True on 0.19.2
+        True
+    """
+    from packaging.version import Version
+
+    return Version(importlib.metadata.version("megatron-core")) >= Version(release)
 
 
 def _importable(name: str) -> bool:
@@ -345,8 +366,8 @@ def _rewrite_function(owner, name: str, replacements: list[tuple[str, str]]) -> 
     for old, new in replacements:
         if old not in source:
             raise RuntimeError(
-                f"megatron_patch.compat: '{old}' is no longer in {module.__name__}.{name}; the CPU shim was "
-                f"written for megatron-core {SUPPORTED_MEGATRON_CORE} and needs updating"
+                f"megatron_patch.compat: '{old}' is no longer in {module.__name__}.{name} of megatron-core "
+                f"{importlib.metadata.version('megatron-core')}; the CPU shim needs updating for it"
             )
         source = source.replace(old, new)
     is_method = not isinstance(owner, types.ModuleType)
@@ -394,18 +415,19 @@ def _accept_cpu_type_strings() -> None:
 
 
 def _skip_step_on_optimizer_load() -> None:
-    """Not CPU-specific: without TE/apex the optimizer is torch's Adam, whose per-parameter ``step`` is not in
-    a distributed-optimizer checkpoint, so ``distrib_optimizer.py:938-940`` raises ``KeyError: 'step'``."""
+    """Not CPU-specific: without TE/apex the optimizer is torch's Adam, whose per-parameter ``step`` tensor is not
+    among the tensors a distributed-optimizer load hands ``_set_main_param_and_optimizer_states``, which copies every
+    tensor of the parameter's state from them: ``KeyError: 'step'``. On 0.16.1 the copy takes the whole state
+    (``distrib_optimizer.py:938-940``); on 0.19.2 every tensor in it (``:1218-1225``), while
+    ``load_parameter_state_from_fully_reshardable`` leaves ``step`` out on purpose (``:2385-2387``)."""
     import megatron.core.optimizer.distrib_optimizer as distrib_optimizer
 
-    _rewrite_function(
-        distrib_optimizer.DistributedOptimizer,
-        "_set_main_param_and_optimizer_states",
-        [(
-            'dst_tensors = {"param": main_param, **optim_state}',
-            'dst_tensors = {"param": main_param, **{k: v for k, v in optim_state.items() if k != "step"}}',
-        )],
-    )
+    if megatron_core_at_least("0.19"):
+        skip_step = ("if isinstance(v, torch.Tensor):", 'if isinstance(v, torch.Tensor) and k != "step":')
+    else:
+        skip_step = ('dst_tensors = {"param": main_param, **optim_state}',
+                     'dst_tensors = {"param": main_param, **{k: v for k, v in optim_state.items() if k != "step"}}')
+    _rewrite_function(distrib_optimizer.DistributedOptimizer, "_set_main_param_and_optimizer_states", [skip_step])
 
 
 def _save_a_zero_optimizer_step() -> None:

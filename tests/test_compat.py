@@ -17,9 +17,16 @@ from megatron_patch.testing import run_on_ranks
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_installed_megatron_core_is_the_supported_one():
+def test_installed_megatron_core_is_a_tested_one():
+    from packaging.specifiers import SpecifierSet
+
     assert compat.check_megatron_core_version() == importlib.metadata.version("megatron-core")
-    assert importlib.metadata.version("megatron-core") == compat.SUPPORTED_MEGATRON_CORE
+    assert importlib.metadata.version("megatron-core") in SpecifierSet(compat.TESTED_MEGATRON_CORE)
+
+
+@pytest.mark.parametrize("version", ["0.16.1", "0.17.0", "0.19.0", "0.19.2"])
+def test_every_release_in_the_tested_range_passes_the_gate(version):
+    assert compat.check_megatron_core_version(version) == version
 
 
 def test_missing_megatron_core_names_the_install_command(monkeypatch):
@@ -28,13 +35,19 @@ def test_missing_megatron_core_names_the_install_command(monkeypatch):
 
     monkeypatch.setattr(compat.importlib.metadata, "version", version)
     with pytest.raises(compat.UnsupportedMegatronCore,
-                       match=r"megatron-core is not installed.*pip install megatron-core==0\.16\.1"):
+                       match=r"megatron-core is not installed.*pip install 'megatron-core>=0\.16\.1,<0\.20'"):
         compat.check_megatron_core_version()
 
 
-def test_wrong_version_names_the_supported_one():
-    with pytest.raises(compat.UnsupportedMegatronCore, match=r"megatron-core 0\.15\.0 is installed.*==0\.16\.1"):
-        compat.check_megatron_core_version("0.15.0")
+@pytest.mark.parametrize("version", ["0.15.0", "0.16.0", "0.20.0", "1.0.0"])
+def test_a_version_outside_the_range_names_the_range_in_one_line(version):
+    with pytest.raises(compat.UnsupportedMegatronCore) as raised:
+        compat.check_megatron_core_version(version)
+    message = str(raised.value)
+    assert "\n" not in message
+    assert message.startswith(f"megatron-core {version} is installed, but megatron_patch is tested with "
+                              "megatron-core>=0.16.1,<0.20 only")
+    assert message.endswith("Fix: pip install 'megatron-core>=0.16.1,<0.20'")
 
 
 def test_import_with_wrong_megatron_core_fails_clearly(tmp_path):
@@ -46,8 +59,9 @@ def test_import_with_wrong_megatron_core_fails_clearly(tmp_path):
     result = subprocess.run([sys.executable, "-c", "import megatron_patch"], env=env, capture_output=True,
                             text=True, timeout=120)
     assert result.returncode != 0
-    assert "megatron-core 0.15.0 is installed, but megatron_patch supports megatron-core==0.16.1" in result.stderr
-    assert "pip install megatron-core==0.16.1" in result.stderr
+    assert "megatron-core 0.15.0 is installed, but megatron_patch is tested with megatron-core>=0.16.1,<0.20" \
+        in result.stderr
+    assert "pip install 'megatron-core>=0.16.1,<0.20'" in result.stderr
 
 
 @pytest.fixture(scope="module")
@@ -84,16 +98,21 @@ def test_package_installs_into_a_new_venv(installed):
     assert "quickstart" in help_text
 
 
-def test_installed_package_pins_the_stack_it_runs_on(installed):
-    """pip installs megatron-core and torch at exactly the versions the shim was checked against, and this
-    environment satisfies every requirement the package declares."""
+def test_installed_package_requires_the_tested_range_and_keeps_the_users_torch(installed):
+    """pip installs megatron-core within the releases the shim was checked against and accepts any torch from
+    megatron-core's own floor (a user's CUDA build is kept, not replaced), and this environment satisfies every
+    requirement the package declares."""
     from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
 
     _, site = installed
     [dist] = [d for d in importlib.metadata.distributions(path=[site]) if d.metadata["Name"] == "megatron_patch"]
     requirements = {r.name: r for r in map(Requirement, dist.requires) if r.marker is None}  # not the extras
-    assert str(requirements["megatron-core"].specifier) == f"=={compat.SUPPORTED_MEGATRON_CORE}"
-    assert str(requirements["torch"].specifier) == "==2.13.0"
+    assert requirements["megatron-core"].specifier == SpecifierSet(compat.TESTED_MEGATRON_CORE)
+    megatron_core_floor = Requirement(next(r for r in importlib.metadata.requires("megatron-core")
+                                           if r.startswith("torch"))).specifier
+    assert requirements["torch"].specifier == megatron_core_floor == SpecifierSet(">=2.6.0")
+    assert dist.metadata["Requires-Python"] == ">=3.11,<3.14"
     unmet = {name: (str(r.specifier), importlib.metadata.version(name)) for name, r in requirements.items()
              if not r.specifier.contains(importlib.metadata.version(name), prereleases=True)}
     assert not unmet, unmet

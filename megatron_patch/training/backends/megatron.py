@@ -467,7 +467,7 @@ def _check_optimizer_layout(root: str, path: str, metadata: dict, args, optimize
     if sharding == "fully_sharded_model_space":
         raise UserError(f"--load {root}: {path} holds the distributed optimizer's state as flattened slices "
                         f"('{sharding}', Megatron-LM's before megatron-core 0.13), which megatron-core "
-                        f"{compat.SUPPORTED_MEGATRON_CORE} no longer reads; {model_alone}")
+                        f"{compat.check_megatron_core_version()} no longer reads; {model_alone}")
     if sharding in DistributedOptimizer.checkpoint_fully_reshardable_formats:
         return
     saved = (getattr(args, "tensor_model_parallel_size", 1), getattr(args, "pipeline_model_parallel_size", 1),
