@@ -25,6 +25,8 @@ from __future__ import annotations
 import contextlib
 import gc
 
+from megatron_patch.compat import process_froze_objects
+
 
 @contextlib.contextmanager
 def paused_collector():
@@ -45,7 +47,7 @@ def paused_collector():
     try:
         yield
     finally:
-        if not gc.get_freeze_count():  # unfreezing would also thaw what the process froze itself
+        if not process_froze_objects():  # unfreezing would also thaw what the process froze itself
             # Moves every tracked object to the permanent generation and back into the oldest one, without a walk.
             gc.freeze()
             gc.unfreeze()
