@@ -772,20 +772,38 @@ def _writer_queue_dies_with_its_process() -> None:
     filesystem_async._get_write_results_queue = get_write_results_queue
 
 
+def torchrun_shutdown_flags(seconds: int) -> list[str]:
+    """torchrun's flag for the time between SIGTERM and SIGKILL when it stops the ranks after a signal, where it has
+    one (torch 2.13's ``--shutdown-timeout``, run.py:691); torch 2.11's has none and closes them with
+    ``PContext.close``'s default timeout (agent/server/local_elastic_agent.py:416), which
+    ``shorten_elastic_shutdown`` sets in its stead. Decided by asking torchrun's own parser, not by version.
+
+    Example::
+
+        torchrun_shutdown_flags(5)    # ['--shutdown-timeout=5'] on torch 2.13, [] on torch 2.11
+    """
+    from torch.distributed.run import get_args_parser
+
+    flag = f"--shutdown-timeout={seconds}"
+    _, unknown = get_args_parser().parse_known_args([flag, "script.py"])
+    return [] if flag in unknown else [flag]
+
+
 _elastic_close = None  # torch's PContext.close, before shorten_elastic_shutdown wrapped it
 
 
 def shorten_elastic_shutdown(seconds: int) -> None:
     """Give the ranks ``seconds``, not 30, between SIGTERM and SIGKILL when torch's elastic agent (torchrun) stops
-    them after a rank failed (checked on torch 2.13).
+    them after a rank failed (checked on torch 2.13 and 2.11).
 
     Example::
 
         >>> shorten_elastic_shutdown(5)    # before torch.distributed.run.run(args) in this process
 
     On a failure the agent's process context closes itself (torch/distributed/elastic/multiprocessing/api.py:990,
-    ``self.close()``) with ``PContext.close``'s default timeout of 30 s; torchrun's ``--shutdown-timeout`` reaches
-    only the close that follows a signal (agent/server/api.py:754). A hung or stopped rank that handles SIGTERM
+    ``self.close()``; :974 on torch 2.11) with ``PContext.close``'s default timeout of 30 s; torchrun's
+    ``--shutdown-timeout`` reaches only the close that follows a signal (agent/server/api.py:754), and torch 2.11
+    has no such flag: its close after a signal takes the default too (``torchrun_shutdown_flags``). A hung or stopped rank that handles SIGTERM
     (``--exit-signal-handler``) used up those 30 s every time, after the job had already failed.
     """
     from torch.distributed.elastic.multiprocessing.api import PContext
