@@ -35,6 +35,7 @@ import importlib.metadata
 import importlib.util
 import inspect
 import logging
+import math
 import multiprocessing
 import multiprocessing.managers
 import signal
@@ -552,6 +553,88 @@ def apply() -> None:
         _moe_router_without_te()
 
 
+def _rampup_as_step_schedule(global_batch_size: int, rampup: tuple[int, int, int]) -> str:
+    """``--rampup-batch-size START INCR SAMPLES`` as megatron-core 0.19's step schedule, in samples: each step
+    where 0.16.1's ``RampupBatchsizeNumMicroBatchesCalculator`` (num_microbatches_calculator.py:436-450) changes
+    the batch, found with its own arithmetic (START plus INCR for every whole SAMPLES / ((GLOBAL - START) / INCR)
+    samples consumed, GLOBAL after SAMPLES), so both releases give each iteration the same batch.
+
+    Example::
+
+        >>> _rampup_as_step_schedule(16, (4, 4, 48))
+        '0:4 16:8 32:12 48:16'
+    """
+    start, increment, samples = rampup
+    increments = (global_batch_size - start) // increment
+    if not increments or not samples:  # 0.16.1 divides by zero here; the ramp has nothing to ramp
+        return f"0:{global_batch_size}"
+    per_increment = samples / increments
+
+    def steps(consumed: int) -> int:
+        return increments if consumed > samples else int(consumed / per_increment)
+
+    schedule = {}
+    for step in range(increments + 1):
+        first = math.ceil(step * per_increment)  # then moved to where the float arithmetic above turns
+        while first > 0 and steps(first - 1) >= step:
+            first -= 1
+        while steps(first) < step:
+            first += 1
+        schedule[first] = start + steps(first) * increment
+    return " ".join(f"{consumed}:{batch}" for consumed, batch in sorted(schedule.items()))
+
+
+def _step_batch_size_schedule() -> bool:
+    """Whether megatron-core ramps the batch up by a step schedule: 0.19.2 takes ``step_batch_size_schedule``
+    and ignores ``rampup_batch_size``, only logging that it is deprecated (num_microbatches_calculator.py:64-114);
+    0.16.1 has no step schedule."""
+    from megatron.core import num_microbatches_calculator
+
+    return hasattr(num_microbatches_calculator, "StepBatchsizeNumMicroBatchesCalculator")
+
+
+def init_num_microbatches_calculator(rank: int, rampup: tuple[int, int, int] | None, global_batch_size: int,
+                                     micro_batch_size: int, data_parallel_size: int) -> None:
+    """megatron-core's ``init_num_microbatches_calculator`` with ``--rampup-batch-size START INCR SAMPLES`` given
+    in the form the installed release reads (``_rampup_as_step_schedule``; checked on 0.16.1 and 0.19.2).
+
+    Example::
+
+        init_num_microbatches_calculator(0, (4, 4, 48), 16, 2, 2)   # batches 4, 4, 4, 4, 8, ... then 16
+    """
+    from megatron.core import num_microbatches_calculator
+
+    if rampup is not None and _step_batch_size_schedule():
+        num_microbatches_calculator.init_num_microbatches_calculator(
+            rank, None, global_batch_size, micro_batch_size, data_parallel_size,
+            step_batch_size_schedule=_rampup_as_step_schedule(global_batch_size, rampup))
+    else:
+        num_microbatches_calculator.init_num_microbatches_calculator(
+            rank, rampup, global_batch_size, micro_batch_size, data_parallel_size)
+
+
+def rampup_calculator(global_batch_size: int, micro_batch_size: int, data_parallel_size: int,
+                      rampup: tuple[int, int, int], rank: int):
+    """A megatron-core microbatch calculator for ``--rampup-batch-size START INCR SAMPLES`` on its own, outside the
+    global one (``RampupBatchsizeNumMicroBatchesCalculator`` on 0.16.1, ``StepBatchsizeNumMicroBatchesCalculator``
+    with ``_rampup_as_step_schedule`` on 0.19.2).
+
+    Example::
+
+        >>> calculator = rampup_calculator(16, 2, 2, (4, 4, 48), rank=-1)
+        >>> calculator.update(20, consistency_check=False); calculator.get_current_global_batch_size()
+        8
+    """
+    from megatron.core import num_microbatches_calculator
+
+    if _step_batch_size_schedule():
+        return num_microbatches_calculator.StepBatchsizeNumMicroBatchesCalculator(
+            micro_batch_size, data_parallel_size, False, rank, _rampup_as_step_schedule(global_batch_size, rampup))
+    start, increment, samples = rampup
+    return num_microbatches_calculator.RampupBatchsizeNumMicroBatchesCalculator(
+        global_batch_size, micro_batch_size, data_parallel_size, False, rank, start, increment, samples)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Workarounds the package calls where it builds process groups and models (on every machine, GPU or not)
 # ----------------------------------------------------------------------------------------------------------
@@ -689,20 +772,38 @@ def _writer_queue_dies_with_its_process() -> None:
     filesystem_async._get_write_results_queue = get_write_results_queue
 
 
+def torchrun_shutdown_flags(seconds: int) -> list[str]:
+    """torchrun's flag for the time between SIGTERM and SIGKILL when it stops the ranks after a signal, where it has
+    one (torch 2.13's ``--shutdown-timeout``, run.py:691); torch 2.11's has none and closes them with
+    ``PContext.close``'s default timeout (agent/server/local_elastic_agent.py:416), which
+    ``shorten_elastic_shutdown`` sets in its stead. Decided by asking torchrun's own parser, not by version.
+
+    Example::
+
+        torchrun_shutdown_flags(5)    # ['--shutdown-timeout=5'] on torch 2.13, [] on torch 2.11
+    """
+    from torch.distributed.run import get_args_parser
+
+    flag = f"--shutdown-timeout={seconds}"
+    _, unknown = get_args_parser().parse_known_args([flag, "script.py"])
+    return [] if flag in unknown else [flag]
+
+
 _elastic_close = None  # torch's PContext.close, before shorten_elastic_shutdown wrapped it
 
 
 def shorten_elastic_shutdown(seconds: int) -> None:
     """Give the ranks ``seconds``, not 30, between SIGTERM and SIGKILL when torch's elastic agent (torchrun) stops
-    them after a rank failed (checked on torch 2.13).
+    them after a rank failed (checked on torch 2.13 and 2.11).
 
     Example::
 
         >>> shorten_elastic_shutdown(5)    # before torch.distributed.run.run(args) in this process
 
     On a failure the agent's process context closes itself (torch/distributed/elastic/multiprocessing/api.py:990,
-    ``self.close()``) with ``PContext.close``'s default timeout of 30 s; torchrun's ``--shutdown-timeout`` reaches
-    only the close that follows a signal (agent/server/api.py:754). A hung or stopped rank that handles SIGTERM
+    ``self.close()``; :974 on torch 2.11) with ``PContext.close``'s default timeout of 30 s; torchrun's
+    ``--shutdown-timeout`` reaches only the close that follows a signal (agent/server/api.py:754), and torch 2.11
+    has no such flag: its close after a signal takes the default too (``torchrun_shutdown_flags``). A hung or stopped rank that handles SIGTERM
     (``--exit-signal-handler``) used up those 30 s every time, after the job had already failed.
     """
     from torch.distributed.elastic.multiprocessing.api import PContext

@@ -457,6 +457,28 @@ def test_moe_patches_are_in_place():
     assert run_on_ranks(moe_patches, 1) == [(True, True, True)]
 
 
+def _rampup_batch(consumed, global_batch, rampup):
+    """megatron-core 0.16.1's RampupBatchsizeNumMicroBatchesCalculator (num_microbatches_calculator.py:436-450):
+    START plus INCR for every whole SAMPLES / ((GLOBAL - START) / INCR) samples consumed, GLOBAL after SAMPLES."""
+    start, increment, samples = rampup
+    if consumed > samples:
+        return global_batch
+    return start + int(consumed / (samples / ((global_batch - start) // increment))) * increment
+
+
+@pytest.mark.parametrize("global_batch, rampup", [
+    (16, (4, 4, 48)), (1024, (16, 8, 300000)), (16, (4, 4, 47)), (12, (2, 2, 7)), (6, (2, 2, 1)), (40, (1, 3, 100)),
+])
+def test_rampup_gives_each_iteration_the_batch_of_megatron_core_0_16(global_batch, rampup):
+    """On 0.19.2 the ramp-up is a step schedule (megatron-core ignores rampup_batch_size there): it must give the
+    batch 0.16.1's calculator gave after every number of consumed samples, including ramps of several steps per
+    sample."""
+    calculator = compat.rampup_calculator(global_batch, 1, 1, rampup, rank=-1)
+    for consumed in range(min(rampup[2], 5000) + 3):
+        calculator.update(consumed, consistency_check=False)
+        assert calculator.get_current_global_batch_size() == _rampup_batch(consumed, global_batch, rampup), consumed
+
+
 # A markdown file under the docs folder, optionally followed by ", item N" or "#N"; not part of a longer path or URL.
 _DOC_CITATION = re.compile(r"(?<![\w./-])(docs/[\w./-]+?\.md)(?:#(\d+)|,? items? (\d+))?")
 _SHARED_CITATION = re.compile(r"\bshared[/]")  # written so that this file does not cite it

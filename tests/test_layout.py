@@ -138,15 +138,17 @@ def test_the_torchrun_command_has_one_builder(monkeypatch):
     settings; the rapidformer launch follows NNODES/NODE_RANK/MASTER_ADDR, a local step stays on this host."""
     from torch.distributed.run import get_args_parser
 
-    from megatron_patch.training.launcher import TORCHRUN_SETTINGS, torchrun_command
+    from megatron_patch.training.launcher import SHUTDOWN_SECONDS, torchrun_command, torchrun_settings
 
     for name, value in dict(NNODES="2", NODE_RANK="1", MASTER_ADDR="h", MASTER_PORT="6010").items():
         monkeypatch.setenv(name, value)
     for this_host_only, nodes, rank, address in ((False, "2", 1, "h"), (True, "1", 0, "127.0.0.1")):
         command = torchrun_command("some.module", ["--flag", "1"], 3, this_host_only=this_host_only)
         assert command[:3] == [sys.executable, "-m", "torch.distributed.run"]
-        assert all(setting in command for setting in TORCHRUN_SETTINGS)
+        assert all(setting in command for setting in torchrun_settings())
         launch = get_args_parser().parse_args(command[3:])
+        assert launch.signals_to_handle == "SIGINT,SIGHUP,SIGQUIT"
+        assert getattr(launch, "shutdown_timeout", SHUTDOWN_SECONDS) == SHUTDOWN_SECONDS  # torch 2.11 has no flag
         assert (launch.nproc_per_node, launch.nnodes, launch.node_rank, launch.master_addr, launch.master_port) == (
             "3", nodes, rank, address, 6010)
         assert launch.module and launch.training_script == "some.module"

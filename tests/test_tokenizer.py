@@ -195,8 +195,8 @@ def test_null_tokenizer():
 
 
 ALL_SPECIAL_TOKENS = {"cls", "sep", "pad", "eod", "bos", "eos", "mask"}
-# The special-token properties each type answers; the rest raise megatron-core's NotImplementedError, as its
-# MegatronLegacyTokenizer base does, which callers probing for a token (`try: tok.mask`) rely on.
+# The special-token properties each type answers; the rest raise NotImplementedError, as Megatron-LM's tokenizers
+# (megatron-core 0.16.1's MegatronLegacyTokenizer base) do, which callers probing for a token (`try: tok.mask`) rely on.
 ANSWERED_SPECIAL_TOKENS = {
     "GPT2BPETokenizer": {"eod", "eos"},
     "BertWordPieceLowerCase": ALL_SPECIAL_TOKENS,

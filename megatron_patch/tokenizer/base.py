@@ -1,45 +1,52 @@
-"""The base of our tokenizers: megatron-core's `MegatronLegacyTokenizer` plus batch encoders.
+"""The base of our tokenizers: the interface megatron-core's datasets and Megatron-LM's scripts read, plus batch
+encoders.
 
     class MyTokenizer(Tokenizer):      # registered with @register_tokenizer("MyTokenizer") (registry.py)
         def tokenize(self, text): ...
 
     ids, lengths = tok.tokenize_batch_flat(["first document", "second one"], numpy.uint16)
 
-Kept apart from `registry.py` because subclassing megatron-core's base imports megatron-core (and so torch),
-seconds that listing the tokenizer names in a `--help` must not pay.
+It stands on its own: the base it replaces, megatron-core's ``MegatronLegacyTokenizer``
+(megatron/core/datasets/megatron_tokenizer.py), is gone from 0.17 on, and its successor
+(``megatron.core.tokenizers.MegatronTokenizerBase``) wants a chat template and a config of every tokenizer. What
+megatron-core's datasets read of a tokenizer is the same in 0.16.1 and 0.19.2: ``vocab_size``, ``inv_vocab``,
+the special-token ids below, and ``unique_identifiers``, which they hash into their cache names
+(datasets/megatron_dataset.py:63-67, ``default=lambda obj: obj.unique_identifiers``).
 """
 
+import json
+from abc import ABC, abstractmethod
+from collections import OrderedDict
 from itertools import chain
 
 import numpy
-from megatron.core.datasets.megatron_tokenizer import MegatronLegacyTokenizer
 
 
 def special_token_property(name: str) -> property:
-    """megatron-core's `name` property (`cls`, `eod`, ...) answered from the tokenizer's `_special_ids` table.
+    """The special-token id ``name`` (``cls``, ``eod``, ...) answered from the tokenizer's `_special_ids` table.
 
         eod = special_token_property("eod")   # tok.eod == tok._special_ids["eod"]
 
-    A name the table lacks runs megatron-core's own property, which raises its NotImplementedError
-    (`GPT2BPETokenizer has no attribute 'cls'`), the error Megatron-LM's tokenizers give.
+    A name the table lacks raises NotImplementedError (`GPT2BPETokenizer has no attribute 'cls'`), the error
+    Megatron-LM's tokenizers give and callers probing for a token (`try: tok.mask`) rely on.
     """
-    upstream = getattr(MegatronLegacyTokenizer, name)
 
     def special_id(self: "Tokenizer") -> int | None:
         if name in self._special_ids:
             return self._special_ids[name]
-        return upstream.fget(self)
+        raise NotImplementedError(f"{type(self).__name__} has no attribute '{name}'")
 
-    return property(special_id, doc=upstream.__doc__)
+    return property(special_id, doc=f"The {name.upper()} token id (None: the tokenizer's model has none).")
 
 
-class Tokenizer(MegatronLegacyTokenizer):
-    """Base of our tokenizers: megatron-core's tokenizer interface plus a batch encoder.
+class Tokenizer(ABC):
+    """Base of our tokenizers: the interface megatron-core's datasets read, plus a batch encoder.
 
+        tok = GPT2BPETokenizer("gpt2-vocab.json", "gpt2-merges.txt")   # Tokenizer.__init__(*paths, **options)
         ids_per_text = tok.tokenize_batch(["first document", "second one"])
 
-    Subclassing megatron-core's base gives `unique_identifiers`, which its datasets hash into
-    their cache names. Subclasses fill `_vocab` (token -> id), `_inv_vocab` and `_special_ids`,
+    The paths and options the tokenizer was built from are its `unique_identifiers`, which megatron-core's datasets
+    hash into their cache names. Subclasses fill `_vocab` (token -> id), `_inv_vocab` and `_special_ids`,
     the one table behind the special-token properties below.
     """
 
@@ -57,6 +64,24 @@ class Tokenizer(MegatronLegacyTokenizer):
     bos = special_token_property("bos")
     eos = special_token_property("eos")
     mask = special_token_property("mask")
+
+    def __init__(self, *tokenizer_paths: str, **tokenizer_options) -> None:
+        # The keys and values megatron-core's MegatronLegacyTokenizer used (0.16.1), so that the datasets' cache
+        # names stay what they were.
+        self.unique_identifiers = OrderedDict()
+        self.unique_identifiers["class"] = type(self).__name__
+        self.unique_identifiers["tokenizer_path"] = list(tokenizer_paths)
+        for option, value in tokenizer_options.items():
+            self.unique_identifiers[option] = str(value)
+        self.unique_description = json.dumps(self.unique_identifiers, indent=4)
+
+    @abstractmethod
+    def tokenize(self, text: str) -> list[int]:
+        """The ids of ``text``."""
+
+    @abstractmethod
+    def detokenize(self, ids) -> str:
+        """The text of ``ids``."""
 
     @property
     def vocab(self) -> dict[str, int]:

@@ -5,7 +5,7 @@
     padded_vocab_size(tok.vocab_size, 128, tensor_model_parallel_size=2)   # 50257 -> 50432
 
 This module imports no tokenizer: the names are known from `BUILTIN_TOKENIZERS`, and a tokenizer's module (with
-megatron-core, which its base class comes from, see `base.py`) is imported when one of its type is built.
+the library it encodes with) is imported when one of its type is built.
 """
 
 import argparse
@@ -30,8 +30,8 @@ class TokenizerFileError(ValueError):
 TOKENIZERS: dict[str, tuple[type, dict[str, Any]]] = {}
 
 # Our tokenizer types -> the module that defines and registers each (tests/test_tokenizer.py checks the two agree).
-# Listing the names (`--tokenizer-type`'s choices, shown by every `--help`) needs none of those modules: they import
-# megatron-core, and with it torch, which costs seconds.
+# Listing the names (`--tokenizer-type`'s choices, shown by every `--help`) needs none of those modules, nor the
+# libraries they encode with (tokenizers, sentencepiece, transformers).
 BUILTIN_TOKENIZERS = {
     "BertWordPieceCase": "megatron_patch.tokenizer.bert",
     "BertWordPieceLowerCase": "megatron_patch.tokenizer.bert",

@@ -213,14 +213,13 @@ def rampup_batch_sizes(global_batch_size: int, micro_batch_size: int, data_paral
         >>> rampup_batch_sizes(16, 2, 2, (4, 4, 48), float("inf"))
         [4, 4, 4, 4, 8, 8, 12, 12]
     """
-    from megatron.core.num_microbatches_calculator import RampupBatchsizeNumMicroBatchesCalculator
+    from megatron_patch.compat import rampup_calculator
 
     if rampup is None:
         return []
-    start, increment, samples = rampup
+    samples = rampup[2]
     # rank -1: the calculator logs each change on rank 0 only, and these are not the run's changes.
-    calculator = RampupBatchsizeNumMicroBatchesCalculator(
-        global_batch_size, micro_batch_size, data_parallel_size, False, -1, start, increment, samples)
+    calculator = rampup_calculator(global_batch_size, micro_batch_size, data_parallel_size, rampup, rank=-1)
     sizes, consumed = [], 0
     while consumed <= min(samples, limit):
         calculator.update(consumed, consistency_check=False)

@@ -34,7 +34,14 @@ _RANK_ENTRY = "--rank-entry"
 # (distributed.report_failure). SIGTERM is the launcher's own (signals.RanksForward), not torchrun's: torchrun would
 # answer it by stopping the ranks and exit 1 even after they saved.
 SHUTDOWN_SECONDS = 5
-TORCHRUN_SETTINGS = ["--signals-to-handle=SIGINT,SIGHUP,SIGQUIT", f"--shutdown-timeout={SHUTDOWN_SECONDS}"]
+
+
+def torchrun_settings() -> list[str]:
+    """The flags every torchrun command of ours carries: the signals its agent handles, and SHUTDOWN_SECONDS where
+    this torch's torchrun takes it as a flag (``compat.torchrun_shutdown_flags``)."""
+    from megatron_patch.compat import torchrun_shutdown_flags
+
+    return ["--signals-to-handle=SIGINT,SIGHUP,SIGQUIT", *torchrun_shutdown_flags(SHUTDOWN_SECONDS)]
 
 
 def processes_per_node(requested: int | None) -> int:
@@ -82,7 +89,7 @@ def torchrun_command(module: str, module_args: list[str], nproc_per_node: int,
         f"--nnodes={nodes.get('NNODES', '1')}", f"--node-rank={nodes.get('NODE_RANK', '0')}",
         f"--master-addr={nodes.get('MASTER_ADDR', '127.0.0.1')}",
         f"--master-port={os.environ.get('MASTER_PORT') or free_port()}",
-        *TORCHRUN_SETTINGS, "-m", module, *module_args,
+        *torchrun_settings(), "-m", module, *module_args,
     ]
 
 

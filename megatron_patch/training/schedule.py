@@ -19,11 +19,9 @@ from __future__ import annotations
 
 import math
 
-from megatron.core.num_microbatches_calculator import (
-    destroy_num_microbatches_calculator,
-    init_num_microbatches_calculator,
-)
+from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
 
+from megatron_patch.compat import init_num_microbatches_calculator
 from megatron_patch.training.config import TrainingConfig, rampup_batch_sizes
 
 
