@@ -85,7 +85,8 @@ def _verify_here(args) -> int:
     results = verify_on_rank(args.hf_dir, args.megatron_dir, args.tensor_model_parallel_size,
                              args.pipeline_model_parallel_size, text=args.text, dtype=args.dtype,
                              ep=args.expert_model_parallel_size)
-    failed = torch.zeros(1)
+    # On the process group's device: NCCL reduces CUDA tensors only.
+    failed = torch.zeros(1, device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
     if results is not None:
         for comparison in results:
             print(comparison.line(), flush=True)

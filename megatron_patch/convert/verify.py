@@ -191,12 +191,15 @@ def _forward_step(family: str, wanted: set[str]):
 
 
 def megatron_outputs(chunks, info: CheckpointInfo, inputs: dict, wanted: set[str]) -> dict | None:
-    """Forward through this rank's chunks with megatron-core's pipeline schedule; outputs on the last stage."""
+    """Forward through this rank's chunks with megatron-core's pipeline schedule; outputs on the last stage, in
+    the CPU's memory (where transformers' reference runs)."""
+    device = next(chunks[0].parameters()).device
     for chunk in chunks:
         chunk.eval()
+    inputs = {key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in inputs.items()}
     collected = forward_only(chunks, [inputs], _forward_step(info.model_config.family, wanted),
                              seq_length=inputs["tokens"].shape[1], collect_non_loss_data=True)
-    return collected[0] if collected else None
+    return {name: value.cpu() for name, value in collected[0].items()} if collected else None
 
 
 def build_and_load(megatron_dir: str, info: CheckpointInfo, tp: int, pp: int, dtype: str, ep: int = 1):

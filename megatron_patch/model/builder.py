@@ -147,7 +147,9 @@ def _build_chunks(parallel_config: ParallelConfig, build: Callable[..., Megatron
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
             vp_stage=vp_stage,
         )
-        if torch.cuda.is_available():  # torch norms and plain Linear layers are created on the CPU
+        # torch norms and plain Linear layers are created on the CPU; a chunk built on the meta device (a conversion's
+        # names and shapes, convert/core.py build_reference_model) has no data to move.
+        if torch.cuda.is_available() and not any(param.is_meta for param in chunk.parameters()):
             chunk.cuda(torch.cuda.current_device())
         if chunk.config.num_moe_experts:
             compat.detach_moe_dispatcher_state(chunk)
