@@ -140,6 +140,63 @@ def test_megatron_lm_checkpoint_exports_to_the_source_models_logits(checkpoints,
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.fixture(scope="module")
+def gpt2_megatron_lm(tmp_path_factory):
+    """A tiny random GPT-2 and the same model in Megatron-LM's per-rank layout (TP=2 x PP=2)."""
+    root = tmp_path_factory.mktemp("gpt2")
+    hf = make_hf_model("gpt2", str(root / "hf"))
+    legacy = str(root / "legacy")
+    assert run_on_ranks(cli, 1, args=(["hf-to-megatron", "--hf-dir", hf, "--save-dir", legacy, "--no-progress",
+                                       "--no-verify", "--ckpt-format", "torch", "--target-tensor-parallel-size", "2",
+                                       "--target-pipeline-parallel-size", "2"],)) == [0]
+    return hf, as_megatron_lm(legacy, str(root / "megatron-lm"))
+
+
+@pytest.mark.parametrize("kind", ["llama-torch_dist-tp2", "gpt2-torch-tp2pp2"])
+def test_megatron_lm_checkpoint_exports_as_the_model_type_its_args_describe(checkpoints, gpt2_megatron_lm, kind,
+                                                                            tmp_path):
+    """Megatron-LM's args say which block the model is: RMSNorm + SwiGLU + RoPE without biases is LLaMA's,
+    LayerNorm + GELU + learned positions with biases GPT-2's; megatron-to-hf exports it as that model type without
+    --model-type, to the source model's logits. Failed before: '... records no Hugging Face config; pass
+    --model-type'."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf, megatron_lm = (checkpoints[0], checkpoints[1]["torch_dist-tp2"][1]) if kind.startswith("llama") else (
+        gpt2_megatron_lm)
+    exported = str(tmp_path / "exported")
+    assert run_on_ranks(cli, 1, args=(["megatron-to-hf", "--load-dir", megatron_lm, "--save-dir", exported,
+                                       "--no-progress"],)) == [0]
+    assert AutoConfig.from_pretrained(exported).model_type == AutoConfig.from_pretrained(hf).model_type
+    tokens = torch.tensor(training_sequences(2, 12))
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(hf).eval()(input_ids=tokens).logits
+        got = AutoModelForCausalLM.from_pretrained(exported).eval()(input_ids=tokens).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_megatron_lm_checkpoint_of_no_recognised_block_needs_model_type(checkpoints, tmp_path):
+    """A block that is neither LLaMA's nor GPT-2's (here LLaMA's with LayerNorm) names no model type: the export is
+    refused in one line naming --model-type and its choices, before anything is written. Failed before: the line
+    named no choices."""
+    from megatron_patch.convert.core import megatron_to_hf
+    from megatron_patch.convert.families import FAMILIES, UnsupportedCheckpoint
+
+    _, made = checkpoints
+    layer_norm = str(tmp_path / "layer-norm")
+    shutil.copytree(made["torch-tp2pp2"][1], layer_norm)
+    for path in glob.glob(os.path.join(layer_norm, "iter_*", "mp_rank_*", "model_optim_rng.pt")):
+        state = load_megatron_file(path)
+        state["args"].normalization = "LayerNorm"
+        torch.save(state, path)
+    exported = str(tmp_path / "exported")
+    with pytest.raises(UnsupportedCheckpoint) as refused:
+        megatron_to_hf(layer_norm, exported, progress=False)
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith(f"{layer_norm} records no Hugging Face config"), message
+    assert message.endswith(f"; pass --model-type, one of {', '.join(sorted(FAMILIES))}"), message
+    assert not os.path.exists(exported)
+
+
 def first_losses(rank, world_size, loads, sequences):
     """The first loss of a one-step --finetune run from each of ``loads``; what the trainer logged when resuming
     every second one with --no-load-optim (at its iteration: nothing left to train), and the errors of resuming
