@@ -365,11 +365,12 @@ def save_as_megatron_lm_run(trainer, out: str, **flags) -> None:
     state["optimizer"] = trainer.optimizer.sharded_state_dict(state, metadata=dict(with_group))
     state["opt_param_scheduler"] = trainer.lr_scheduler.state_dict()
     # One object per pipeline x tensor rank, replicated over data-parallel ranks (get_rng_state's torch_dist case).
+    ps = parallel_state
     state["rng_state"] = ShardedObject(
         "rng_state", [{"torch_rng_state": torch.get_rng_state()}],
-        (parallel_state.get_pipeline_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_world_size()),
-        (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()),
-        replica_id=parallel_state.get_data_parallel_rank(with_context_parallel=True))
+        (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()),
+        (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()),
+        replica_id=ps.get_data_parallel_rank(with_context_parallel=True))
     state["num_floating_point_operations_so_far"] = 0
     path = os.path.join(out, f"iter_{trainer.iteration:07d}")
     if torch.distributed.get_rank() == 0:
