@@ -140,6 +140,63 @@ def test_megatron_lm_checkpoint_exports_to_the_source_models_logits(checkpoints,
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.fixture(scope="module")
+def gpt2_megatron_lm(tmp_path_factory):
+    """A tiny random GPT-2 and the same model in Megatron-LM's per-rank layout (TP=2 x PP=2)."""
+    root = tmp_path_factory.mktemp("gpt2")
+    hf = make_hf_model("gpt2", str(root / "hf"))
+    legacy = str(root / "legacy")
+    assert run_on_ranks(cli, 1, args=(["hf-to-megatron", "--hf-dir", hf, "--save-dir", legacy, "--no-progress",
+                                       "--no-verify", "--ckpt-format", "torch", "--target-tensor-parallel-size", "2",
+                                       "--target-pipeline-parallel-size", "2"],)) == [0]
+    return hf, as_megatron_lm(legacy, str(root / "megatron-lm"))
+
+
+@pytest.mark.parametrize("kind", ["llama-torch_dist-tp2", "gpt2-torch-tp2pp2"])
+def test_megatron_lm_checkpoint_exports_as_the_model_type_its_args_describe(checkpoints, gpt2_megatron_lm, kind,
+                                                                            tmp_path):
+    """Megatron-LM's args say which block the model is: RMSNorm + SwiGLU + RoPE without biases is LLaMA's,
+    LayerNorm + GELU + learned positions with biases GPT-2's; megatron-to-hf exports it as that model type without
+    --model-type, to the source model's logits. Failed before: '... records no Hugging Face config; pass
+    --model-type'."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf, megatron_lm = (checkpoints[0], checkpoints[1]["torch_dist-tp2"][1]) if kind.startswith("llama") else (
+        gpt2_megatron_lm)
+    exported = str(tmp_path / "exported")
+    assert run_on_ranks(cli, 1, args=(["megatron-to-hf", "--load-dir", megatron_lm, "--save-dir", exported,
+                                       "--no-progress"],)) == [0]
+    assert AutoConfig.from_pretrained(exported).model_type == AutoConfig.from_pretrained(hf).model_type
+    tokens = torch.tensor(training_sequences(2, 12))
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(hf).eval()(input_ids=tokens).logits
+        got = AutoModelForCausalLM.from_pretrained(exported).eval()(input_ids=tokens).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_megatron_lm_checkpoint_of_no_recognised_block_needs_model_type(checkpoints, tmp_path):
+    """A block that is neither LLaMA's nor GPT-2's (here LLaMA's with LayerNorm) names no model type: the export is
+    refused in one line naming --model-type and its choices, before anything is written. Failed before: the line
+    named no choices."""
+    from megatron_patch.convert.core import megatron_to_hf
+    from megatron_patch.convert.families import FAMILIES, UnsupportedCheckpoint
+
+    _, made = checkpoints
+    layer_norm = str(tmp_path / "layer-norm")
+    shutil.copytree(made["torch-tp2pp2"][1], layer_norm)
+    for path in glob.glob(os.path.join(layer_norm, "iter_*", "mp_rank_*", "model_optim_rng.pt")):
+        state = load_megatron_file(path)
+        state["args"].normalization = "LayerNorm"
+        torch.save(state, path)
+    exported = str(tmp_path / "exported")
+    with pytest.raises(UnsupportedCheckpoint) as refused:
+        megatron_to_hf(layer_norm, exported, progress=False)
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith(f"{layer_norm} records no Hugging Face config"), message
+    assert message.endswith(f"; pass --model-type, one of {', '.join(sorted(FAMILIES))}"), message
+    assert not os.path.exists(exported)
+
+
 def first_losses(rank, world_size, loads, sequences):
     """The first loss of a one-step --finetune run from each of ``loads``; what the trainer logged when resuming
     every second one with --no-load-optim (at its iteration: nothing left to train), and the errors of resuming
@@ -278,13 +335,14 @@ RUN_FLAGS = ["--micro-batch-size", "2", "--global-batch-size", "4", "--seq-lengt
              "--log-interval", "1"]
 
 
-def save_as_megatron_lm_run(trainer, out: str) -> None:
+def save_as_megatron_lm_run(trainer, out: str, **flags) -> None:
     """Save ``trainer``'s model, optimizer and scheduler in ``out`` as Megatron-LM 0.16.1's ``save_checkpoint``
     does (megatron/training/checkpointing.py at core_v0.16.1): ``_build_sharded_state_dict_metadata``'s metadata
     (the distributed optimizer's default 'dp_reshardable' without --dist-ckpt-optim-fully-reshardable) for the
     model's and the optimizer's sharded state alike (``generate_state_dict``), saved as common.pt's
     ``content_metadata`` beside ``args`` (the layout, ``consumed_train_samples``), ``iteration``,
-    ``opt_param_scheduler`` and the RNG state as a ShardedObject (``get_rng_state``)."""
+    ``opt_param_scheduler`` and the RNG state as a ShardedObject (``get_rng_state``). ``flags``: args the
+    Megatron-LM run's other flags set, as its parse_args keeps them (``tokenizer_type``, ``vocab_size``)."""
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
@@ -297,7 +355,7 @@ def save_as_megatron_lm_run(trainer, out: str) -> None:
     state = megatron_lm_common_state(
         trainer.checkpoint_info, trainer.iteration, consumed_train_samples=trainer.consumed_samples,
         use_distributed_optimizer=distributed, data_parallel_size=parallel_state.get_data_parallel_world_size(),
-        world_size=torch.distributed.get_world_size())
+        world_size=torch.distributed.get_world_size(), **flags)
     del state["args"].megatron_patch  # our own field; Megatron-LM's args lack it
     with_group = {**metadata, "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
     [chunk] = trainer.model
@@ -306,8 +364,13 @@ def save_as_megatron_lm_run(trainer, out: str) -> None:
     state["model"] = chunk.sharded_state_dict(metadata=dict(with_group))
     state["optimizer"] = trainer.optimizer.sharded_state_dict(state, metadata=dict(with_group))
     state["opt_param_scheduler"] = trainer.lr_scheduler.state_dict()
-    state["rng_state"] = ShardedObject("rng_state", [{"torch_rng_state": torch.get_rng_state()}], (1, 1), (0, 0),
-                                       replica_id=parallel_state.get_data_parallel_rank())
+    # One object per pipeline x tensor rank, replicated over data-parallel ranks (get_rng_state's torch_dist case).
+    ps = parallel_state
+    state["rng_state"] = ShardedObject(
+        "rng_state", [{"torch_rng_state": torch.get_rng_state()}],
+        (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()),
+        (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()),
+        replica_id=ps.get_data_parallel_rank(with_context_parallel=True))
     state["num_floating_point_operations_so_far"] = 0
     path = os.path.join(out, f"iter_{trainer.iteration:07d}")
     if torch.distributed.get_rank() == 0:
@@ -465,6 +528,65 @@ def test_megatron_lm_optimizer_buckets_reshard_across_data_parallel_ranks_only(c
     assert flattened.startswith(f"--load {old}: ") and flattened.endswith(
         "('fully_sharded_model_space', Megatron-LM's before megatron-core 0.13), which megatron-core 0.16.1 no longer "
         "reads; pass --finetune or --no-load-optim to load the model alone"), flattened
+
+
+# A GPT trained from scratch on token ids (Megatron-LM's --tokenizer-type NullTokenizer --vocab-size 1000) at TP=2,
+# without dropout (its RNG state is not part of a Megatron-LM save, so a resume would draw other masks).
+NULL_TOKENIZER = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"]
+FROM_SCRATCH = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+                "--max-position-embeddings", "16", "--hidden-dropout", "0", "--attention-dropout", "0",
+                "--tensor-model-parallel-size", "2", *NULL_TOKENIZER]
+
+
+def save_from_scratch_then_resume(rank, world_size, out, resaved, sequences):
+    """Train SAVED_AT iterations of the NullTokenizer model from scratch and save them as Megatron-LM does, with the
+    args its flags set; then resume that save with the same tokenizer flags up to 4 (saving in ``resaved``). Return
+    the losses of both and of an unbroken 4-iteration run, what the resume logged, and the error of resuming it
+    with another --vocab-size."""
+    from megatron_patch.training.engine import Engine
+
+    def run(train_iters, *flags):
+        return _fixed_data_pretrainer(sequences)(engine=Engine(["--train-iters", str(train_iters), *RUN_FLAGS,
+                                                                *flags]))
+
+    saving = run(SAVED_AT, *FROM_SCRATCH)
+    losses = saving.train().train_losses
+    save_as_megatron_lm_run(saving, out, tokenizer_type="NullTokenizer", vocab_size=1000)
+    unbroken = run(4, *FROM_SCRATCH).train().train_losses
+    with logged_messages() as messages:
+        resumed = run(4, "--load", out, "--save", resaved, "--tensor-model-parallel-size", "2", *NULL_TOKENIZER)
+        resumed_losses = resumed.train().train_losses
+    with pytest.raises(SystemExit) as refused:  # another NullTokenizer: its eod is another id
+        run(4, "--load", out, "--tensor-model-parallel-size", "2", "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "999").train()
+    return {"losses": losses, "unbroken": unbroken, "resumed": resumed_losses, "messages": messages,
+            "refusal": str(refused.value)}
+
+
+def test_null_tokenizer_checkpoint_resumes_with_the_flags_it_was_trained_with(tmp_path):
+    """Megatron-LM keeps --vocab-size as given in args.vocab_size, and its NullTokenizer adds eod after those ids
+    (vocab_size + 1 tokens); it resumes such a save with the same flags. Failed before: "--tokenizer-type
+    NullTokenizer has 1001 tokens but .../megatron_patch_args.json records vocab_size=1000" (args.vocab_size read as
+    the tokenizer's size), and our own save recorded vocab_size=1001 where Megatron-LM records its flag, 1000."""
+    out, resaved = str(tmp_path / "megatron-lm"), str(tmp_path / "resumed")
+    sequences = training_sequences()
+    # The last rank logs (it holds the loss).
+    saved = run_on_ranks(save_from_scratch_then_resume, 2, args=(out, resaved, sequences), timeout=400)[-1]
+    common_pt = os.path.join(out, f"iter_{SAVED_AT:07d}", "common.pt")
+    args = load_megatron_file(common_pt)["args"]
+    # The save is laid out as Megatron-LM's: its flag, and the embedding rows _vocab_size_with_padding gives 1001
+    # tokens at --make-vocab-size-divisible-by 128 x TP=2.
+    assert (args.tokenizer_type, args.vocab_size, args.padded_vocab_size) == ("NullTokenizer", 1000, 1024)
+    assert not os.path.exists(os.path.join(out, "megatron_patch_args.json"))
+    assert f"successfully loaded checkpoint from {out} at iteration {SAVED_AT}" in saved["messages"]
+    assert saved["resumed"] == saved["unbroken"][SAVED_AT:], (saved["resumed"], saved["unbroken"])
+    assert saved["refusal"].startswith(f"rapidformer: error: --tokenizer-type NullTokenizer has 1000 tokens but "
+                                       f"{common_pt} describes a vocabulary of 1001: "), saved["refusal"]
+    assert saved["refusal"].endswith("or, for a NullTokenizer, its --vocab-size"), saved["refusal"]
+    # Our own save of the resumed run records the flag as Megatron-LM does, and reads back as the same vocabulary.
+    common = load_megatron_file(os.path.join(resaved, "iter_0000004", "common.pt"))
+    assert (common["args"].tokenizer_type, common["args"].vocab_size) == ("NullTokenizer", 1000)
+    assert info_from_megatron_lm(common, "torch_dist", "common.pt").model_config.vocab_size == 1001
 
 
 def resume_at_recorded_samples(rank, world_size, load, save, sequences):

@@ -430,6 +430,12 @@ def _moe_megatron_lm_args(m: ModelConfig) -> dict:
     )
 
 
+# Tokens a Megatron-LM tokenizer adds after the --vocab-size ids it is built from: its NullTokenizer's eod is id
+# vocab_size, so it has vocab_size + 1 tokens (_NullTokenizer in megatron/training/tokenizer/tokenizer.py at
+# core_v0.16.1), while args.vocab_size keeps the flag as given. ModelConfig.vocab_size counts the tokenizer's tokens.
+_TOKENS_AFTER_VOCAB_SIZE = {"NullTokenizer": 1}
+
+
 def info_from_megatron_lm(state: dict, fmt: str, source: str) -> CheckpointInfo:
     """Our description of a checkpoint from the ``args`` Megatron-LM stores in it (``state``: common.pt's or a
     rank file's contents), read as its ``--use-checkpoint-args`` reads them (load_args_from_checkpoint in
@@ -477,11 +483,14 @@ def info_from_megatron_lm(state: dict, fmt: str, source: str) -> CheckpointInfo:
                                      f"{', '.join(allowed)})")
     shapes = _tensor_shapes(state, fmt, source)
     # The rows of the stored embedding, which args.padded_vocab_size records; Megatron-LM's args keep the
-    # tokenizer's own vocab_size only with --vocab-size (None otherwise), so the padded rows are the vocabulary.
+    # tokenizer's own size only through --vocab-size (None without it), so the padded rows are the vocabulary then.
     padded = arg("padded_vocab_size") or _embedding_rows(shapes, arg("tensor_model_parallel_size", 1), fmt)
     if padded is None:
         raise CheckpointMismatch(f"{source}: args.padded_vocab_size is missing and no embedding.word_embeddings.weight "
                                  "is stored; the vocabulary is unknown")
+    vocab = arg("vocab_size")
+    if vocab is not None:
+        vocab += _TOKENS_AFTER_VOCAB_SIZE.get(arg("tokenizer_type"), 0)
     bert = any(name.startswith("encoder.") for name in shapes)
     binary_head = bool(bert and arg("bert_binary_head", True))
     token_types = arg("num_tokentypes", 2 if binary_head else 0) if bert else 0
@@ -502,7 +511,7 @@ def info_from_megatron_lm(state: dict, fmt: str, source: str) -> CheckpointInfo:
             qk_layernorm=arg("qk_layernorm", False), rope_scaling=arg("use_rope_scaling", False),
             rope_scaling_factor=float(arg("rope_scaling_factor", 8.0)),
             untie_embeddings_and_output_weights=arg("untie_embeddings_and_output_weights", False),
-            vocab_size=arg("vocab_size", padded), make_vocab_size_divisible_by=arg("make_vocab_size_divisible_by", 128),
+            vocab_size=vocab or padded, make_vocab_size_divisible_by=arg("make_vocab_size_divisible_by", 128),
             hidden_dropout=arg("hidden_dropout", 0.1), attention_dropout=arg("attention_dropout", 0.1),
             init_method_std=arg("init_method_std", 0.02),
             layernorm_zero_centered_gamma=arg("apply_layernorm_1p", False), **moe,
@@ -549,11 +558,15 @@ def megatron_lm_args(info: CheckpointInfo, **training) -> argparse.Namespace:
 
         megatron_lm_args(info, iteration=10, consumed_train_samples=80, tokenizer_type="GPT2BPETokenizer")
 
-    ``training`` overrides what only a trainer knows (consumed samples, the tokenizer, virtual pipeline size).
+    ``training`` overrides what only a trainer knows (consumed samples, the tokenizer, virtual pipeline size);
+    ``vocab_size`` is then Megatron-LM's ``--vocab-size`` for that tokenizer (a NullTokenizer's, one less than the
+    model's vocabulary: its eod comes after), as :func:`info_from_megatron_lm` reads it back.
     The Mamba and hybrid fields are None (Megatron-LM keeps its own flags for them); the MoE fields are the model's.
     """
     m = info.model_config
-    hf_vocab = (info.hf_config or {}).get("vocab_size")
+    vocab = m.vocab_size or (info.hf_config or {}).get("vocab_size")
+    if vocab is not None:
+        vocab -= _TOKENS_AFTER_VOCAB_SIZE.get(training.get("tokenizer_type"), 0)
     fields = dict(
         num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size, seq_length=m.seq_length,
         num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
@@ -580,7 +593,7 @@ def megatron_lm_args(info: CheckpointInfo, **training) -> argparse.Namespace:
         # A conversion's tokenizer is the Hugging Face one saved in hf_tokenizer/ (Megatron-LM's
         # HuggingFaceTokenizer); the path is left to the reader's --tokenizer-model, the directory may move.
         tokenizer_type="HuggingFaceTokenizer" if info.tokenizer_files else None, tokenizer_model=None,
-        tiktoken_pattern=None, padded_vocab_size=info.padded_vocab_size, vocab_size=m.vocab_size or hf_vocab,
+        tiktoken_pattern=None, padded_vocab_size=info.padded_vocab_size, vocab_size=vocab,
         make_vocab_size_divisible_by=m.make_vocab_size_divisible_by, ckpt_format=info.format,
         fp16=info.dtype == "float16", bf16=info.dtype == "bfloat16",
         tensor_model_parallel_size=info.tensor_model_parallel_size,

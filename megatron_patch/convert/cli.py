@@ -51,7 +51,9 @@ def _parser() -> argparse.ArgumentParser:
     to_hf.add_argument("--save-dir", required=True)
     to_hf.add_argument("--model-type", default=None,
                        help="Hugging Face model_type (llama, qwen2, gpt2, ...), for checkpoints that record no Hugging "
-                            "Face config: trained from scratch, or saved by Megatron-LM")
+                            "Face config: trained from scratch, or saved by Megatron-LM (default: llama for a LLaMA "
+                            "block, RMSNorm + SwiGLU + RoPE without biases; gpt2 for a GPT-2 block, LayerNorm + GELU + "
+                            "learned positions with biases)")
     to_hf.add_argument("--tokenizer-dir", default=None, help="tokenizer files to include (default: the recorded)")
     to_hf.add_argument("--max-shard-size-gb", type=float, default=5.0)
     to_hf.add_argument("--overwrite", action="store_true")

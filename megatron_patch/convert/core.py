@@ -40,7 +40,10 @@ from megatron_patch.checkpoint.format import (
 from megatron_patch.checkpoint.legacy import save_legacy
 from megatron_patch.checkpoint.load import load_into_reference_model
 from megatron_patch.checkpoint.torch_dist import stream_dist
-from megatron_patch.convert.families import Family, Rule, Table, UnsupportedCheckpoint, architecture_of, family_for
+from megatron_patch.convert.families import (
+    FAMILIES, Family, Rule, Table, UnsupportedCheckpoint, architecture_of, family_for, recognised_model_type,
+    recognised_model_types,
+)
 from megatron_patch.convert.hf_io import HFReader, ShardedSafetensorsWriter, copy_tokenizer_files, read_hf_config
 from megatron_patch.convert.startup import import_megatron_core
 from megatron_patch.convert.transforms import Shapes, apply_to_hf, apply_to_mcore, row_runs
@@ -533,14 +536,21 @@ def megatron_to_hf(
     """Export a Megatron checkpoint (either format, any TP/PP) to a Hugging Face directory; return its path.
 
     ``model_type`` is needed only for checkpoints without a recorded Hugging Face config (trained from scratch, or
-    saved by Megatron-LM: their model comes from the ``args`` they carry).
+    saved by Megatron-LM: their model comes from the ``args`` they carry) whose model is not one a type is
+    recognised from (``families.recognised_model_type``: a LLaMA or a GPT-2 block).
     """
     info = read_info(load_dir)
     hf_config = dict(info.hf_config or {})
     if model_type:
         hf_config["model_type"] = model_type
     if "model_type" not in hf_config:
-        raise UnsupportedCheckpoint(f"{load_dir} records no Hugging Face config; pass --model-type")
+        recognised = recognised_model_type(info.model_config)
+        if recognised is None:
+            raise UnsupportedCheckpoint(
+                f"{load_dir} records no Hugging Face config and its model is none of the types recognised from a "
+                f"checkpoint's args ({', '.join(recognised_model_types())}); pass --model-type, one of "
+                f"{', '.join(sorted(FAMILIES))}")
+        hf_config["model_type"] = recognised
     family = family_for(hf_config)
     architecture = info.hf_architecture or family.architectures[0]
     m = info.model_config

@@ -71,6 +71,9 @@ class Family:
     config_to_hf: Callable[[ModelConfig], dict]
     table: Callable[[ModelConfig, str], Table]
     architectures: tuple[str, ...]
+    recognises: Callable[[ModelConfig], bool] | None = None
+    """Whether a model that records no Hugging Face config (trained from scratch, or saved by Megatron-LM) is this
+    model type; None for a type only ``--model-type`` picks (a Mistral model without its window is a LLaMA one)."""
 
 
 FAMILIES: dict[str, Family] = {}
@@ -91,6 +94,32 @@ def family_for(hf_config: dict) -> Family:
             f"config.json has model_type {model_type!r}; supported model types are {sorted(FAMILIES)}"
         )
     return FAMILIES[model_type]
+
+
+def recognised_model_type(m: ModelConfig) -> str | None:
+    """The one model type whose ``recognises`` accepts ``m``, else None (the model needs ``--model-type``).
+
+    Example::
+
+        >>> from megatron_patch.model.config import get_model_config
+        >>> recognised_model_type(get_model_config("tiny-llama")), recognised_model_type(get_model_config("tiny-gpt2"))
+        ('llama', 'gpt2')
+        >>> recognised_model_type(get_model_config("tiny-llama", normalization="LayerNorm")) is None
+        True
+    """
+    found = [f.model_type for f in FAMILIES.values() if f.recognises is not None and f.recognises(m)]
+    return found[0] if len(found) == 1 else None
+
+
+def recognised_model_types() -> list[str]:
+    """The model types :func:`recognised_model_type` can return.
+
+    Example::
+
+        >>> recognised_model_types()
+        ['gpt2', 'llama']
+    """
+    return sorted(f.model_type for f in FAMILIES.values() if f.recognises is not None)
 
 
 def architecture_of(hf_config: dict, family: Family) -> str:
@@ -222,7 +251,16 @@ def _gpt2_table(m: ModelConfig, architecture: str) -> Table:
     return Table(_GPT2_RULES + head, ignored_hf=ignored + (r"transformer\.h\.\d+\.attn\.(masked_)?bias",))
 
 
-register_family(Family("gpt2", _gpt2_config, _gpt2_hf, _gpt2_table, ("GPT2LMHeadModel",)))
+def _is_gpt2(m: ModelConfig) -> bool:
+    # GPT-2's block: LayerNorm, a GELU MLP, learned absolute positions, biases on every linear layer, one key and
+    # value head per query head of hidden_size / heads channels (its c_attn is [q; k; v] of hidden_size each).
+    return (m.family == "gpt" and m.normalization == "LayerNorm" and m.activation in _GELU_TO_HF
+            and m.position_embedding_type == "learned_absolute" and m.add_bias_linear and not m.qk_layernorm
+            and m.num_query_groups == m.num_attention_heads
+            and m.kv_channels * m.num_attention_heads == m.hidden_size and m.num_moe_experts is None)
+
+
+register_family(Family("gpt2", _gpt2_config, _gpt2_hf, _gpt2_table, ("GPT2LMHeadModel",), _is_gpt2))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -343,7 +381,15 @@ def _mistral_hf(m: ModelConfig) -> dict:
     return {**_llama_hf(m), "sliding_window": None}
 
 
-register_family(Family("llama", _llama_from_hf, _llama_hf, _llama_table, ("LlamaForCausalLM",)))
+def _is_llama(m: ModelConfig) -> bool:
+    # LLaMA's block: RMSNorm, SwiGLU, rotary positions and no bias anywhere (Qwen2 adds q/k/v biases, Qwen3 q/k
+    # norms); any number of query groups, tied or untied embeddings.
+    return (m.family == "gpt" and m.normalization == "RMSNorm" and m.activation == "swiglu"
+            and m.position_embedding_type == "rope" and not m.add_bias_linear and not m.add_qkv_bias
+            and not m.qk_layernorm and m.num_moe_experts is None)
+
+
+register_family(Family("llama", _llama_from_hf, _llama_hf, _llama_table, ("LlamaForCausalLM",), _is_llama))
 register_family(Family("mistral", _mistral_from_hf, _mistral_hf, _llama_table, ("MistralForCausalLM",)))
 register_family(Family("qwen2", _qwen2_from_hf, _llama_hf, _llama_table, ("Qwen2ForCausalLM",)))
 register_family(Family("qwen3", _qwen3_from_hf, _llama_hf, _llama_table, ("Qwen3ForCausalLM",)))

@@ -303,16 +303,18 @@ def _check_tokenizer_fits(tokenizer, config) -> None:
     A Hugging Face model's vocabulary may be larger than its tokenizer's (rows kept for added tokens); one our
     trainer started from scratch was sized by its tokenizer, so another size means another tokenizer.
     """
-    from megatron_patch.checkpoint.format import ARGS_FILE
+    from megatron_patch.checkpoint.format import find_info
 
     info = config.checkpoint_info
     stored = info.model_config.vocab_size
     given = tokenizer.vocab_size
     if given > stored or (info.hf_config is None and given != stored):
+        # The description's file: megatron_patch_args.json, or the common.pt or rank file of a Megatron-LM save.
+        _, source = find_info(config.checkpointing.load)
         raise SystemExit(
-            f"rapidformer: error: --tokenizer-type {config.tokenizer_type} has {given} tokens but "
-            f"{os.path.join(config.checkpointing.load, ARGS_FILE)} records vocab_size={stored}: the checkpoint was "
-            "trained with another tokenizer; give that tokenizer's files (--vocab-file/--merge-file/--tokenizer-model)"
+            f"rapidformer: error: --tokenizer-type {config.tokenizer_type} has {given} tokens but {source} describes "
+            f"a vocabulary of {stored}: the checkpoint was trained with another tokenizer; give that tokenizer's files "
+            "(--vocab-file/--merge-file/--tokenizer-model) or, for a NullTokenizer, its --vocab-size"
         )
 
 
