@@ -52,8 +52,23 @@ TOOLS = {
 }
 
 
+class _Versions(argparse.Action):
+    """``--version``: ``compat.installed_versions()``, looked up only when the flag is given."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=argparse.SUPPRESS, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from megatron_patch.compat import installed_versions
+
+        print(installed_versions())
+        parser.exit()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megatron-patch", description="Train GPT and BERT on megatron-core.")
+    parser.add_argument("--version", action=_Versions, help="print the versions of this package, Python, torch, "
+                        "megatron-core, Transformer Engine and apex, then exit")
     parser.add_argument("--debug", action="store_true",
                         help="print the traceback behind an error (sets MEGATRON_PATCH_DEBUG=1 for every process)")
     commands = parser.add_subparsers(dest="command", required=True)

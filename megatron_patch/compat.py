@@ -161,6 +161,47 @@ def check_megatron_core_version(installed: str | None = None) -> str:
     return installed
 
 
+def _installed(*distributions: str) -> str | None:
+    """The version of the first of ``distributions`` that is installed, from its metadata; None if none is."""
+    for name in distributions:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            return importlib.metadata.version(name)
+    return None
+
+
+def installed_versions() -> str:
+    """What ``megatron-patch --version`` prints: this package and what it runs on, from the installed
+    distributions' metadata (nothing imported, so it answers in a moment even where torch is slow to load).
+
+    Example::
+
+        >>> print(installed_versions())    # doctest: +SKIP
+        megatron_patch 0.1.0 (Python 3.12.3)
+        torch 2.11.0+cu130
+        megatron-core 0.19.2 (tested: >=0.16.1,<0.20)
+        Transformer Engine: not installed (megatron-core's local layers)
+        apex: not installed
+    """
+    from packaging.specifiers import SpecifierSet
+
+    mcore = _installed("megatron-core")
+    if mcore is None:
+        mcore_line = f"megatron-core: not installed (pip install 'megatron-core{TESTED_MEGATRON_CORE}')"
+    elif SpecifierSet(TESTED_MEGATRON_CORE).contains(mcore, prereleases=True):
+        mcore_line = f"megatron-core {mcore} (tested: {TESTED_MEGATRON_CORE})"
+    else:
+        mcore_line = f"megatron-core {mcore} (untested: pip install 'megatron-core{TESTED_MEGATRON_CORE}')"
+    te = _installed("transformer-engine", "transformer-engine-torch") if _importable("transformer_engine") else None
+    apex = _installed("apex") if _importable("apex") else None
+    return "\n".join([
+        f"megatron_patch {_installed('megatron_patch') or 'not installed'} (Python {sys.version.split()[0]})",
+        f"torch {_installed('torch') or 'not installed'}",
+        mcore_line,
+        f"Transformer Engine {te}" if te else "Transformer Engine: not installed (megatron-core's local layers)",
+        f"apex {apex}" if apex else "apex: not installed",
+    ])
+
+
 @functools.cache
 def megatron_core_at_least(release: str) -> bool:
     """Whether the installed megatron-core is ``release`` or later: how a workaround picks its release's code.

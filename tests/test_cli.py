@@ -22,3 +22,17 @@ def test_unknown_subcommand_is_refused():
     result = megatron_patch("no-such-command")
     assert result.returncode != 0 and "invalid choice: 'no-such-command'" in result.stderr
 
+
+
+def test_version_names_what_the_package_runs_on_without_importing_torch():
+    import importlib.metadata
+
+    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "megatron_patch.cli", "--version"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[1] == f"torch {importlib.metadata.version('torch')}"
+    assert lines[2].startswith(f"megatron-core {importlib.metadata.version('megatron-core')} (tested: >=0.16.1,")
+    assert [line.split()[0].rstrip(":") for line in lines] == ["megatron_patch", "torch", "megatron-core", "Transformer", "apex"]
+    imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
+    assert "torch" not in imported and "megatron.core" not in imported
