@@ -530,35 +530,34 @@ def test_megatron_lm_optimizer_buckets_reshard_across_data_parallel_ranks_only(c
         "reads; pass --finetune or --no-load-optim to load the model alone"), flattened
 
 
-# A GPT trained from scratch on token ids (Megatron-LM's --tokenizer-type NullTokenizer --vocab-size 1000) at TP=2,
-# without dropout (its RNG state is not part of a Megatron-LM save, so a resume would draw other masks).
+# A GPT trained from scratch (Megatron-LM's --tokenizer-type NullTokenizer --vocab-size 1000, or a tokenizer's files)
+# at TP=2, without dropout (its RNG state is not part of a Megatron-LM save, so a resume would draw other masks).
 NULL_TOKENIZER = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"]
 FROM_SCRATCH = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
                 "--max-position-embeddings", "16", "--hidden-dropout", "0", "--attention-dropout", "0",
-                "--tensor-model-parallel-size", "2", *NULL_TOKENIZER]
+                "--tensor-model-parallel-size", "2"]
 
 
-def save_from_scratch_then_resume(rank, world_size, out, resaved, sequences):
-    """Train SAVED_AT iterations of the NullTokenizer model from scratch and save them as Megatron-LM does, with the
-    args its flags set; then resume that save with the same tokenizer flags up to 4 (saving in ``resaved``). Return
-    the losses of both and of an unbroken 4-iteration run, what the resume logged, and the error of resuming it
-    with another --vocab-size."""
+def save_from_scratch_then_resume(rank, world_size, out, resaved, sequences, tokenizer, saved_args, other):
+    """Train SAVED_AT iterations of a model with the ``tokenizer`` flags from scratch and save them as Megatron-LM
+    does, with the args its flags set (``saved_args``); then resume that save with the same tokenizer flags up to 4
+    (saving in ``resaved``). Return the losses of both and of an unbroken 4-iteration run, what the resume logged,
+    and the error of resuming it with the ``other`` tokenizer flags."""
     from megatron_patch.training.engine import Engine
 
     def run(train_iters, *flags):
         return _fixed_data_pretrainer(sequences)(engine=Engine(["--train-iters", str(train_iters), *RUN_FLAGS,
                                                                 *flags]))
 
-    saving = run(SAVED_AT, *FROM_SCRATCH)
+    saving = run(SAVED_AT, *FROM_SCRATCH, *tokenizer)
     losses = saving.train().train_losses
-    save_as_megatron_lm_run(saving, out, tokenizer_type="NullTokenizer", vocab_size=1000)
-    unbroken = run(4, *FROM_SCRATCH).train().train_losses
+    save_as_megatron_lm_run(saving, out, **saved_args)
+    unbroken = run(4, *FROM_SCRATCH, *tokenizer).train().train_losses
     with logged_messages() as messages:
-        resumed = run(4, "--load", out, "--save", resaved, "--tensor-model-parallel-size", "2", *NULL_TOKENIZER)
+        resumed = run(4, "--load", out, "--save", resaved, "--tensor-model-parallel-size", "2", *tokenizer)
         resumed_losses = resumed.train().train_losses
-    with pytest.raises(SystemExit) as refused:  # another NullTokenizer: its eod is another id
-        run(4, "--load", out, "--tensor-model-parallel-size", "2", "--tokenizer-type", "NullTokenizer",
-            "--vocab-size", "999").train()
+    with pytest.raises(SystemExit) as refused:
+        run(4, "--load", out, "--tensor-model-parallel-size", "2", *other).train()
     return {"losses": losses, "unbroken": unbroken, "resumed": resumed_losses, "messages": messages,
             "refusal": str(refused.value)}
 
@@ -569,9 +568,11 @@ def test_null_tokenizer_checkpoint_resumes_with_the_flags_it_was_trained_with(tm
     NullTokenizer has 1001 tokens but .../megatron_patch_args.json records vocab_size=1000" (args.vocab_size read as
     the tokenizer's size), and our own save recorded vocab_size=1001 where Megatron-LM records its flag, 1000."""
     out, resaved = str(tmp_path / "megatron-lm"), str(tmp_path / "resumed")
-    sequences = training_sequences()
-    # The last rank logs (it holds the loss).
-    saved = run_on_ranks(save_from_scratch_then_resume, 2, args=(out, resaved, sequences), timeout=400)[-1]
+    # Another NullTokenizer: its eod is another id. The last rank logs (it holds the loss).
+    other = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "999"]
+    saved = run_on_ranks(save_from_scratch_then_resume, 2, args=(
+        out, resaved, training_sequences(), NULL_TOKENIZER, {"tokenizer_type": "NullTokenizer", "vocab_size": 1000},
+        other), timeout=400)[-1]
     common_pt = os.path.join(out, f"iter_{SAVED_AT:07d}", "common.pt")
     args = load_megatron_file(common_pt)["args"]
     # The save is laid out as Megatron-LM's: its flag, and the embedding rows _vocab_size_with_padding gives 1001
@@ -587,6 +588,30 @@ def test_null_tokenizer_checkpoint_resumes_with_the_flags_it_was_trained_with(tm
     common = load_megatron_file(os.path.join(resaved, "iter_0000004", "common.pt"))
     assert (common["args"].tokenizer_type, common["args"].vocab_size) == ("NullTokenizer", 1000)
     assert info_from_megatron_lm(common, "torch_dist", "common.pt").model_config.vocab_size == 1001
+
+
+def test_checkpoint_of_a_tokenizer_from_files_resumes_with_the_flags_it_was_trained_with(tmp_path, tmp_path_factory):
+    """Without --vocab-size (a GPT-2 BPE tokenizer from its files) Megatron-LM's args keep vocab_size None and only the
+    embedding's padded rows; it resumes such a save with the same files. Failed before: "--tokenizer-type
+    GPT2BPETokenizer has 1000 tokens but .../common.pt describes a vocabulary of 1024" (the padded rows read as the
+    tokenizer's size). A tokenizer that pads to other rows is refused in one line."""
+    from conftest_data import data_assets
+
+    files = data_assets(tmp_path_factory).options["GPT2BPETokenizer"]
+    tokenizer = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", files["vocab_file"],
+                 "--merge-file", files["merge_file"]]
+    out, resaved = str(tmp_path / "megatron-lm"), str(tmp_path / "resumed")
+    other = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "2000"]  # 2001 tokens: 2048 rows at TP=2
+    saved = run_on_ranks(save_from_scratch_then_resume, 2, args=(
+        out, resaved, training_sequences(), tokenizer, {"tokenizer_type": "GPT2BPETokenizer", "vocab_size": None},
+        other), timeout=400)[-1]
+    common_pt = os.path.join(out, f"iter_{SAVED_AT:07d}", "common.pt")
+    args = load_megatron_file(common_pt)["args"]
+    assert (args.tokenizer_type, args.vocab_size, args.padded_vocab_size) == ("GPT2BPETokenizer", None, 1024)
+    assert f"successfully loaded checkpoint from {out} at iteration {SAVED_AT}" in saved["messages"]
+    assert saved["resumed"] == saved["unbroken"][SAVED_AT:], (saved["resumed"], saved["unbroken"])
+    assert saved["refusal"].startswith(f"rapidformer: error: --tokenizer-type NullTokenizer has 2001 tokens, 2048 "
+                                       f"rows at TP=2, but {common_pt} stores 1024 rows: "), saved["refusal"]
 
 
 def resume_at_recorded_samples(rank, world_size, load, save, sequences):

@@ -217,10 +217,16 @@ class CheckpointInfo:
     initialized_tensors: list[str] = dataclasses.field(default_factory=list)
     """megatron tensors the Hugging Face checkpoint did not have (heads of an encoder-only BERT)."""
     tokenizer_files: list[str] = dataclasses.field(default_factory=list)
+    vocab_size_known: bool = True
+    """False for a Megatron-LM save of a run without --vocab-size (a tokenizer from its files): its args record the
+    embedding's padded rows only, which ``model_config.vocab_size`` then holds, and any tokenizer that pads to them
+    is the run's (Megatron-LM resumes with it)."""
 
     def to_json(self) -> dict:
         data = dataclasses.asdict(self)
         data["model_config"] = dataclasses.asdict(self.model_config)
+        if self.vocab_size_known:  # the file stays as it was before the field, which older releases can read
+            del data["vocab_size_known"]
         return data
 
     @classmethod
@@ -522,7 +528,7 @@ def info_from_megatron_lm(state: dict, fmt: str, source: str) -> CheckpointInfo:
     except ValueError as error:
         raise CheckpointMismatch(f"{source}: its args describe no model: {error}") from None
     return CheckpointInfo(
-        format=fmt, model_config=model_config, padded_vocab_size=padded,
+        format=fmt, model_config=model_config, padded_vocab_size=padded, vocab_size_known=vocab is not None,
         dtype="bfloat16" if arg("bf16") else "float16" if arg("fp16") else "float32",
         tensor_model_parallel_size=arg("tensor_model_parallel_size", 1),
         pipeline_model_parallel_size=arg("pipeline_model_parallel_size", 1),
