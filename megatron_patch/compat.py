@@ -51,6 +51,13 @@ TESTED_MEGATRON_CORE = ">=0.16.1,<0.20"
 # layers is made (and reported) by our spec builder, so these repeat what the user already knows.
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex|apex).*(not installed|Falling back).*")
 
+# megatron-core 0.19.2 logs "GPTModel IS DEPRECATED ... use HybridModel" at every GPTModel built
+# (models/gpt/gpt_model.py:118-124). Its successor, HybridModel (models/hybrid/hybrid_model.py), is not in 0.16.1,
+# which CI also runs, and GPTModel is what Megatron-LM's GPT checkpoints and our converters are laid out for; the
+# message tells our users nothing they can act on. Only that record is dropped.
+logging.getLogger("megatron.core.models.gpt.gpt_model").addFilter(
+    lambda record: not record.getMessage().startswith("GPTModel IS DEPRECATED"))
+
 
 def _compile_on_first_call(fn):
     """``torch.compile(fn)``, made when ``fn`` is first called rather than when it is defined."""
@@ -633,6 +640,80 @@ def rampup_calculator(global_batch_size: int, micro_batch_size: int, data_parall
     start, increment, samples = rampup
     return num_microbatches_calculator.RampupBatchsizeNumMicroBatchesCalculator(
         global_batch_size, micro_batch_size, data_parallel_size, False, rank, start, increment, samples)
+
+
+def dense_mlp_submodule(submodules):
+    """A transformer layer's dense ``mlp`` submodule, megatron-core's ``MLP`` built from ``submodules``
+    (``MLPSubmodules``), in the form the installed release builds without a warning.
+
+    Example::
+
+        mlp = dense_mlp_submodule(MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
+
+    0.19.2 builds the ``mlp`` of a layer by calling it (transformer/transformer_layer.py:433-438), and rewraps a
+    ``ModuleSpec`` of ``MLP`` into ``MLP.as_mlp_submodule`` with a warning for each layer (:419-432), the form
+    its own specs use (models/gpt/gpt_layer_specs.py:541-552). 0.16.1 has no ``as_mlp_submodule`` and builds the
+    spec with ``build_module`` (transformer_layer.py:351-370).
+    """
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if hasattr(MLP, "as_mlp_submodule"):
+        return functools.partial(MLP.as_mlp_submodule, submodules=submodules)
+    return ModuleSpec(module=MLP, submodules=submodules)
+
+
+def clear_moe_aux_losses() -> None:
+    """Forget what megatron-core's MoE routers tracked: the values and the process groups they name.
+
+    Example::
+
+        clear_moe_aux_losses()    # before a run in a process whose earlier groups were destroyed
+
+    0.19.2 keeps them in a global ``MoEMetricsTracker``, dropped by ``destroy_moe_metrics_tracker``
+    (transformer/moe/moe_logging.py:63-66); 0.16.1 in the dict ``get_moe_layer_wise_logging_tracker`` returns. On
+    0.19.2 that function returns a copy, so clearing what it returns clears nothing, and it warns that it is
+    deprecated (moe_utils.py:1085-1096).
+    """
+    from megatron.core.transformer.moe import moe_utils
+
+    if hasattr(moe_utils, "get_moe_metrics_tracker"):
+        from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+
+        destroy_moe_metrics_tracker()
+    else:
+        moe_utils.get_moe_layer_wise_logging_tracker().clear()
+
+
+def take_moe_aux_losses() -> dict:
+    """Each auxiliary loss megatron-core's MoE routers tracked since the last call (name -> a tensor of one value
+    per layer: the sum over this rank's microbatches of the loss / its coefficient), reduced across ranks as
+    megatron-core reduces it for its log (summed over pipeline stages and TP x CP, averaged over data parallelism),
+    then cleared. A collective: every rank calls it, and every rank tracks the same names.
+
+    Example::
+
+        losses = take_moe_aux_losses()      # {"load_balancing_loss": tensor([1.02, 1.01, ...])}
+
+    0.19.2 keeps the values in a ``MoEMetricsTracker`` (transformer/moe/moe_logging.py:67) and reduces them with
+    ``_sync_metrics`` (:249-288), the method its deprecated ``reduce_aux_losses_tracker_across_ranks`` names as
+    the replacement (moe_utils.py:1066-1082); 0.16.1 keeps a dict (``get_moe_layer_wise_logging_tracker``) and
+    reduces it with ``reduce_aux_losses_tracker_across_ranks``.
+    """
+    from megatron.core.transformer.moe import moe_utils
+
+    if hasattr(moe_utils, "get_moe_metrics_tracker"):
+        tracker = moe_utils.get_moe_metrics_tracker()
+        names = sorted(tracker.metrics)
+        tracker._sync_metrics(names)
+        losses = {name: tracker.metrics[name].values.clone() for name in names}
+    else:
+        tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+        names = sorted(tracker)
+        moe_utils.reduce_aux_losses_tracker_across_ranks(names)
+        losses = {name: tracker[name]["values"].clone() for name in names}
+    clear_moe_aux_losses()
+    return losses
 
 
 # ----------------------------------------------------------------------------------------------------------
