@@ -50,6 +50,10 @@ TESTED_MEGATRON_CORE = ">=0.16.1,<0.20"
 # megatron-core warns at import time, once per module, that TE/apex are missing; the choice between TE and local
 # layers is made (and reported) by our spec builder, so these repeat what the user already knows.
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex|apex).*(not installed|Falling back).*")
+# So does megatron/core/inference/contexts/__init__.py:9-15 (0.16.1 and 0.19.2), a DeprecationWarning about its own
+# imports, raised whenever megatron-core's models import it: nothing a caller does changes it.
+warnings.filterwarnings("ignore", message=r"The following imports from `dynamic_context.py` will be removed",
+                        category=DeprecationWarning)
 
 # megatron-core 0.19.2 logs "GPTModel IS DEPRECATED ... use HybridModel" at every GPTModel built
 # (models/gpt/gpt_model.py:118-124). Its successor, HybridModel (models/hybrid/hybrid_model.py), is not in 0.16.1,
