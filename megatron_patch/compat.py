@@ -61,6 +61,11 @@ warnings.filterwarnings("ignore", message=r"The following imports from `dynamic_
 # message tells our users nothing they can act on. Only that record is dropped.
 logging.getLogger("megatron.core.models.gpt.gpt_model").addFilter(
     lambda record: not record.getMessage().startswith("GPTModel IS DEPRECATED"))
+# 0.19.2 also logs, once per process, that its own asynchronous checkpoint writer is deprecated in favour of
+# NVIDIA Resiliency Extension's (dist_checkpointing/strategies/torch.py:745-752), including for every synchronous
+# save, which it runs through that writer (:727). Ours must stay on megatron-core's writer (``async_save_options``).
+logging.getLogger("megatron.core.dist_checkpointing.strategies.torch").addFilter(
+    lambda record: not record.getMessage().startswith("MCore's async save is deprecated"))
 
 
 def _compile_on_first_call(fn):
@@ -835,26 +840,40 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL))
 
 
+def write_results_queue_getter(filesystem_async) -> str:
+    """The name of the function of megatron-core's ``filesystem_async`` module that makes (once) and returns the
+    queue its checkpoint writers report through: ``get_write_results_queue(mp_mode="spawn")`` on 0.19.2
+    (strategies/filesystem_async.py:52-66, read by the writer at :200), ``_get_write_results_queue()`` on 0.16.1
+    (:51-56, read at :185).
+
+    Example::
+
+        getattr(filesystem_async, write_results_queue_getter(filesystem_async))().put("ready")
+    """
+    return "get_write_results_queue" if hasattr(filesystem_async, "get_write_results_queue") \
+        else "_get_write_results_queue"
+
+
 def _writer_queue_dies_with_its_process() -> None:
     """Start the process serving dist_checkpointing's results queue with ``die_with_parent`` (checked on
-    megatron-core 0.16.1).
+    megatron-core 0.16.1 and 0.19.2).
 
     megatron-core's checkpoint writers report through a queue of a ``multiprocessing`` Manager that it spawns on
-    the first torch_dist save (dist_checkpointing/strategies/filesystem_async.py:51-56, ``ctx.Manager().Queue()``).
+    the first torch_dist save (``write_results_queue_getter``, ``ctx.Manager().Queue()``).
     Nothing ends that server when its process is killed (SIGKILL, the OOM killer, a scheduler's end of the grace
     period): each killed rank left one behind, about 370 MB, for good. The queue is made here from the thread that
     saves (the main thread), which the death signal follows.
     """
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    def get_write_results_queue():
+    def get_write_results_queue(mp_mode: str = "spawn"):
         if filesystem_async._results_queue is None:
-            manager = multiprocessing.managers.SyncManager(ctx=multiprocessing.get_context("spawn"))
+            manager = multiprocessing.managers.SyncManager(ctx=multiprocessing.get_context(mp_mode))
             manager.start(initializer=die_with_parent)
             filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
         return filesystem_async._results_queue
 
-    filesystem_async._get_write_results_queue = get_write_results_queue
+    setattr(filesystem_async, write_results_queue_getter(filesystem_async), get_write_results_queue)
 
 
 def torchrun_shutdown_flags(seconds: int) -> list[str]:
@@ -968,7 +987,7 @@ def write_results_in_this_process():
     Example::
 
         with write_results_in_this_process():
-            request = dist_checkpointing.save(state, staging, async_sharded_save=True)
+            request = dist_checkpointing.save(state, staging, async_sharded_save=True, **async_save_options())
 
     megatron-core's file writer takes its results queue from ``_get_write_results_queue``
     (strategies/filesystem_async.py:51-56): a ``Manager().Queue()``, served by a process it spawns the first time a
@@ -988,6 +1007,26 @@ def write_results_in_this_process():
         yield
     finally:
         filesystem_async._results_queue = saved
+
+
+def async_save_options() -> dict:
+    """The ``dist_checkpointing.save`` arguments of an asynchronous save through megatron-core's own writer.
+
+    Example::
+
+        request = dist_checkpointing.save(state, staging, async_sharded_save=True, **async_save_options())
+
+    0.19.2 saves asynchronously through NVIDIA Resiliency Extension by default (``async_strategy="nvrx"``,
+    dist_checkpointing/serialization.py:359; strategies/torch.py:1127-1165), which needs the
+    ``nvidia-resiliency-ext`` package: "A compatible `nvidia-resiliency-ext` installation is required". Our saves
+    replace megatron-core's write function and read its arguments (``integrity.write_checksummed``), which are
+    those of its own writer, ``async_strategy="mcore"``, the only one 0.16.1 has (no such argument there).
+    """
+    from megatron.core import dist_checkpointing
+
+    if "async_strategy" in inspect.signature(dist_checkpointing.save).parameters:
+        return {"async_strategy": "mcore"}
+    return {}
 
 
 def optimizer_parts(optimizer):

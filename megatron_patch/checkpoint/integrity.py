@@ -132,7 +132,7 @@ def write_checksummed(staging: str, checksums: dict, transforms: list, rank: int
 
     Example::
 
-        request = dist_checkpointing.save(state, staging, async_sharded_save=True)
+        request = dist_checkpointing.save(state, staging, async_sharded_save=True, **async_save_options())
         transforms = request.async_fn.args[0]         # what megatron-core's own write function was given
         request = request._replace(async_fn=functools.partial(write_checksummed, staging, checksums, transforms))
 

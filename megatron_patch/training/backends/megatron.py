@@ -298,7 +298,8 @@ def save_megatron_checkpoint(root: str, iteration: int, chunks: list, optimizer,
                                                     parallel_state.get_data_parallel_group(with_context_parallel=True))
         with compat.write_results_in_this_process():
             request = dist_checkpointing.save(state, staging, sharded_strategy=strategy, async_sharded_save=True,
-                                              content_metadata=dict(compat.DISTRIB_OPTIMIZER_METADATA))
+                                              content_metadata=dict(compat.DISTRIB_OPTIMIZER_METADATA),
+                                              **compat.async_save_options())
         # Only now: rank 0's dist_checkpointing.save warns "Overwriting old incomplete / corrupted checkpoint" when
         # the directory holds a file (serialization.py:383-387), and no rank leaves save() before rank 0 has
         # passed that check (its sharding validation is a collective).
