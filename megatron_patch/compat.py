@@ -38,6 +38,7 @@ import logging
 import math
 import multiprocessing
 import multiprocessing.managers
+import os
 import signal
 import sys
 import textwrap
@@ -1027,6 +1028,48 @@ def async_save_options() -> dict:
     if "async_strategy" in inspect.signature(dist_checkpointing.save).parameters:
         return {"async_strategy": "mcore"}
     return {}
+
+
+# The file of a torch_dist checkpoint that megatron-core 0.16.1 keeps its common (non-sharded) state in; 0.19.0 and
+# later save that state as one ShardedObject, "common_state", among the sharded ones instead
+# (dist_checkpointing/serialization.py:439-445 at 0.19.2), and still read a common.pt where there is one (:223-225).
+COMMON_STATE_FILE = "common.pt"
+# PyTorch DCP's index of a torch_dist checkpoint's .distcp files, written by rank 0 when the save is finalized.
+DCP_METADATA_FILE = ".metadata"
+
+
+def common_state_source(ckpt_dir: str) -> str:
+    """The file a torch_dist checkpoint's common state is read from: its common.pt (megatron-core 0.16.1's saves),
+    else DCP's .metadata, the index of the .distcp files that hold the "common_state" object (0.19.2's saves).
+
+    Example::
+
+        common_state_source("ckpt/iter_0000100")     # "ckpt/iter_0000100/common.pt" when saved by 0.16.1
+    """
+    path = os.path.join(ckpt_dir, COMMON_STATE_FILE)
+    return path if os.path.isfile(path) else os.path.join(ckpt_dir, DCP_METADATA_FILE)
+
+
+def load_common_state_object(ckpt_dir: str) -> dict:
+    """The common state a torch_dist checkpoint without a common.pt holds as its "common_state" object, read by
+    megatron-core 0.19's ``load_common_state_dict`` (serialization.py:206-236; no process group needed).
+
+    Example::
+
+        load_common_state_object("ckpt/iter_0000100")["args"].hidden_size      # a checkpoint saved by 0.19.2
+
+    0.16.1 cannot read it (its ``load_common_state_dict`` reads common.pt only): the error names the release.
+    """
+    from megatron.core.dist_checkpointing import serialization
+    from megatron.core.safe_globals import register_safe_globals
+
+    if not megatron_core_at_least("0.19"):
+        raise FileNotFoundError(
+            f"{ckpt_dir} has no {COMMON_STATE_FILE}: it was saved by megatron-core 0.19 or later, which keeps it "
+            f"among the sharded objects; megatron-core {importlib.metadata.version('megatron-core')} reads only "
+            f"{COMMON_STATE_FILE}. Fix: pip install 'megatron-core>=0.19,<0.20'")
+    register_safe_globals()  # Megatron-LM's args Namespace and enums, for torch.load(weights_only=True)
+    return serialization.load_common_state_dict(ckpt_dir)
 
 
 def optimizer_parts(optimizer):

@@ -27,8 +27,8 @@ import torch
 
 from megatron_patch import compat
 from megatron_patch.checkpoint.format import (
-    RELEASE, CheckpointInfo, CheckpointMismatch, checkpoint_dir, load_megatron_file, megatron_lm_common_state,
-    read_info, weights_dir,
+    RELEASE, CheckpointInfo, CheckpointMismatch, checkpoint_dir, megatron_lm_common_state, read_args_state, read_info,
+    weights_dir,
 )
 from megatron_patch.checkpoint.async_save import live_storages, with_snapshot
 from megatron_patch.checkpoint.integrity import write_checksummed, write_rank_checksums
@@ -336,7 +336,7 @@ def load_megatron_checkpoint(root: str, chunks: list, optimizer, scheduler, **op
         from megatron.core import dist_checkpointing
         from megatron.core.dist_checkpointing.validation import StrictHandling
 
-        common = load_megatron_file(os.path.join(path, "common.pt"))
+        common = read_args_state(compat.common_state_source(path))
         metadata = _saved_metadata(common)
         if with_optimizer:
             _require_optimizer_state(root, path)
@@ -401,7 +401,7 @@ def _saved_metadata(common: dict) -> dict:
 
     Example::
 
-        _saved_metadata(load_megatron_file("ckpt/iter_0000100/common.pt"))
+        _saved_metadata(read_args_state("ckpt/iter_0000100/common.pt"))
         # Megatron-LM's: {'distrib_optim_sharding_type': 'dp_reshardable', 'singleton_local_shards': False,
         #                 'chained_optim_avoid_prefix': True}
 
