@@ -38,6 +38,7 @@ import logging
 import math
 import multiprocessing
 import multiprocessing.managers
+import os
 import signal
 import sys
 import textwrap
@@ -50,6 +51,22 @@ TESTED_MEGATRON_CORE = ">=0.16.1,<0.20"
 # megatron-core warns at import time, once per module, that TE/apex are missing; the choice between TE and local
 # layers is made (and reported) by our spec builder, so these repeat what the user already knows.
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex|apex).*(not installed|Falling back).*")
+# So does megatron/core/inference/contexts/__init__.py:9-15 (0.16.1 and 0.19.2), a DeprecationWarning about its own
+# imports, raised whenever megatron-core's models import it: nothing a caller does changes it.
+warnings.filterwarnings("ignore", message=r"The following imports from `dynamic_context.py` will be removed",
+                        category=DeprecationWarning)
+
+# megatron-core 0.19.2 logs "GPTModel IS DEPRECATED ... use HybridModel" at every GPTModel built
+# (models/gpt/gpt_model.py:118-124). Its successor, HybridModel (models/hybrid/hybrid_model.py), is not in 0.16.1,
+# which CI also runs, and GPTModel is what Megatron-LM's GPT checkpoints and our converters are laid out for; the
+# message tells our users nothing they can act on. Only that record is dropped.
+logging.getLogger("megatron.core.models.gpt.gpt_model").addFilter(
+    lambda record: not record.getMessage().startswith("GPTModel IS DEPRECATED"))
+# 0.19.2 also logs, once per process, that its own asynchronous checkpoint writer is deprecated in favour of
+# NVIDIA Resiliency Extension's (dist_checkpointing/strategies/torch.py:745-752), including for every synchronous
+# save, which it runs through that writer (:727). Ours must stay on megatron-core's writer (``async_save_options``).
+logging.getLogger("megatron.core.dist_checkpointing.strategies.torch").addFilter(
+    lambda record: not record.getMessage().startswith("MCore's async save is deprecated"))
 
 
 def _compile_on_first_call(fn):
@@ -676,6 +693,80 @@ def rampup_calculator(global_batch_size: int, micro_batch_size: int, data_parall
         global_batch_size, micro_batch_size, data_parallel_size, False, rank, start, increment, samples)
 
 
+def dense_mlp_submodule(submodules):
+    """A transformer layer's dense ``mlp`` submodule, megatron-core's ``MLP`` built from ``submodules``
+    (``MLPSubmodules``), in the form the installed release builds without a warning.
+
+    Example::
+
+        mlp = dense_mlp_submodule(MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
+
+    0.19.2 builds the ``mlp`` of a layer by calling it (transformer/transformer_layer.py:433-438), and rewraps a
+    ``ModuleSpec`` of ``MLP`` into ``MLP.as_mlp_submodule`` with a warning for each layer (:419-432), the form
+    its own specs use (models/gpt/gpt_layer_specs.py:541-552). 0.16.1 has no ``as_mlp_submodule`` and builds the
+    spec with ``build_module`` (transformer_layer.py:351-370).
+    """
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if hasattr(MLP, "as_mlp_submodule"):
+        return functools.partial(MLP.as_mlp_submodule, submodules=submodules)
+    return ModuleSpec(module=MLP, submodules=submodules)
+
+
+def clear_moe_aux_losses() -> None:
+    """Forget what megatron-core's MoE routers tracked: the values and the process groups they name.
+
+    Example::
+
+        clear_moe_aux_losses()    # before a run in a process whose earlier groups were destroyed
+
+    0.19.2 keeps them in a global ``MoEMetricsTracker``, dropped by ``destroy_moe_metrics_tracker``
+    (transformer/moe/moe_logging.py:63-66); 0.16.1 in the dict ``get_moe_layer_wise_logging_tracker`` returns. On
+    0.19.2 that function returns a copy, so clearing what it returns clears nothing, and it warns that it is
+    deprecated (moe_utils.py:1085-1096).
+    """
+    from megatron.core.transformer.moe import moe_utils
+
+    if hasattr(moe_utils, "get_moe_metrics_tracker"):
+        from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+
+        destroy_moe_metrics_tracker()
+    else:
+        moe_utils.get_moe_layer_wise_logging_tracker().clear()
+
+
+def take_moe_aux_losses() -> dict:
+    """Each auxiliary loss megatron-core's MoE routers tracked since the last call (name -> a tensor of one value
+    per layer: the sum over this rank's microbatches of the loss / its coefficient), reduced across ranks as
+    megatron-core reduces it for its log (summed over pipeline stages and TP x CP, averaged over data parallelism),
+    then cleared. A collective: every rank calls it, and every rank tracks the same names.
+
+    Example::
+
+        losses = take_moe_aux_losses()      # {"load_balancing_loss": tensor([1.02, 1.01, ...])}
+
+    0.19.2 keeps the values in a ``MoEMetricsTracker`` (transformer/moe/moe_logging.py:67) and reduces them with
+    ``_sync_metrics`` (:249-288), the method its deprecated ``reduce_aux_losses_tracker_across_ranks`` names as
+    the replacement (moe_utils.py:1066-1082); 0.16.1 keeps a dict (``get_moe_layer_wise_logging_tracker``) and
+    reduces it with ``reduce_aux_losses_tracker_across_ranks``.
+    """
+    from megatron.core.transformer.moe import moe_utils
+
+    if hasattr(moe_utils, "get_moe_metrics_tracker"):
+        tracker = moe_utils.get_moe_metrics_tracker()
+        names = sorted(tracker.metrics)
+        tracker._sync_metrics(names)
+        losses = {name: tracker.metrics[name].values.clone() for name in names}
+    else:
+        tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+        names = sorted(tracker)
+        moe_utils.reduce_aux_losses_tracker_across_ranks(names)
+        losses = {name: tracker[name]["values"].clone() for name in names}
+    clear_moe_aux_losses()
+    return losses
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Workarounds the package calls where it builds process groups and models (on every machine, GPU or not)
 # ----------------------------------------------------------------------------------------------------------
@@ -791,26 +882,40 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL))
 
 
+def write_results_queue_getter(filesystem_async) -> str:
+    """The name of the function of megatron-core's ``filesystem_async`` module that makes (once) and returns the
+    queue its checkpoint writers report through: ``get_write_results_queue(mp_mode="spawn")`` on 0.19.2
+    (strategies/filesystem_async.py:52-66, read by the writer at :200), ``_get_write_results_queue()`` on 0.16.1
+    (:51-56, read at :185).
+
+    Example::
+
+        getattr(filesystem_async, write_results_queue_getter(filesystem_async))().put("ready")
+    """
+    return "get_write_results_queue" if hasattr(filesystem_async, "get_write_results_queue") \
+        else "_get_write_results_queue"
+
+
 def _writer_queue_dies_with_its_process() -> None:
     """Start the process serving dist_checkpointing's results queue with ``die_with_parent`` (checked on
-    megatron-core 0.16.1).
+    megatron-core 0.16.1 and 0.19.2).
 
     megatron-core's checkpoint writers report through a queue of a ``multiprocessing`` Manager that it spawns on
-    the first torch_dist save (dist_checkpointing/strategies/filesystem_async.py:51-56, ``ctx.Manager().Queue()``).
+    the first torch_dist save (``write_results_queue_getter``, ``ctx.Manager().Queue()``).
     Nothing ends that server when its process is killed (SIGKILL, the OOM killer, a scheduler's end of the grace
     period): each killed rank left one behind, about 370 MB, for good. The queue is made here from the thread that
     saves (the main thread), which the death signal follows.
     """
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    def get_write_results_queue():
+    def get_write_results_queue(mp_mode: str = "spawn"):
         if filesystem_async._results_queue is None:
-            manager = multiprocessing.managers.SyncManager(ctx=multiprocessing.get_context("spawn"))
+            manager = multiprocessing.managers.SyncManager(ctx=multiprocessing.get_context(mp_mode))
             manager.start(initializer=die_with_parent)
             filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
         return filesystem_async._results_queue
 
-    filesystem_async._get_write_results_queue = get_write_results_queue
+    setattr(filesystem_async, write_results_queue_getter(filesystem_async), get_write_results_queue)
 
 
 def torchrun_shutdown_flags(seconds: int) -> list[str]:
@@ -924,7 +1029,7 @@ def write_results_in_this_process():
     Example::
 
         with write_results_in_this_process():
-            request = dist_checkpointing.save(state, staging, async_sharded_save=True)
+            request = dist_checkpointing.save(state, staging, async_sharded_save=True, **async_save_options())
 
     megatron-core's file writer takes its results queue from ``_get_write_results_queue``
     (strategies/filesystem_async.py:51-56): a ``Manager().Queue()``, served by a process it spawns the first time a
@@ -944,6 +1049,68 @@ def write_results_in_this_process():
         yield
     finally:
         filesystem_async._results_queue = saved
+
+
+def async_save_options() -> dict:
+    """The ``dist_checkpointing.save`` arguments of an asynchronous save through megatron-core's own writer.
+
+    Example::
+
+        request = dist_checkpointing.save(state, staging, async_sharded_save=True, **async_save_options())
+
+    0.19.2 saves asynchronously through NVIDIA Resiliency Extension by default (``async_strategy="nvrx"``,
+    dist_checkpointing/serialization.py:359; strategies/torch.py:1127-1165), which needs the
+    ``nvidia-resiliency-ext`` package: "A compatible `nvidia-resiliency-ext` installation is required". Our saves
+    replace megatron-core's write function and read its arguments (``integrity.write_checksummed``), which are
+    those of its own writer, ``async_strategy="mcore"``, the only one 0.16.1 has (no such argument there).
+    """
+    from megatron.core import dist_checkpointing
+
+    if "async_strategy" in inspect.signature(dist_checkpointing.save).parameters:
+        return {"async_strategy": "mcore"}
+    return {}
+
+
+# The file of a torch_dist checkpoint that megatron-core 0.16.1 keeps its common (non-sharded) state in; 0.19.0 and
+# later save that state as one ShardedObject, "common_state", among the sharded ones instead
+# (dist_checkpointing/serialization.py:439-445 at 0.19.2), and still read a common.pt where there is one (:223-225).
+COMMON_STATE_FILE = "common.pt"
+# PyTorch DCP's index of a torch_dist checkpoint's .distcp files, written by rank 0 when the save is finalized.
+DCP_METADATA_FILE = ".metadata"
+
+
+def common_state_source(ckpt_dir: str) -> str:
+    """The file a torch_dist checkpoint's common state is read from: its common.pt (megatron-core 0.16.1's saves),
+    else DCP's .metadata, the index of the .distcp files that hold the "common_state" object (0.19.2's saves).
+
+    Example::
+
+        common_state_source("ckpt/iter_0000100")     # "ckpt/iter_0000100/common.pt" when saved by 0.16.1
+    """
+    path = os.path.join(ckpt_dir, COMMON_STATE_FILE)
+    return path if os.path.isfile(path) else os.path.join(ckpt_dir, DCP_METADATA_FILE)
+
+
+def load_common_state_object(ckpt_dir: str) -> dict:
+    """The common state a torch_dist checkpoint without a common.pt holds as its "common_state" object, read by
+    megatron-core 0.19's ``load_common_state_dict`` (serialization.py:206-236; no process group needed).
+
+    Example::
+
+        load_common_state_object("ckpt/iter_0000100")["args"].hidden_size      # a checkpoint saved by 0.19.2
+
+    0.16.1 cannot read it (its ``load_common_state_dict`` reads common.pt only): the error names the release.
+    """
+    from megatron.core.dist_checkpointing import serialization
+    from megatron.core.safe_globals import register_safe_globals
+
+    if not megatron_core_at_least("0.19"):
+        raise FileNotFoundError(
+            f"{ckpt_dir} has no {COMMON_STATE_FILE}: it was saved by megatron-core 0.19 or later, which keeps it "
+            f"among the sharded objects; megatron-core {importlib.metadata.version('megatron-core')} reads only "
+            f"{COMMON_STATE_FILE}. Fix: pip install 'megatron-core>=0.19,<0.20'")
+    register_safe_globals()  # Megatron-LM's args Namespace and enums, for torch.load(weights_only=True)
+    return serialization.load_common_state_dict(ckpt_dir)
 
 
 def optimizer_parts(optimizer):

@@ -209,22 +209,20 @@ def _check_expert_options_reached_the_model(chunks, parallel) -> None:
 
 def _clear_aux_loss_tracker() -> None:
     """Forget the load-balancing losses of earlier layouts: values and the (since destroyed) groups they name."""
-    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+    from megatron_patch.compat import clear_moe_aux_losses
 
-    get_moe_layer_wise_logging_tracker().clear()
+    clear_moe_aux_losses()
 
 
 def _aux_loss(config, num_microbatches: int) -> float:
     """The load-balancing loss the backward pass added, as megatron-core's tracker recorded it: per layer, the sum
     over this rank's microbatches of ``aux_loss / coeff``, reduced over PP, TP x CP and averaged over DP. Divided by
     the microbatches it is the mean over the global batch, the weight the schedule gives it in backward."""
-    from megatron.core.transformer.moe.moe_utils import (get_moe_layer_wise_logging_tracker,
-                                                         reduce_aux_losses_tracker_across_ranks)
+    from megatron_patch.compat import take_moe_aux_losses
 
     if not config.moe_aux_loss_coeff:
         return 0.0
-    reduce_aux_losses_tracker_across_ranks(["load_balancing_loss"])
-    values = get_moe_layer_wise_logging_tracker()["load_balancing_loss"]["values"]
+    values = take_moe_aux_losses()["load_balancing_loss"]
     return (config.moe_aux_loss_coeff * values.sum() / num_microbatches).item()
 
 

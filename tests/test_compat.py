@@ -175,7 +175,7 @@ import sys, time
 from megatron_patch import compat
 compat.apply()
 from megatron.core.dist_checkpointing.strategies import filesystem_async
-filesystem_async._get_write_results_queue().put("ready")
+getattr(filesystem_async, compat.write_results_queue_getter(filesystem_async))().put("ready")
 print("ready", flush=True)
 time.sleep(600)
 """

@@ -37,6 +37,7 @@ import re
 import zipfile
 from typing import TYPE_CHECKING, NamedTuple
 
+from megatron_patch import compat
 from megatron_patch.errors import UserError, read_json
 from megatron_patch.model.config import ModelConfig
 
@@ -187,9 +188,10 @@ def weights_dir(megatron_dir: str) -> str:
 
 
 def checkpoint_format(weights: str) -> str | None:
-    """"torch_dist" (megatron-core's common.pt and metadata.json), "torch" (Megatron-LM's per-rank
-    ``mp_rank_*/model_optim_rng.pt``) or None, from the files in an iteration directory."""
-    if os.path.isfile(os.path.join(weights, "common.pt")) and os.path.isfile(os.path.join(weights, "metadata.json")):
+    """"torch_dist" (megatron-core's metadata.json, with a common.pt from megatron-core 0.16.1, with DCP's .metadata
+    from 0.19: ``compat.common_state_source``), "torch" (Megatron-LM's per-rank ``mp_rank_*/model_optim_rng.pt``)
+    or None, from the files in an iteration directory."""
+    if os.path.isfile(compat.common_state_source(weights)) and os.path.isfile(os.path.join(weights, "metadata.json")):
         return "torch_dist"
     if glob.glob(os.path.join(weights, "mp_rank_00*", "model_optim_rng.pt")):
         return "torch"
@@ -291,15 +293,30 @@ def find_info(megatron_dir: str) -> tuple[CheckpointInfo, str] | None:
     if fmt is None:
         return None
     source = _args_source(weights, fmt)
-    return info_from_megatron_lm(load_megatron_file(source, mapped=True), fmt, source), source
+    return info_from_megatron_lm(read_args_state(source), fmt, source), source
 
 
 def _args_source(weights: str, fmt: str) -> str:
-    """The file of an iteration directory that holds Megatron-LM's ``args``: common.pt (torch_dist), else the
-    first rank file (every rank file carries the same args; the first one is there at any TP/PP)."""
+    """The file of an iteration directory that holds Megatron-LM's ``args``: its common state (torch_dist:
+    ``compat.common_state_source``), else the first rank file (every rank file carries the same args; the first one
+    is there at any TP/PP)."""
     if fmt == "torch_dist":
-        return os.path.join(weights, "common.pt")
+        return compat.common_state_source(weights)
     return sorted(glob.glob(os.path.join(weights, "mp_rank_00*", "model_optim_rng.pt")))[0]
+
+
+def read_args_state(source: str) -> dict:
+    """The state dict holding Megatron-LM's ``args`` that ``source`` (``_args_source``) names: a common.pt or a rank
+    file, memory-mapped (``load_megatron_file``), or the "common_state" object of the .distcp files that DCP's
+    .metadata indexes (``compat.load_common_state_object``).
+
+    Example::
+
+        read_args_state("ckpt/iter_0000100/common.pt")["args"].hidden_size    # 4096
+    """
+    if os.path.basename(source) == compat.DCP_METADATA_FILE:
+        return compat.load_common_state_object(os.path.dirname(source))
+    return load_megatron_file(source, mapped=True)
 
 
 def recorded_train_samples(weights: str) -> tuple[int, int] | None:
@@ -318,7 +335,7 @@ def recorded_train_samples(weights: str) -> tuple[int, int] | None:
     fmt = checkpoint_format(weights)
     if fmt is None:
         return None
-    args = load_megatron_file(_args_source(weights, fmt), mapped=True).get("args")
+    args = read_args_state(_args_source(weights, fmt)).get("args")
     consumed = getattr(args, "consumed_train_samples", None)
     if not consumed:  # Megatron-LM too counts a 0 at a later iteration as unrecorded (its backward compatibility)
         return None
@@ -537,7 +554,7 @@ def info_from_megatron_lm(state: dict, fmt: str, source: str) -> CheckpointInfo:
 
 def _tensor_shapes(state: dict, fmt: str, source: str) -> dict[str, tuple[int, ...]]:
     """The stored tensors' names and shapes: a rank file's own (``state["model"]``, one TP x PP shard), or the
-    global shapes of torch_dist's metadata beside ``source`` (its common.pt)."""
+    global shapes of torch_dist's metadata beside ``source`` (its common state: ``_args_source``)."""
     if fmt == "torch":
         return {name: tuple(t.shape) for name, t in state.get("model", {}).items() if hasattr(t, "shape")}
     if not os.path.isfile(os.path.join(os.path.dirname(source), "metadata.json")):

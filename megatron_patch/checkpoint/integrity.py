@@ -38,6 +38,7 @@ import torch
 # checksums then cost a tenth of what writing it does, not a third.
 from isal.isal_zlib import crc32
 
+from megatron_patch import compat
 from megatron_patch.checkpoint.format import checkpoint_dir, complete_iterations, fsync_path, rng_file
 from megatron_patch.errors import UserError
 
@@ -132,7 +133,7 @@ def write_checksummed(staging: str, checksums: dict, transforms: list, rank: int
 
     Example::
 
-        request = dist_checkpointing.save(state, staging, async_sharded_save=True)
+        request = dist_checkpointing.save(state, staging, async_sharded_save=True, **async_save_options())
         transforms = request.async_fn.args[0]         # what megatron-core's own write function was given
         request = request._replace(async_fn=functools.partial(write_checksummed, staging, checksums, transforms))
 
@@ -185,7 +186,8 @@ def write_rank_checksums(staging: str, rank: int, checksums: dict) -> None:
 
 def write_checksums(staging: str, world_size: int) -> None:
     """Merge the ranks' checksums into ``checksums.json``, adding those of the files no rank checksummed while
-    writing (rank 0's ``common.pt``, ``metadata.json`` and ``.metadata``; ``save_pretrained``'s files)."""
+    writing (rank 0's ``common.pt`` with megatron-core 0.16.1, ``metadata.json`` and ``.metadata``;
+    ``save_pretrained``'s files)."""
     files = {}
     for rank in range(world_size):
         part = os.path.join(staging, _RANK_CHECKSUMS.format(rank))
@@ -268,7 +270,11 @@ def verify_checkpoint(path: str, megatron: bool, *, checksums: bool = True, logg
         if not any(os.path.isfile(os.path.join(path, name)) for name in ("model.pt", "config.json")):
             raise CorruptCheckpointError(f"checkpoint {path} is incomplete: neither model.pt nor config.json")
     else:
-        _require(path, "common.pt", zipped=True)
+        # megatron-core 0.16.1 saves (and reads) a common.pt; 0.19 its common state among the sharded objects,
+        # which DCP's .metadata (written last, by rank 0) indexes (compat.common_state_source).
+        source = (compat.common_state_source(path) if compat.megatron_core_at_least("0.19")
+                  else os.path.join(path, compat.COMMON_STATE_FILE))
+        _require(path, os.path.basename(source), zipped=source.endswith(compat.COMMON_STATE_FILE))
         try:
             with open(_require(path, "metadata.json")) as f:
                 json.load(f)

@@ -20,13 +20,14 @@ from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_ba
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
-from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from megatron_patch.checkpoint.format import FUSED_NORM_NAMES
+from megatron_patch.compat import dense_mlp_submodule
 from megatron_patch.model.attention import SDPAttention
 from megatron_patch.model.config import ModelConfig
 from megatron_patch.model.layers import PostLNTransformerLayer, PostLNTransformerLayerSubmodules, TorchNorm
@@ -101,9 +102,8 @@ def layer_spec(model_config: ModelConfig, parallel_config: ParallelConfig | None
             moe_grouped_gemm=parallel_config is not None and parallel_config.moe_grouped_gemm,
         )
     else:
-        mlp = ModuleSpec(
-            module=MLP, submodules=MLPSubmodules(linear_fc1=norm_linear, linear_fc2=provider.row_parallel_linear())
-        )
+        mlp = dense_mlp_submodule(
+            MLPSubmodules(linear_fc1=norm_linear, linear_fc2=provider.row_parallel_linear()))
     common = dict(self_attention=self_attention, self_attn_bda=get_bias_dropout_add, mlp=mlp,
                   mlp_bda=get_bias_dropout_add)
     if post_ln:

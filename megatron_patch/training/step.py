@@ -156,9 +156,7 @@ class RoutingStatistics:
 
     def take(self, num_microbatches: int) -> RoutingStep | None:
         """This step's routing over every rank, the counters cleared; None for a dense model."""
-        from megatron.core.transformer.moe.moe_utils import (
-            clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker, reduce_aux_losses_tracker_across_ranks,
-        )
+        from megatron_patch.compat import take_moe_aux_losses
 
         if self.num_experts is None:
             return None
@@ -172,17 +170,13 @@ class RoutingStatistics:
         # ranks is the step's.
         torch.distributed.all_reduce(counts)
         layers = [index + 1 for index in range(self.num_layers) if bool(counts[index].any())]
-        tracker = get_moe_layer_wise_logging_tracker()
         # megatron-core's track_moe_metrics without its writers: summed over pipeline stages and TP x CP, averaged
         # over data-parallel ranks, scaled by 1 / microbatches as Megatron-LM's training_log does. Every rank
         # tracks the same names (each has MoE layers), so the reductions match up.
-        names = sorted(tracker)
-        reduce_aux_losses_tracker_across_ranks(names)
         losses = {}
-        for name in names:
-            values = (tracker[name]["values"].float() / num_microbatches).tolist()
+        for name, tracked in take_moe_aux_losses().items():
+            values = (tracked.float() / num_microbatches).tolist()
             losses[name] = {layer: values[layer - 1] for layer in layers}
-        clear_aux_losses_tracker()
         return RoutingStep(aux_losses=losses, tokens_per_expert={layer: counts[layer - 1].tolist() for layer in layers})
 
 

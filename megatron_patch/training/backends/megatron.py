@@ -27,8 +27,8 @@ import torch
 
 from megatron_patch import compat
 from megatron_patch.checkpoint.format import (
-    RELEASE, CheckpointInfo, CheckpointMismatch, checkpoint_dir, load_megatron_file, megatron_lm_common_state,
-    read_info, weights_dir,
+    RELEASE, CheckpointInfo, CheckpointMismatch, checkpoint_dir, megatron_lm_common_state, read_args_state, read_info,
+    weights_dir,
 )
 from megatron_patch.checkpoint.async_save import live_storages, with_snapshot
 from megatron_patch.checkpoint.integrity import write_checksummed, write_rank_checksums
@@ -298,7 +298,8 @@ def save_megatron_checkpoint(root: str, iteration: int, chunks: list, optimizer,
                                                     parallel_state.get_data_parallel_group(with_context_parallel=True))
         with compat.write_results_in_this_process():
             request = dist_checkpointing.save(state, staging, sharded_strategy=strategy, async_sharded_save=True,
-                                              content_metadata=dict(compat.DISTRIB_OPTIMIZER_METADATA))
+                                              content_metadata=dict(compat.DISTRIB_OPTIMIZER_METADATA),
+                                              **compat.async_save_options())
         # Only now: rank 0's dist_checkpointing.save warns "Overwriting old incomplete / corrupted checkpoint" when
         # the directory holds a file (serialization.py:383-387), and no rank leaves save() before rank 0 has
         # passed that check (its sharding validation is a collective).
@@ -335,7 +336,7 @@ def load_megatron_checkpoint(root: str, chunks: list, optimizer, scheduler, **op
         from megatron.core import dist_checkpointing
         from megatron.core.dist_checkpointing.validation import StrictHandling
 
-        common = load_megatron_file(os.path.join(path, "common.pt"))
+        common = read_args_state(compat.common_state_source(path))
         metadata = _saved_metadata(common)
         if with_optimizer:
             _require_optimizer_state(root, path)
@@ -400,7 +401,7 @@ def _saved_metadata(common: dict) -> dict:
 
     Example::
 
-        _saved_metadata(load_megatron_file("ckpt/iter_0000100/common.pt"))
+        _saved_metadata(read_args_state("ckpt/iter_0000100/common.pt"))
         # Megatron-LM's: {'distrib_optim_sharding_type': 'dp_reshardable', 'singleton_local_shards': False,
         #                 'chained_optim_avoid_prefix': True}
 
