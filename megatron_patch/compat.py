@@ -1092,25 +1092,62 @@ def common_state_source(ckpt_dir: str) -> str:
 
 
 def load_common_state_object(ckpt_dir: str) -> dict:
-    """The common state a torch_dist checkpoint without a common.pt holds as its "common_state" object, read by
-    megatron-core 0.19's ``load_common_state_dict`` (serialization.py:206-236; no process group needed).
+    """The common state a torch_dist checkpoint without a common.pt holds as its "common_state" object (saved by
+    megatron-core 0.19 or later), read under either end of the tested range; no process group needed.
 
     Example::
 
         load_common_state_object("ckpt/iter_0000100")["args"].hidden_size      # a checkpoint saved by 0.19.2
 
-    0.16.1 cannot read it (its ``load_common_state_dict`` reads common.pt only): the error names the release.
+    0.19 reads it with its own ``load_common_state_dict`` (serialization.py:206-236). 0.16.1 has no reader for it
+    (``TorchCommonLoadStrategy.load_common`` opens common.pt, strategies/common.py:73-98), so PyTorch DCP reads that
+    one object here the way 0.19 does: a checkpoint saved at one end resumes at the other.
     """
-    from megatron.core.dist_checkpointing import serialization
+    import io
+
+    import torch
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
     from megatron.core.safe_globals import register_safe_globals
 
-    if not megatron_core_at_least("0.19"):
-        raise FileNotFoundError(
-            f"{ckpt_dir} has no {COMMON_STATE_FILE}: it was saved by megatron-core 0.19 or later, which keeps it "
-            f"among the sharded objects; megatron-core {importlib.metadata.version('megatron-core')} reads only "
-            f"{COMMON_STATE_FILE}. Fix: pip install 'megatron-core>=0.19,<0.20'")
     register_safe_globals()  # Megatron-LM's args Namespace and enums, for torch.load(weights_only=True)
-    return serialization.load_common_state_dict(ckpt_dir)
+    if megatron_core_at_least("0.19"):
+        from megatron.core.dist_checkpointing import serialization
+
+        return serialization.load_common_state_dict(ckpt_dir)
+    key = ShardedObject("common_state", None, (1,), (0,)).unique_key
+    state = {key: io.BytesIO()}
+    torch.distributed.checkpoint.load(state, storage_reader=torch.distributed.checkpoint.FileSystemReader(ckpt_dir),
+                                      no_dist=True)
+    loaded = state[key]
+    if isinstance(loaded, io.BytesIO):  # bytes where DCP did not unpickle the object itself (0.19's own check)
+        loaded.seek(0)
+        loaded = torch.load(loaded, weights_only=True)
+    return loaded[0]
+
+
+def dist_load_options() -> dict:
+    """The ``dist_checkpointing.load`` arguments that let the installed megatron-core read a checkpoint saved by
+    either end of the tested range.
+
+    Example::
+
+        loaded = dist_checkpointing.load(state, "ckpt/iter_0000100", **dist_load_options())
+
+    0.19 reads both kinds of common state itself (serialization.py:223-236). 0.16.1 reads a common.pt only, through
+    its common strategy (serialization.py:121); given one whose ``load_common`` falls back to
+    :func:`load_common_state_object`, it resumes what 0.19 saved.
+    """
+    if megatron_core_at_least("0.19"):
+        return {}
+    from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
+
+    class CommonFileOrObject(TorchCommonLoadStrategy):
+        def load_common(self, checkpoint_dir):
+            if os.path.isfile(os.path.join(checkpoint_dir, COMMON_STATE_FILE)):
+                return super().load_common(checkpoint_dir)
+            return load_common_state_object(str(checkpoint_dir))
+
+    return {"common_strategy": CommonFileOrObject()}
 
 
 def optimizer_parts(optimizer):

@@ -270,10 +270,9 @@ def verify_checkpoint(path: str, megatron: bool, *, checksums: bool = True, logg
         if not any(os.path.isfile(os.path.join(path, name)) for name in ("model.pt", "config.json")):
             raise CorruptCheckpointError(f"checkpoint {path} is incomplete: neither model.pt nor config.json")
     else:
-        # megatron-core 0.16.1 saves (and reads) a common.pt; 0.19 its common state among the sharded objects,
-        # which DCP's .metadata (written last, by rank 0) indexes (compat.common_state_source).
-        source = (compat.common_state_source(path) if compat.megatron_core_at_least("0.19")
-                  else os.path.join(path, compat.COMMON_STATE_FILE))
+        # megatron-core 0.16.1 saves a common.pt; 0.19 its common state among the sharded objects, which DCP's
+        # .metadata (written last, by rank 0) indexes (compat.common_state_source). Either end reads either.
+        source = compat.common_state_source(path)
         _require(path, os.path.basename(source), zipped=source.endswith(compat.COMMON_STATE_FILE))
         try:
             with open(_require(path, "metadata.json")) as f:

@@ -347,10 +347,11 @@ def load_megatron_checkpoint(root: str, chunks: list, optimizer, scheduler, **op
             # --finetune may put a new head on the loaded weights (a classifier on a pretrained BERT): tensors the
             # checkpoint lacks keep their initialisation, as Megatron-LM's tasks/finetune_utils.py loads its
             # pretrained checkpoint with strict=False.
-            loaded, _, absent = dist_checkpointing.load(state, path, strict=StrictHandling.RETURN_UNEXPECTED)
+            loaded, _, absent = dist_checkpointing.load(state, path, strict=StrictHandling.RETURN_UNEXPECTED,
+                                                        **compat.dist_load_options())
             _check_finetune_coverage(path, state, absent, logger)
         else:
-            loaded = dist_checkpointing.load(state, path)
+            loaded = dist_checkpointing.load(state, path, **compat.dist_load_options())
         modules = [_unwrap(c) for c in chunks]
         for i, module in enumerate(modules):
             module.load_state_dict(loaded["model" if len(modules) == 1 else f"model{i}"], strict=not finetune)
