@@ -18,6 +18,7 @@ saved as Megatron-LM's per-rank files (``save_as_megatron_lm_legacy_run``: each 
 
 import argparse
 import glob
+import importlib.metadata
 import os
 import shutil
 
@@ -25,7 +26,10 @@ import numpy
 import pytest
 import torch
 
-from megatron_patch.checkpoint.format import CheckpointMismatch, info_from_megatron_lm, load_megatron_file, read_info
+from megatron_patch import compat
+from megatron_patch.checkpoint.format import (
+    CheckpointMismatch, info_from_megatron_lm, load_megatron_file, read_args_state, read_info,
+)
 from megatron_patch.errors import UserError
 from megatron_patch.testing import logged_messages, run_on_ranks
 from tests.convert_oracles import _fixed_data_pretrainer, cli, hf_reference, make_hf_model, training_sequences
@@ -259,7 +263,22 @@ def test_flag_contradicting_megatron_lm_args_is_refused(checkpoints, capsys):
         parse_args(["--load", dist_lm, "--hidden-size", "48", "--micro-batch-size", "2"])
     message = str(refused.value)
     assert "--hidden-size 48 contradicts hidden_size=32" in message, message
-    assert os.path.join(dist_lm, f"iter_{ITERATION:07d}", "common.pt") in message, message
+    assert compat.common_state_source(os.path.join(dist_lm, f"iter_{ITERATION:07d}")) in message, message
+
+
+def _common_state(iteration: str) -> dict:
+    """The common state of a torch_dist save, where the saving megatron-core kept it: common.pt (0.16.1), or the
+    "common_state" object DCP's .metadata indexes (0.19)."""
+    return read_args_state(compat.common_state_source(iteration))
+
+
+def _rewrite_common_state(iteration: str, state: dict) -> None:
+    """Replace a torch_dist save's common state with ``state``, as a common.pt: both ends of the tested range read
+    one first (0.19: dist_checkpointing/serialization.py:223-225), and Megatron-LM saves of 0.16.1 hold it so. Written
+    aside and renamed: ``state`` may be memory-mapped from the file it replaces (``read_args_state``)."""
+    path = os.path.join(iteration, compat.COMMON_STATE_FILE)
+    torch.save(state, path + ".tmp")
+    os.replace(path + ".tmp", path)
 
 
 def _state(**args) -> dict:
@@ -451,7 +470,7 @@ def test_trainer_resumes_megatron_lm_optimizer_state(checkpoints, tmp_path, worl
     saves = run_on_ranks(train_and_save_as_megatron_lm, world_size, args=(converted, out, sequences, flags),
                          timeout=400)
     resumes = run_on_ranks(resume, world_size, args=(out, sequences, flags), timeout=400)
-    common = load_megatron_file(os.path.join(out, f"iter_{SAVED_AT:07d}", "common.pt"))
+    common = _common_state(os.path.join(out, f"iter_{SAVED_AT:07d}"))
     distributed = "--use-distributed-optimizer" in flags
     assert common["args"].consumed_train_samples == SAVED_AT * 4 and common["iteration"] == SAVED_AT
     assert common["content_metadata"].get("distrib_optim_sharding_type") == (
@@ -489,11 +508,11 @@ def as_before_megatron_core_0_13(saved: str, out: str) -> str:
     metadata, the distributed optimizer's state sharded as 'fully_sharded_model_space' (its default then, with
     --ckpt-fully-parallel-save)."""
     shutil.copytree(saved, out)
-    path = os.path.join(out, f"iter_{SAVED_AT:07d}", "common.pt")
-    common = load_megatron_file(path)
+    iteration = os.path.join(out, f"iter_{SAVED_AT:07d}")
+    common = _common_state(iteration)
     del common["content_metadata"]
     common["optimizer"]["param_state_sharding_type"] = "fully_sharded_model_space"
-    torch.save(common, path)
+    _rewrite_common_state(iteration, common)
     return out
 
 
@@ -526,8 +545,9 @@ def test_megatron_lm_optimizer_buckets_reshard_across_data_parallel_ranks_only(c
         "Megatron-LM's --dist-ckpt-optim-fully-reshardable")
     assert "requested TP=1 PP=1 VPP=1 DP=2 without the distributed optimizer" in without, without
     assert flattened.startswith(f"--load {old}: ") and flattened.endswith(
-        "('fully_sharded_model_space', Megatron-LM's before megatron-core 0.13), which megatron-core 0.16.1 no longer "
-        "reads; pass --finetune or --no-load-optim to load the model alone"), flattened
+        "('fully_sharded_model_space', Megatron-LM's before megatron-core 0.13), which megatron-core "
+        f"{importlib.metadata.version('megatron-core')} no longer reads; pass --finetune or --no-load-optim to load "
+        "the model alone"), flattened
 
 
 # A GPT trained from scratch (Megatron-LM's --tokenizer-type NullTokenizer --vocab-size 1000, or a tokenizer's files)
@@ -573,8 +593,8 @@ def test_null_tokenizer_checkpoint_resumes_with_the_flags_it_was_trained_with(tm
     saved = run_on_ranks(save_from_scratch_then_resume, 2, args=(
         out, resaved, training_sequences(), NULL_TOKENIZER, {"tokenizer_type": "NullTokenizer", "vocab_size": 1000},
         other), timeout=400)[-1]
-    common_pt = os.path.join(out, f"iter_{SAVED_AT:07d}", "common.pt")
-    args = load_megatron_file(common_pt)["args"]
+    common_pt = compat.common_state_source(os.path.join(out, f"iter_{SAVED_AT:07d}"))
+    args = read_args_state(common_pt)["args"]
     # The save is laid out as Megatron-LM's: its flag, and the embedding rows _vocab_size_with_padding gives 1001
     # tokens at --make-vocab-size-divisible-by 128 x TP=2.
     assert (args.tokenizer_type, args.vocab_size, args.padded_vocab_size) == ("NullTokenizer", 1000, 1024)
@@ -585,7 +605,7 @@ def test_null_tokenizer_checkpoint_resumes_with_the_flags_it_was_trained_with(tm
                                        f"{common_pt} describes a vocabulary of 1001: "), saved["refusal"]
     assert saved["refusal"].endswith("or, for a NullTokenizer, its --vocab-size"), saved["refusal"]
     # Our own save of the resumed run records the flag as Megatron-LM does, and reads back as the same vocabulary.
-    common = load_megatron_file(os.path.join(resaved, "iter_0000004", "common.pt"))
+    common = _common_state(os.path.join(resaved, "iter_0000004"))
     assert (common["args"].tokenizer_type, common["args"].vocab_size) == ("NullTokenizer", 1000)
     assert info_from_megatron_lm(common, "torch_dist", "common.pt").model_config.vocab_size == 1001
 
@@ -605,8 +625,8 @@ def test_checkpoint_of_a_tokenizer_from_files_resumes_with_the_flags_it_was_trai
     saved = run_on_ranks(save_from_scratch_then_resume, 2, args=(
         out, resaved, training_sequences(), tokenizer, {"tokenizer_type": "GPT2BPETokenizer", "vocab_size": None},
         other), timeout=400)[-1]
-    common_pt = os.path.join(out, f"iter_{SAVED_AT:07d}", "common.pt")
-    args = load_megatron_file(common_pt)["args"]
+    common_pt = compat.common_state_source(os.path.join(out, f"iter_{SAVED_AT:07d}"))
+    args = read_args_state(common_pt)["args"]
     assert (args.tokenizer_type, args.vocab_size, args.padded_vocab_size) == ("GPT2BPETokenizer", None, 1024)
     assert f"successfully loaded checkpoint from {out} at iteration {SAVED_AT}" in saved["messages"]
     assert saved["resumed"] == saved["unbroken"][SAVED_AT:], (saved["resumed"], saved["unbroken"])
@@ -633,15 +653,15 @@ def test_resume_continues_at_the_samples_the_checkpoint_records(checkpoints, tmp
     out, resaved = str(tmp_path / "megatron-lm"), str(tmp_path / "resumed")
     sequences = training_sequences(16)  # 16 distinct samples: from sample 8 and from 12 are other batches
     run_on_ranks(train_and_save_as_megatron_lm, 1, args=(converted, out, sequences, []), timeout=400)
-    path = os.path.join(out, f"iter_{SAVED_AT:07d}", "common.pt")
-    common = load_megatron_file(path)
+    iteration = os.path.join(out, f"iter_{SAVED_AT:07d}")
+    common = _common_state(iteration)
     common["args"].consumed_train_samples, common["args"].skipped_train_samples = 12, 3
-    torch.save(common, path)
+    _rewrite_common_state(iteration, common)
     [result] = run_on_ranks(resume_at_recorded_samples, 1, args=(out, resaved, sequences), timeout=400)
     # The first resumed iteration's loss is the loaded weights' on samples 12-15 (before its update).
     assert result["losses"][0] == (SAVED_AT + 1, result["reference"][0][1]), result
     assert result["consumed"] == 16
-    args = load_megatron_file(os.path.join(resaved, f"iter_{SAVED_AT + 1:07d}", "common.pt"))["args"]
+    args = _common_state(os.path.join(resaved, f"iter_{SAVED_AT + 1:07d}"))["args"]
     assert (args.consumed_train_samples, args.skipped_train_samples) == (16, 3)
 
 
