@@ -6,10 +6,14 @@ Example::
     compat.apply_cpu_shim()          # no-op when torch.cuda.is_available()
     spec_backend = "te" if compat.transformer_engine_available() else "local"
 
-Everything version-specific lives here, each workaround naming the upstream lines it works around:
+Everything version-specific lives here, each workaround naming the upstream lines it works around (line numbers
+are megatron-core 0.16.1's where no release is named) and the releases it was checked on. CI runs the two ends of
+``TESTED_MEGATRON_CORE``: 0.16.1 (Python 3.11, torch 2.13.0+cpu) and 0.19.2 (Python 3.12, PyPI's torch 2.11.0 on
+the CPU); where they differ, a workaround asks the installed release for the feature (``megatron_core_at_least``,
+``hasattr``) and names both:
 
 - the megatron-core version gate;
-- the CPU shim (``apply_cpu_shim``), checked against megatron-core 0.16.1 and torch 2.13.0+cpu. It only replaces
+- the CPU shim (``apply_cpu_shim``), checked against megatron-core 0.16.1 and 0.19.2. It only replaces
   behaviour that would raise on a CPU-only build ("Torch not compiled with CUDA enabled"), so it can never change
   what happens on a GPU. ``docs/megatron-core-on-cpu.md`` says what runs on CPU as-is and what each patch is for;
 - fixes for running without TE/apex, applied with the shim by ``apply``;
@@ -20,7 +24,10 @@ Everything version-specific lives here, each workaround naming the upstream line
 - checkpoint workarounds: the distributed optimizer's Adam state, its loading and its resharding metadata,
   megatron-core's sharded-key renaming and its collections (``initialise_adam_state``, ``restore_adam_step``,
   ``DISTRIB_OPTIMIZER_METADATA``, ``by_sharded_key``, ``collect_only_new_objects``,
-  ``write_results_in_this_process``).
+  ``write_results_in_this_process``, ``async_save_options``, ``common_state_source``);
+- APIs 0.19 moved: the batch ramp-up (``init_num_microbatches_calculator``), the dense MLP spec
+  (``dense_mlp_submodule``), the MoE aux-loss tracker (``take_moe_aux_losses``), torchrun's flags
+  (``torchrun_shutdown_flags``).
 """
 
 from __future__ import annotations
@@ -114,7 +121,7 @@ def _defer_compile(module) -> None:
 
 class _FusionsCompiledOnFirstCall(importlib.abc.MetaPathFinder):
     """Compile megatron-core's fused functions when they are first called, not when megatron-core is imported
-    (checked on megatron-core 0.16.1).
+    (checked on megatron-core 0.16.1 and 0.19.2).
 
     ``import megatron.core`` imports the fusions (bias-GeLU, SwiGLU, bias-dropout-add, ...), each decorated with
     ``jit_fuser``, which is ``torch.compile`` (megatron/core/jit.py:21); the first decoration imports torch._dynamo
@@ -504,7 +511,8 @@ def _save_a_zero_optimizer_step() -> None:
 def _moe_router_without_te() -> None:
     """Not CPU-specific: ``transformer/moe/moe_utils.py:34`` defines ``te_general_gemm`` only when Transformer Engine
     imports, yet the router's gating GEMM reads it unguarded (``:1192``, ``:1226``), so without TE every MoE forward
-    raises NameError. None is the value those lines test for, falling back to ``torch.mm``."""
+    raises NameError. None is the value those lines test for, falling back to ``torch.mm``. 0.19.2 sets it to None
+    itself without TE (moe_utils.py:41-53), so there this changes nothing."""
     import megatron.core.transformer.moe.moe_utils as moe_utils
 
     moe_utils.__dict__.setdefault("te_general_gemm", None)
@@ -546,7 +554,7 @@ _shim_applied = False
 
 
 def apply_cpu_shim() -> bool:
-    """Let megatron-core 0.16.1 run on a CPU-only torch with gloo; returns whether anything was patched.
+    """Let megatron-core (0.16.1, 0.19.2) run on a CPU-only torch with gloo; returns whether anything was patched.
 
     Example::
 
@@ -777,7 +785,7 @@ _ROTARY_CACHES = (("megatron.core.models.common.embeddings.rotary_pos_embedding"
 
 
 def destroy_model_parallel_and_free_groups() -> None:
-    """Tear down megatron-core's groups *and* free them (checked on megatron-core 0.16.1 and torch 2.13).
+    """Tear down megatron-core's groups *and* free them (checked on megatron-core 0.16.1 with torch 2.13 and 0.19.2 with torch 2.11).
 
     Example::
 
@@ -812,7 +820,7 @@ def destroy_model_parallel_and_free_groups() -> None:
 
 def pipeline_p2p_flags(interleaved: bool) -> dict[str, bool]:
     """``TransformerConfig`` arguments for the pipeline's point-to-point exchange (checked on megatron-core 0.16.1
-    with gloo).
+    and 0.19.2 with gloo).
 
     Example::
 
@@ -848,7 +856,7 @@ def default_store():
 @contextlib.contextmanager
 def bert_lm_head_norm(norm: type):
     """Inside this block, megatron-core's ``BertLMHead`` builds its LayerNorm from ``norm`` (checked on
-    megatron-core 0.16.1).
+    megatron-core 0.16.1 and 0.19.2).
 
     Example::
 
@@ -965,7 +973,7 @@ def shorten_elastic_shutdown(seconds: int) -> None:
 
 # -- checkpoint format workarounds --
 
-# How our saves shard the distributed optimizer's state (checked on megatron-core 0.16.1). megatron-core's default
+# How our saves shard the distributed optimizer's state (checked on megatron-core 0.16.1 and 0.19.2). megatron-core's default
 # where the metadata names none, "fully_sharded_model_space" (optimizer/distrib_optimizer.py:1224-1226), builds
 # flattened tensors its own dist_checkpointing refuses, "ShardedTensor.flattened_range is not supported"
 # (dist_checkpointing/mapping.py:134; docs/megatron-core-on-cpu.md, item 9); Megatron-LM's default, "dp_reshardable"
@@ -995,7 +1003,7 @@ def process_froze_objects() -> bool:
 @contextlib.contextmanager
 def collect_only_new_objects():
     """Let megatron-core's full ``gc.collect()`` visit only the objects made inside the block (checked on
-    megatron-core 0.16.1).
+    megatron-core 0.16.1 and 0.19.2).
 
     Example::
 
@@ -1024,7 +1032,7 @@ def collect_only_new_objects():
 @contextlib.contextmanager
 def write_results_in_this_process():
     """Let the ``dist_checkpointing.save`` calls in the block report their write results through a queue of this
-    process, not a spawned one (checked on megatron-core 0.16.1).
+    process, not a spawned one (checked on megatron-core 0.16.1 and 0.19.2).
 
     Example::
 
@@ -1158,7 +1166,7 @@ def optimizer_parts(optimizer):
 
 def detach_main_param_views(optimizer) -> None:
     """Make the distributed optimizer's fp32 main parameters plain views of the model's weights, outside autograd
-    (checked on megatron-core 0.16.1 and torch 2.13).
+    (checked on megatron-core 0.16.1 with torch 2.13 and 0.19.2 with torch 2.11).
 
     Example::
 
@@ -1193,7 +1201,7 @@ def detach_main_param_views(optimizer) -> None:
 
 def detach_moe_dispatcher_state(model) -> None:
     """Keep the tensors a mixture-of-experts layer's token dispatcher caches out of autograd once the layer's
-    forward has returned (checked on megatron-core 0.16.1, its ``allgather`` and ``alltoall`` dispatchers).
+    forward has returned (checked on megatron-core 0.16.1 and 0.19.2, its ``allgather`` and ``alltoall`` dispatchers).
 
     Example::
 
@@ -1225,7 +1233,7 @@ def _detach_dispatcher_tensors(layer, inputs, outputs) -> None:
 
 def initialise_adam_state(optimizer, is_loading: bool) -> None:
     """Give torch Adam a state with a ``step`` before megatron-core's ``optimizer.sharded_state_dict`` (checked
-    on megatron-core 0.16.1).
+    on megatron-core 0.16.1 and 0.19.2).
 
     Example::
 
@@ -1252,7 +1260,7 @@ def initialise_adam_state(optimizer, is_loading: bool) -> None:
 
 def restore_adam_step(optimizer) -> None:
     """Put torch Adam's ``step`` back on each parameter after megatron-core loaded the optimizer (checked on
-    megatron-core 0.16.1).
+    megatron-core 0.16.1 and 0.19.2).
 
     Example::
 
@@ -1275,7 +1283,7 @@ def restore_adam_step(optimizer) -> None:
 def by_sharded_key(sharded_state_dict) -> dict:
     """megatron-core's sharded state dict flattened and grouped by checkpoint key, main replicas only: what its
     torch_dist save strategy hands PyTorch DCP (``TorchDistSaveShardedStrategy.async_save``,
-    dist_checkpointing/strategies/torch.py:655-658, checked on megatron-core 0.16.1).
+    dist_checkpointing/strategies/torch.py:655-658, checked on megatron-core 0.16.1 and 0.19.2).
 
     Example::
 

@@ -14,6 +14,7 @@ import pytest
 from seed_scripts.assets import rapidformer_assets
 from test_trainer_megatron import _gpt_flags, train_gpt
 
+from megatron_patch.compat import common_state_source
 from megatron_patch.distributed import free_port
 from megatron_patch.testing import run_on_ranks
 
@@ -72,7 +73,10 @@ def test_damaged_checkpoint_is_named_and_fallback_loads_the_previous(assets, thr
         os.truncate(file, os.path.getsize(file) // 2)
         name = os.path.basename(file)
     else:
-        name = {"remove-common": "common.pt", "remove-metadata": "metadata.json"}[damage]
+        # The common state's file: common.pt (megatron-core 0.16.1), or DCP's .metadata (0.19 keeps the common state
+        # among the sharded objects it indexes).
+        common = os.path.basename(common_state_source(latest))
+        name = {"remove-common": common, "remove-metadata": "metadata.json"}[damage]
         os.remove(os.path.join(latest, name))
     load = _gpt_flags(assets, *_BATCH, "--load", save, "--train-iters", "2")
     with pytest.raises(AssertionError) as failure:

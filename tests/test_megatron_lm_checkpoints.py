@@ -1,5 +1,6 @@
-"""Megatron-LM reads our checkpoints with ``--use-checkpoint-args``: a conversion's and a trainer's ``common.pt``
-and legacy rank files carry ``args`` with every field its loader reads, under its names, and a load logs its
+"""Megatron-LM reads our checkpoints with ``--use-checkpoint-args``: a conversion's and a trainer's common state
+(``common.pt``, or with megatron-core 0.19 the "common_state" object: ``compat.common_state_source``) and legacy
+rank files carry ``args`` with every field its loader reads, under its names, and a load logs its
 ``successfully loaded checkpoint from DIR at iteration N`` line."""
 
 import glob
@@ -8,7 +9,10 @@ import os
 
 import pytest
 
-from megatron_patch.checkpoint.format import CheckpointInfo, load_megatron_file, megatron_lm_args, read_info
+from megatron_patch.checkpoint.format import (
+    CheckpointInfo, load_megatron_file, megatron_lm_args, read_args_state, read_info,
+)
+from megatron_patch.compat import common_state_source
 from megatron_patch.model.config import get_model_config
 from megatron_patch.testing import logged_messages, run_on_ranks
 from tests.convert_oracles import cli, make_hf_model, training_sequences
@@ -77,7 +81,7 @@ def test_conversion_common_pt_carries_megatron_lm_args(llama):
     hf, hf_config, root = llama
     out = str(root / "dist")
     info = _convert(hf, out)
-    common = load_megatron_file(os.path.join(out, "release", "common.pt"))
+    common = read_args_state(common_state_source(os.path.join(out, "release")))
     assert common["checkpoint_version"] == 3.0 and common["iteration"] == 0
     _check_args(common["args"], _expected(hf_config, info["padded_vocab_size"]))
     assert common["args"].tokenizer_type == "HuggingFaceTokenizer"  # the saved tokenizer is a Hugging Face one
@@ -183,7 +187,7 @@ def test_trainer_checkpoint_carries_megatron_lm_args_and_its_load_is_logged(llam
         info = json.load(f)
     for iteration in (2, 3):
         path = os.path.join(trained, f"iter_{iteration:07d}")
-        common = load_megatron_file(os.path.join(path, "common.pt"))
+        common = read_args_state(common_state_source(path))
         assert common["checkpoint_version"] == 3.0 and common["iteration"] == iteration
         expected = dict(_expected(hf_config, info["padded_vocab_size"]), seq_length=16,
                         consumed_train_samples=iteration * 4, consumed_valid_samples=0)
@@ -192,4 +196,4 @@ def test_trainer_checkpoint_carries_megatron_lm_args_and_its_load_is_logged(llam
         # distributed optimizer's state for another format than the one saved.
         assert common["content_metadata"]["distrib_optim_sharding_type"] == "fully_reshardable"
         with open(os.path.join(path, "checksums.json")) as f:
-            assert "common.pt" in json.load(f)["files"]
+            assert os.path.basename(common_state_source(path)) in json.load(f)["files"]
