@@ -163,3 +163,46 @@ def test_a_node_that_fails_at_start_ends_the_other(two_hosts, tmp_path):
     finally:
         for node in nodes:
             node.kill()
+
+
+def test_a_node_without_a_route_to_master_addr_is_told_at_once(two_hosts, tmp_path):
+    """Failed before: torchrun's agent retried node 0's store until the rendezvous timeout (15 minutes)."""
+    started = time.monotonic()
+    result = subprocess.run(
+        ["ip", "netns", "exec", two_hosts[1], sys.executable, "-m", "megatron_patch.cli", "train", *JOB,
+         "--train-iters", "1"], capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": ROOT, "CUDA_VISIBLE_DEVICES": "", "NNODES": "2", "NODE_RANK": "1",
+             "MASTER_ADDR": "10.9.9.9", "MASTER_PORT": "29545"})
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stderr.splitlines() == [
+        "rapidformer: error: MASTER_ADDR=10.9.9.9 cannot be reached from this host (Network is unreachable): set it "
+        "to node 0's address on a network every node shares"], result.stderr
+    assert time.monotonic() - started < 60
+
+
+def test_the_interface_found_and_the_users_setting():
+    """No root needed: MASTER_ADDR 127.0.0.1 is reached through lo; a variable the user set is kept."""
+    from megatron_patch.training.nodes import choose_socket_interfaces
+
+    environ = {}
+    assert choose_socket_interfaces("127.0.0.1", environ) == (
+        "reaches MASTER_ADDR=127.0.0.1 through lo (127.0.0.1): GLOO_SOCKET_IFNAME=lo NCCL_SOCKET_IFNAME=lo")
+    assert environ == {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
+    environ = {"NCCL_SOCKET_IFNAME": "ib0"}
+    assert choose_socket_interfaces("127.0.0.1", environ).endswith(
+        ": GLOO_SOCKET_IFNAME=lo (yours kept: NCCL_SOCKET_IFNAME=ib0)")
+    assert environ == {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "ib0"}
+
+
+def test_a_master_that_does_not_answer_is_said_in_one_line():
+    from megatron_patch.distributed import free_port
+    from megatron_patch.training.nodes import probe_master
+
+    port = free_port()
+    started = time.monotonic()
+    line = probe_master("127.0.0.1", port, seconds=1)
+    assert time.monotonic() - started < 5
+    assert line.startswith(f"node 0 does not answer at MASTER_ADDR=127.0.0.1 MASTER_PORT={port} after 1 s "
+                           "(Connection refused); waiting for it"), line
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        assert probe_master("127.0.0.1", server.getsockname()[1]) is None
