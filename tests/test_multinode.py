@@ -72,9 +72,9 @@ def two_hosts():
             shutil.rmtree(f"/etc/netns/{name}", ignore_errors=True)
 
 
-def _start_nodes(names, tmp_path, port, *flags, node1_env=None):
+def _start_nodes(names, tmp_path, port, *flags, env_of=None):
     """Both nodes' launchers (`megatron-patch train`), each in its namespace, output to tmp_path/nodeN.log;
-    ``node1_env`` adds to node 1's environment."""
+    ``env_of`` adds to one node's environment: ``(node, {name: value})``."""
     environment = {k: v for k, v in os.environ.items() if not k.endswith("_SOCKET_IFNAME")}
     environment.update(PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
                        CUDA_VISIBLE_DEVICES="", NNODES="2", MASTER_ADDR=ADDRESSES[0], MASTER_PORT=str(port))
@@ -83,8 +83,8 @@ def _start_nodes(names, tmp_path, port, *flags, node1_env=None):
         log = open(tmp_path / f"node{rank}.log", "w")
         nodes.append(subprocess.Popen(
             ["ip", "netns", "exec", name, sys.executable, "-m", "megatron_patch.cli", "train", *JOB, *flags],
-            env={**environment, "NODE_RANK": str(rank), **(node1_env or {} if rank else {})}, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True))
+            env={**environment, "NODE_RANK": str(rank), **(env_of[1] if env_of and env_of[0] == rank else {})}, stdout=log,
+            stderr=subprocess.STDOUT, start_new_session=True))
     return nodes
 
 
@@ -143,22 +143,26 @@ def test_a_killed_node_ends_the_other(two_hosts, tmp_path):
             node.kill()
 
 
-def test_a_node_that_fails_at_start_ends_the_other(two_hosts, tmp_path):
-    """Node 1's GLOO_SOCKET_IFNAME names no interface (a user's setting wins over the one found), so its rank fails
-    at start. Failed before: node 0's rank waited for it until the distributed timeout, and its launcher named only
-    its own rank 0. Now node 0 ends within seconds of node 1, naming node 1's rank."""
-    nodes = _start_nodes(two_hosts, tmp_path, 29544, "--train-iters", "3", node1_env={"GLOO_SOCKET_IFNAME": "nosuch0"})
+@pytest.mark.parametrize("failing", [1, 0])
+def test_a_node_that_fails_at_start_ends_the_other(two_hosts, tmp_path, failing):
+    """The failing node's GLOO_SOCKET_IFNAME names no interface (a user's setting wins over the one found), so its
+    rank fails at start. Failed before: the other node's rank waited for it until the distributed timeout, and its
+    launcher named only its own rank. Now it ends within seconds, naming the failing node's rank; node 0, which
+    serves the store, stays until node 1 has read who failed."""
+    nodes = _start_nodes(two_hosts, tmp_path, 29544 + failing, "--train-iters", "3",
+                         env_of=(failing, {"GLOO_SOCKET_IFNAME": "nosuch0"}))
     try:
-        statuses = [_wait(nodes[1], 120)]
+        statuses = {failing: _wait(nodes[failing], 120)}
         first = time.monotonic()
-        statuses.append(_wait(nodes[0], 60))
+        statuses[1 - failing] = _wait(nodes[1 - failing], 60)
         took = time.monotonic() - first
         logs = [(tmp_path / f"node{rank}.log").read_text() for rank in (0, 1)]
-        assert statuses == [1, 1], logs
-        assert "(yours kept: GLOO_SOCKET_IFNAME=nosuch0)" in logs[1], logs[1]
+        assert statuses == {0: 1, 1: 1}, logs
+        assert "(yours kept: GLOO_SOCKET_IFNAME=nosuch0)" in logs[failing], logs[failing]
         for log in logs:
             [line] = [line for line in log.splitlines() if line.startswith("rapidformer: the job failed: ")]
-            assert line == "rapidformer: the job failed: node 1 failed first: rank 1 exited with status 1", log[-3000:]
+            assert line == (f"rapidformer: the job failed: node {failing} failed first: rank {failing} exited with "
+                            f"status 1"), log[-3000:]
         assert took < 10, took  # the distributed timeout is 15 s
     finally:
         for node in nodes:
@@ -172,7 +176,7 @@ def test_a_node_without_a_route_to_master_addr_is_told_at_once(two_hosts, tmp_pa
         ["ip", "netns", "exec", two_hosts[1], sys.executable, "-m", "megatron_patch.cli", "train", *JOB,
          "--train-iters", "1"], capture_output=True, text=True, timeout=120,
         env={**os.environ, "PYTHONPATH": ROOT, "CUDA_VISIBLE_DEVICES": "", "NNODES": "2", "NODE_RANK": "1",
-             "MASTER_ADDR": "10.9.9.9", "MASTER_PORT": "29545"})
+             "MASTER_ADDR": "10.9.9.9", "MASTER_PORT": "29546"})
     assert result.returncode == 1, result.stdout + result.stderr
     assert result.stderr.splitlines() == [
         "rapidformer: error: MASTER_ADDR=10.9.9.9 cannot be reached from this host (Network is unreachable): set it "

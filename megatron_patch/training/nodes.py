@@ -265,7 +265,8 @@ class JobFate:
             if not self._store.check([_VERDICT]):
                 return False
             verdict = self._store.get(_VERDICT).decode()
-            self._store.add(_READ, 1)
+            if self.node_rank:  # node 0 counts the others' reads (stop)
+                self._store.add(_READ, 1)
         self._end(verdict)
         return True
 
