@@ -210,3 +210,46 @@ def test_a_master_that_does_not_answer_is_said_in_one_line():
                            "(Connection refused); waiting for it"), line
     with socket.create_server(("127.0.0.1", 0)) as server:
         assert probe_master("127.0.0.1", server.getsockname()[1]) is None
+
+
+SRUN = dict(SLURM_JOB_ID="4321", SLURM_STEP_NUM_NODES="3", SLURM_STEP_NUM_TASKS="3", SLURM_PROCID="2",
+            SLURM_STEP_NODELIST="gpu[07-09,12],cpu1")
+
+
+@pytest.mark.parametrize("nodelist, first", [("gpu[07-09,12],cpu1", "gpu07"), ("rack[4-5]-n[10-11]", "rack4-n10"),
+                                             ("a1,b[2-3]", "a1"), ("n[7]", "n7"), ("login", "login")])
+def test_the_first_host_of_a_slurm_host_list(nodelist, first):
+    from megatron_patch.training.nodes import first_host
+
+    assert first_host(nodelist) == first
+
+
+def test_an_srun_step_names_the_nodes():
+    """srun's variables become the seed's: the node count, this task's rank, the first host, a port from the job
+    id; what the user set wins; outside an srun step (a batch script's own shell) nothing is set."""
+    from megatron_patch.errors import UserError
+    from megatron_patch.training.nodes import slurm_launch
+
+    environ = dict(SRUN)
+    assert slurm_launch(environ) == "srun step of 3 nodes: NNODES=3 NODE_RANK=2 MASTER_ADDR=gpu07 MASTER_PORT=24321"
+    environ = {**SRUN, "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "6010"}
+    assert slurm_launch(environ).endswith("MASTER_ADDR=10.0.0.1 MASTER_PORT=6010")
+    environ = {**SRUN, "NNODES": "1"}
+    assert slurm_launch(environ) is None and "NODE_RANK" not in environ
+    assert slurm_launch({"SLURM_JOB_ID": "4321", "SLURM_PROCID": "0", "SLURM_NNODES": "2"}) is None
+    with pytest.raises(UserError, match=r"srun started 24 tasks on 3 nodes \(SLURM_STEP_NUM_TASKS\): start one "
+                                        r"launcher per node, srun --ntasks-per-node=1"):
+        slurm_launch({**SRUN, "SLURM_STEP_NUM_TASKS": "24"})
+
+
+def test_the_launcher_counts_the_nodes_of_an_srun_step():
+    """The srun step's 3 nodes are in the world the layout is checked against: 3 x 1 processes leave DP 3."""
+    environment = {k: v for k, v in os.environ.items() if k not in ("NNODES", "NODE_RANK", "MASTER_ADDR",
+                                                                    "MASTER_PORT")}
+    result = subprocess.run(
+        [sys.executable, "-m", "megatron_patch.training.launcher", "--task", "pretraining", "--mock-data",
+         "--train-iters", "1", "--nproc-per-node", "1", "--model-name", "tiny-gpt2", "--global-batch-size", "4"],
+        env={**environment, **SRUN, "PYTHONPATH": ROOT, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True, text=True,
+        timeout=60)
+    assert result.returncode == 1 and result.stdout == "", result.stdout + result.stderr
+    assert "--global-batch-size 4 is not divisible by --micro-batch-size 1 x data-parallel size 3" in result.stderr

@@ -289,7 +289,12 @@ def main(argv: list[str] | None = None) -> int:
     # The recipes start the launcher with SIGTERM ignored (run_scripts/common.sh); until run_torchrun handles it,
     # SIGTERM ends the launcher at once, as it would any program: no rank runs yet.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    from megatron_patch.training.nodes import slurm_launch
+
+    slurm = slurm_launch()  # before the layout check: NNODES counts in the world size
     command = launch_command(argv)
+    if slurm:
+        print(f"rapidformer: {slurm}", flush=True)
     fate = prepare_nodes()
     print("+ " + " ".join(command), flush=True)
     return run_torchrun(command, fate)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import datetime
 import errno
 import os
+import re
 import socket
 import threading
 import time
@@ -126,6 +127,53 @@ def probe_master(address: str, port: int, seconds: float = PROBE_SECONDS) -> str
             return (f"node 0 does not answer at MASTER_ADDR={address} MASTER_PORT={port} after {seconds:.0f} s "
                     f"({reason}); waiting for it: check both on every node if node 0 has started")
         time.sleep(0.2)
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm host list, its compressed form expanded (``scontrol show hostnames`` without
+    Slurm's tools: the launcher may run where they are not installed).
+
+    Example::
+
+        >>> first_host("node[01-03,7],gpu[2-3]")
+        'node01'
+        >>> first_host("rack[4-5]-n[10-11]")
+        'rack4-n10'
+    """
+    first, depth = [], 0
+    for character in nodelist.strip():
+        depth += (character == "[") - (character == "]")
+        if character == "," and depth == 0:
+            break
+        first.append(character)
+    # Each bracket's first range starts the first host; its zero padding is the host name's ("01-03" -> "01").
+    return re.sub(r"\[([^],-]+)[^]]*\]", r"\1", "".join(first))
+
+
+def slurm_launch(environ=os.environ) -> str | None:
+    """Under ``srun`` (one launcher per node), NNODES, NODE_RANK, MASTER_ADDR and MASTER_PORT set in ``environ``
+    from Slurm's variables where unset; returns the line that says so, or None outside an srun step.
+
+    Example::
+
+        srun --nodes 2 --ntasks-per-node 1 megatron-patch train ...   # on each node:
+        slurm_launch()   # 'srun step of 2 nodes: NNODES=2 NODE_RANK=1 MASTER_ADDR=node01 MASTER_PORT=21234'
+
+    srun sets SLURM_STEP_* for its tasks alone: a batch script that ran the recipe itself, on its first node only,
+    must not wait for nodes it never started. MASTER_PORT comes from the job id, the same on every node.
+    """
+    if "SLURM_STEP_NUM_NODES" not in environ or "NNODES" in environ:
+        return None
+    nnodes, ntasks = int(environ["SLURM_STEP_NUM_NODES"]), int(environ["SLURM_STEP_NUM_TASKS"])
+    if ntasks != nnodes:
+        raise UserError(f"srun started {ntasks} tasks on {nnodes} nodes (SLURM_STEP_NUM_TASKS): start one launcher "
+                        f"per node, srun --ntasks-per-node=1; it starts --nproc-per-node ranks itself")
+    # With one task per node, a task's rank is its node's place in the step (SLURM_NODEID counts the job's nodes).
+    environ["NNODES"], environ["NODE_RANK"] = str(nnodes), environ["SLURM_PROCID"]
+    environ.setdefault("MASTER_ADDR", first_host(environ["SLURM_STEP_NODELIST"]))
+    environ.setdefault("MASTER_PORT", str(20000 + int(environ["SLURM_JOB_ID"]) % 20000))
+    return (f"srun step of {nnodes} nodes: " +
+            " ".join(f"{name}={environ[name]}" for name in ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")))
 
 
 class JobFate:
