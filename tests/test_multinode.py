@@ -253,3 +253,29 @@ def test_the_launcher_counts_the_nodes_of_an_srun_step():
         timeout=60)
     assert result.returncode == 1 and result.stdout == "", result.stdout + result.stderr
     assert "--global-batch-size 4 is not divisible by --micro-batch-size 1 x data-parallel size 3" in result.stderr
+
+
+def test_a_preempted_two_node_job_saves_and_exits_0(two_hosts, tmp_path):
+    """A scheduler's SIGTERM to both launchers: the ranks save their last iteration and every node exits 0; the
+    watch over the nodes takes no part (a node that ends well is no failure)."""
+    save = tmp_path / "ckpt"
+    nodes = _start_nodes(two_hosts, tmp_path, 29547, "--train-iters", "100000", "--save", str(save),
+                         "--exit-signal-handler")
+    try:
+        deadline = time.monotonic() + 180
+        while " iteration " not in (tmp_path / "node1.log").read_text():
+            assert all(node.poll() is None for node in nodes), [
+                (tmp_path / f"node{r}.log").read_text()[-3000:] for r in (0, 1)]
+            assert time.monotonic() < deadline, "the job did not start training"
+            time.sleep(0.2)
+        for node in nodes:
+            os.kill(node.pid, signal.SIGTERM)
+        statuses = [_wait(node, 90) for node in nodes]
+        logs = [(tmp_path / f"node{rank}.log").read_text() for rank in (0, 1)]
+        assert statuses == [0, 0], [log[-3000:] for log in logs]
+        assert "exiting on signal 15: saved iteration" in logs[0] + logs[1], logs
+        assert (save / "latest_checkpointed_iteration.txt").exists()
+        assert "the job failed" not in logs[0] + logs[1], logs
+    finally:
+        for node in nodes:
+            node.kill()
