@@ -279,3 +279,21 @@ def test_a_preempted_two_node_job_saves_and_exits_0(two_hosts, tmp_path):
     finally:
         for node in nodes:
             node.kill()
+
+
+@pytest.mark.parametrize("env, message", [
+    (dict(NODE_RANK="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29548"),
+     "NODE_RANK must be an integer from 0 to NNODES-1 (1), got '2'"),
+    (dict(NODE_RANK="1", MASTER_ADDR="127.0.0.1"), "NNODES=2 needs MASTER_ADDR (node 0's address) and MASTER_PORT"),
+])
+def test_a_node_without_its_place_is_refused_in_one_line(env, message):
+    """The old launcher started torchrun with a node rank past the last, or a port of its own choosing, and waited."""
+    environment = {k: v for k, v in os.environ.items() if k not in ("NODE_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    result = subprocess.run(
+        [sys.executable, "-m", "megatron_patch.training.launcher", "--task", "pretraining", "--mock-data",
+         "--train-iters", "1", "--nproc-per-node", "1", "--model-name", "tiny-gpt2", "--global-batch-size", "2"],
+        env={**environment, **env, "NNODES": "2", "PYTHONPATH": ROOT, "CUDA_VISIBLE_DEVICES": ""},
+        capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1, result.stdout + result.stderr
+    [line] = result.stderr.splitlines()
+    assert line.startswith(f"rapidformer: error: {message}"), line

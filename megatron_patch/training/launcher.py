@@ -128,7 +128,11 @@ def prepare_nodes():
     if not address or not port or not port.isdigit():
         raise UserError(f"NNODES={nnodes} needs MASTER_ADDR (node 0's address) and MASTER_PORT (one free port, the "
                         f"same on every node)")
-    node_rank = int(os.environ.get("NODE_RANK", "0"))
+    node_rank = os.environ.get("NODE_RANK", "0")
+    if not node_rank.isdigit() or int(node_rank) >= int(nnodes):
+        raise UserError(f"NODE_RANK must be an integer from 0 to NNODES-1 ({int(nnodes) - 1}), got {node_rank!r}: set "
+                        f"it to this node's place, 0 on the node at MASTER_ADDR")
+    node_rank = int(node_rank)
     print(f"rapidformer: node {node_rank} of {nnodes} {nodes.choose_socket_interfaces(address)}", flush=True)
     if node_rank:
         waiting = nodes.probe_master(address, int(port))
