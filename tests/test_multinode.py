@@ -80,11 +80,11 @@ def _start_nodes(names, tmp_path, port, *flags, env_of=None):
                        CUDA_VISIBLE_DEVICES="", NNODES="2", MASTER_ADDR=ADDRESSES[0], MASTER_PORT=str(port))
     nodes = []
     for rank, name in enumerate(names):
-        log = open(tmp_path / f"node{rank}.log", "w")
-        nodes.append(subprocess.Popen(
-            ["ip", "netns", "exec", name, sys.executable, "-m", "megatron_patch.cli", "train", *JOB, *flags],
-            env={**environment, "NODE_RANK": str(rank), **(env_of[1] if env_of and env_of[0] == rank else {})}, stdout=log,
-            stderr=subprocess.STDOUT, start_new_session=True))
+        with open(tmp_path / f"node{rank}.log", "w") as log:  # the launcher writes to its own copy
+            nodes.append(subprocess.Popen(
+                ["ip", "netns", "exec", name, sys.executable, "-m", "megatron_patch.cli", "train", *JOB, *flags],
+                env={**environment, "NODE_RANK": str(rank), **(env_of[1] if env_of and env_of[0] == rank else {})},
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
     return nodes
 
 
