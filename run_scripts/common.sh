@@ -272,7 +272,8 @@ launch() {
     return 0
   fi
   mkdir -p "$OUTPUT_DIR/logs" "$OUTPUT_DIR/checkpoints"
-  local log=$OUTPUT_DIR/logs/${RECIPE}_node${NODE_RANK:-0}.log
+  # Under srun the launcher takes the node's rank from SLURM_PROCID (megatron_patch/training/nodes.py, slurm_launch).
+  local log=$OUTPUT_DIR/logs/${RECIPE}_node${NODE_RANK:-${SLURM_PROCID:-0}}.log
   _print_command "${command[@]}" | tee -a "$log"
   # Preemption (SIGTERM to this process group) is the launcher's to handle: it passes the signal to the ranks, which
   # save, and exits 0 once they have. The shell and tee ignore it so that they wait for that, and the ranks' last

@@ -109,7 +109,45 @@ def launch_command(argv: list[str]) -> list[str]:
                             nproc_per_node)
 
 
-def run_torchrun(command: list[str]) -> int:
+def prepare_nodes():
+    """For a job of several nodes (NNODES > 1): the ranks' network interface chosen and said, node 0's rendezvous
+    probed, and the ``nodes.JobFate`` watching the other nodes; None on one node.
+
+    Example::
+
+        fate = prepare_nodes()    # NNODES=2 NODE_RANK=1 MASTER_ADDR=10.201.0.1 MASTER_PORT=6010
+        # rapidformer: node 1 of 2 reaches MASTER_ADDR=10.201.0.1 through veth1 (10.201.0.2): GLOO_SOCKET_IFNAME=...
+    """
+    from megatron_patch.startup import paused_collector
+    from megatron_patch.training import nodes
+
+    nnodes = os.environ.get("NNODES", "1")
+    if not nnodes.isdigit() or int(nnodes) < 2:
+        return None
+    address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not address or not port or not port.isdigit():
+        raise UserError(f"NNODES={nnodes} needs MASTER_ADDR (node 0's address) and MASTER_PORT (one free port, the "
+                        f"same on every node)")
+    node_rank = os.environ.get("NODE_RANK", "0")
+    if not node_rank.isdigit() or int(node_rank) >= int(nnodes):
+        raise UserError(f"NODE_RANK must be an integer from 0 to NNODES-1 ({int(nnodes) - 1}), got {node_rank!r}: set "
+                        f"it to this node's place, 0 on the node at MASTER_ADDR")
+    node_rank = int(node_rank)
+    print(f"rapidformer: node {node_rank} of {nnodes} {nodes.choose_socket_interfaces(address)}", flush=True)
+    if node_rank:
+        waiting = nodes.probe_master(address, int(port))
+        if waiting:
+            print(f"rapidformer: {waiting}", flush=True)
+    with paused_collector():
+        import torch.distributed
+    try:
+        return nodes.JobFate(node_rank, int(nnodes), address, int(port))
+    except torch.distributed.DistNetworkError as error:
+        raise UserError(f"MASTER_PORT={port} cannot be served on node 0 ({describe(error)}): choose a free port "
+                        f"and set it on every node") from None
+
+
+def run_torchrun(command: list[str], fate=None) -> int:
     """Run a ``python -m torch.distributed.run ...`` command line in this process; returns the job's exit status.
 
     Example::
@@ -119,7 +157,8 @@ def run_torchrun(command: list[str]) -> int:
     The first SIGTERM goes on to the ranks and the job ends as they do (0 after their save with
     ``--exit-signal-handler``, 143 if they stopped on it); a second one stops them (status 143). A failed job is
     summed up in one line; torchrun's own table names the first rank to exit as the "root cause", which after a hang
-    is a rank that waited for it.
+    is a rank that waited for it. With a ``nodes.JobFate`` (a job of several nodes) the line names the node that
+    failed first, on every node.
     """
     from megatron_patch.startup import paused_collector
 
@@ -135,21 +174,32 @@ def run_torchrun(command: list[str]) -> int:
     assert command[1:3] == ["-m", "torch.distributed.run"], command
     args = torchrun.parse_args(command[3:])
     forward = RanksForward()
+    failed = False
     try:
         torchrun.run(args)
     except ChildFailedError as error:
+        failed = True
         if forward.forwarded:
             # The ranks ended on the SIGTERM passed on to them (no --exit-signal-handler, or a command with nothing
             # to save, such as convert verify): the job was stopped, as a scheduler asked, not broken.
-            print(f"rapidformer: stopped by signal {forward.signum}: {_describe_failures(error.failures)}",
-                  file=sys.stderr, flush=True)
+            stopped = f"stopped by signal {forward.signum}: {_describe_failures(error.failures)}"
+            if fate:
+                fate.failed(stopped)
+            print(f"rapidformer: {stopped}", file=sys.stderr, flush=True)
             return 128 + forward.signum
-        print(f"rapidformer: the job failed: {_describe_failures(error.failures)}", file=sys.stderr, flush=True)
+        failure = _describe_failures(error.failures)
+        print(f"rapidformer: the job failed: {fate.failed(failure) if fate else failure}", file=sys.stderr,
+              flush=True)
         return 1
     except SignalException as error:
+        failed = True
+        if fate:
+            fate.failed(f"stopped by signal {int(error.sigval)}")
         return 128 + int(error.sigval)
     finally:
         forward.restore()
+        if fate:
+            fate.stop(failed)
     return 0
 
 
@@ -243,9 +293,15 @@ def main(argv: list[str] | None = None) -> int:
     # The recipes start the launcher with SIGTERM ignored (run_scripts/common.sh); until run_torchrun handles it,
     # SIGTERM ends the launcher at once, as it would any program: no rank runs yet.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    from megatron_patch.training.nodes import slurm_launch
+
+    slurm = slurm_launch()  # before the layout check: NNODES counts in the world size
     command = launch_command(argv)
+    if slurm:
+        print(f"rapidformer: {slurm}", flush=True)
+    fate = prepare_nodes()
     print("+ " + " ".join(command), flush=True)
-    return run_torchrun(command)
+    return run_torchrun(command, fate)
 
 
 if __name__ == "__main__":
