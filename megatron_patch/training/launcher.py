@@ -40,8 +40,11 @@ def torchrun_settings() -> list[str]:
     """The flags every torchrun command of ours carries: the signals its agent handles, and SHUTDOWN_SECONDS where
     this torch's torchrun takes it as a flag (``compat.torchrun_shutdown_flags``)."""
     from megatron_patch.compat import torchrun_shutdown_flags
+    from megatron_patch.startup import paused_collector
 
-    return ["--signals-to-handle=SIGINT,SIGHUP,SIGQUIT", *torchrun_shutdown_flags(SHUTDOWN_SECONDS)]
+    with paused_collector():  # asking torchrun's parser can be the launcher's first import of torch (startup.py)
+        shutdown = torchrun_shutdown_flags(SHUTDOWN_SECONDS)
+    return ["--signals-to-handle=SIGINT,SIGHUP,SIGQUIT", *shutdown]
 
 
 def processes_per_node(requested: int | None) -> int:
