@@ -74,6 +74,11 @@ logging.getLogger("megatron.core.models.gpt.gpt_model").addFilter(
 # save, which it runs through that writer (:727). Ours must stay on megatron-core's writer (``async_save_options``).
 logging.getLogger("megatron.core.dist_checkpointing.strategies.torch").addFilter(
     lambda record: not record.getMessage().startswith("MCore's async save is deprecated"))
+# And it logs that load_common is deprecated whenever it reads a checkpoint's common.pt
+# (dist_checkpointing/strategies/common.py:39-42, from serialization.py:223-225): every torch_dist checkpoint that
+# 0.16.1 or Megatron-LM on it saved, which 0.19 reads that way and no other.
+logging.getLogger("megatron.core.dist_checkpointing.strategies.common").addFilter(
+    lambda record: not record.getMessage().startswith("load_common is deprecated"))
 
 
 def _compile_on_first_call(fn):
@@ -816,6 +821,24 @@ def destroy_model_parallel_and_free_groups() -> None:
     for group in list(c10d._world.pg_map):
         if group is not default:
             torch.distributed.destroy_process_group(group)
+
+
+def cuda_graph_fields() -> dict:
+    """The TransformerConfig field that keeps megatron-core's own default CUDA-graph scope from warning.
+
+    Example::
+
+        TransformerConfig(num_layers=2, ..., **cuda_graph_fields())
+
+    Both releases default to the scope "full" and warn at every TransformerConfig built that it is deprecated, "Use
+    empty ... to capture the whole layer": 0.16.1 for ``cuda_graph_scope`` (transformer/transformer_config.py:784,
+    :1700-1708), 0.19.2 for ``cuda_graph_modules``, which replaces it (:1047, :2414-2418). The empty list they name
+    means the same.
+    """
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    fields = TransformerConfig.__dataclass_fields__
+    return {"cuda_graph_modules" if "cuda_graph_modules" in fields else "cuda_graph_scope": []}
 
 
 def pipeline_p2p_flags(interleaved: bool) -> dict[str, bool]:

@@ -509,3 +509,31 @@ def test_every_cited_doc_and_item_exists():
             missing.append(f"{relative} cites the workspace's shared folder, which a clone does not have")
     assert cited, "the code cites docs/ (compat.py does), so finding none means the pattern broke"
     assert not missing, "\n".join(missing)
+
+
+def test_a_model_config_and_a_common_pt_load_bring_no_megatron_core_deprecation(tmp_path):
+    """megatron-core warned "full scope is deprecated" at every TransformerConfig built with its own default
+    CUDA-graph scope (0.16.1 and 0.19.2), and 0.19.2 logged "load_common is deprecated" at every read of a common.pt
+    (0.16.1's saves and Megatron-LM's on it); failed before compat.cuda_graph_fields and the log filter."""
+    import argparse
+    import json
+    import warnings
+
+    import torch
+    from megatron.core.dist_checkpointing import serialization
+
+    from megatron_patch.model.builder import to_transformer_config
+    from megatron_patch.model.config import get_model_config
+    from megatron_patch.model.parallel import ParallelConfig
+    from megatron_patch.testing import logged_messages
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        to_transformer_config(get_model_config("tiny-llama"), ParallelConfig())
+    assert not [str(w.message) for w in caught if "deprecat" in str(w.message).lower()]
+    torch.save({"args": argparse.Namespace(hidden_size=32)}, tmp_path / compat.COMMON_STATE_FILE)
+    (tmp_path / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                                                        "common_backend": "torch", "common_backend_version": 1}))
+    with logged_messages("megatron.core") as messages:
+        assert serialization.load_common_state_dict(str(tmp_path))["args"].hidden_size == 32
+    assert not [m for m in messages if "deprecat" in m.lower()], messages

@@ -87,6 +87,7 @@ def to_transformer_config(model_config: ModelConfig, parallel_config: ParallelCo
         pipeline_dtype=p.params_dtype,
         use_cpu_initialization=not torch.cuda.is_available(),
         **compat.pipeline_p2p_flags(interleaved),
+        **compat.cuda_graph_fields(),
         bias_activation_fusion=p.fused_kernels and fusable,
         masked_softmax_fusion=False,  # our SDPA core attention does the softmax
         bias_dropout_fusion=p.fused_kernels,
