@@ -3,7 +3,7 @@
 #
 #   sbatch examples/gpt/sbatch_pretrain_gpt.sh --model-size llama2-7b --tp 4 --pp 2 --sp --distributed-optimizer \
 #       --tokenizer-type Llama2Tokenizer --tokenizer-model tokenizer.model --data-path data/corpus_text_document \
-#       --global-batch-size 256 --train-tokens 100000000000 --output-dir /shared/ckpt/llama2-7b
+#       --global-batch-size 256 --train-tokens 100000000000 --output-dir /lustre/$USER/llama2-7b
 #
 # Every flag goes to examples/gpt/run_pretrain_gpt.sh (--help lists them). Under srun the launcher takes NNODES and
 # NODE_RANK from the step (SLURM_STEP_NUM_NODES, SLURM_PROCID), MASTER_ADDR from the first host of
