@@ -304,26 +304,28 @@ def _check_tokenizer_fits(tokenizer, config) -> None:
     trainer started from scratch was sized by its tokenizer, so another size means another tokenizer.
     """
     from megatron_patch.checkpoint.format import find_info
-
     from megatron_patch.tokenizer.registry import padded_vocab_size
 
     info = config.checkpoint_info
     stored = info.model_config.vocab_size
     given = tokenizer.vocab_size
-    # The description's file: megatron_patch_args.json, or the common.pt or rank file of a Megatron-LM save.
-    _, source = find_info(config.checkpointing.load)
+
+    def source() -> str:  # read again only to name it in a refusal
+        # The description's file: megatron_patch_args.json, or the common.pt or rank file of a Megatron-LM save.
+        return find_info(config.checkpointing.load)[1]
+
     if not info.vocab_size_known:  # Megatron-LM's args name the padded rows only: the tokenizer must pad to them
         tp = info.tensor_model_parallel_size
         rows = padded_vocab_size(given, info.model_config.make_vocab_size_divisible_by, tp)
         if rows != info.padded_vocab_size:
             raise SystemExit(
                 f"rapidformer: error: --tokenizer-type {config.tokenizer_type} has {given} tokens, {rows} rows at "
-                f"TP={tp}, but {source} stores {info.padded_vocab_size} rows: the checkpoint was trained with another "
+                f"TP={tp}, but {source()} stores {info.padded_vocab_size} rows: the checkpoint was trained with another "
                 "tokenizer; give that tokenizer's files (--vocab-file/--merge-file/--tokenizer-model)")
         return
     if given > stored or (info.hf_config is None and given != stored):
         raise SystemExit(
-            f"rapidformer: error: --tokenizer-type {config.tokenizer_type} has {given} tokens but {source} describes "
+            f"rapidformer: error: --tokenizer-type {config.tokenizer_type} has {given} tokens but {source()} describes "
             f"a vocabulary of {stored}: the checkpoint was trained with another tokenizer; give that tokenizer's files "
             "(--vocab-file/--merge-file/--tokenizer-model) or, for a NullTokenizer, its --vocab-size"
         )
