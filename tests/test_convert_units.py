@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from megatron_patch.convert.families import FAMILIES, UnsupportedCheckpoint, family_for
+from megatron_patch.model.config import MODEL_TYPES, get_model_config, is_model_type
 from megatron_patch.convert.transforms import TRANSFORMS, Shapes, apply_to_hf, apply_to_mcore
 
 GQA = Shapes(num_attention_heads=4, num_query_groups=2, kv_channels=2, vocab_size=5, padded_vocab_size=8)
@@ -78,6 +79,31 @@ def test_registry_is_keyed_by_model_type():
         family_for({"model_type": "t5"})
 
 
+# A named configuration of each Hugging Face model type.
+NAMED_OF_TYPE = {"gpt2": "tiny-gpt2", "llama": "tiny-llama", "mistral": "mistral-7b", "qwen2": "tiny-qwen2",
+                 "qwen3": "tiny-qwen3", "mixtral": "tiny-mixtral", "qwen2_moe": "tiny-qwen2-moe",
+                 "qwen3_moe": "tiny-qwen3-moe", "bert": "tiny-bert"}
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_named_configs_and_the_converter_share_the_model_type_table(model_type):
+    """The named configuration, its config.json and the model the converter reads back are the same model, of the
+    type's row in MODEL_TYPES."""
+    assert set(MODEL_TYPES) == set(FAMILIES)
+    named = get_model_config(NAMED_OF_TYPE[model_type])
+    family = FAMILIES[model_type]
+    read_back = family.config_from_hf({**family.config_to_hf(named), "model_type": model_type,
+                                       "architectures": [family.architectures[0]]})
+    assert is_model_type(named, model_type) and is_model_type(read_back, model_type)
+    # config.json has no training length and no vocabulary padding; Mixtral's has no dense MLP width (its
+    # intermediate_size is an expert's).
+    unsaid = dict(seq_length=named.max_positions, max_position_embeddings=named.max_positions,
+                  make_vocab_size_divisible_by=read_back.make_vocab_size_divisible_by)
+    if model_type == "mixtral":
+        unsaid["ffn_hidden_size"] = named.moe_ffn_hidden_size
+    assert read_back == named.replace(**unsaid)
+
+
 def test_unsupported_options_are_named():
     llama = family_for({"model_type": "llama"})
     base = dict(model_type="llama", num_hidden_layers=2, hidden_size=32, intermediate_size=64,
@@ -89,6 +115,9 @@ def test_unsupported_options_are_named():
         llama.config_from_hf({**base, "rope_parameters": {"rope_theta": 1e6, "rope_type": "llama3"}})
     with pytest.raises(UnsupportedCheckpoint, match="attention_bias=True"):
         llama.config_from_hf({**base, "attention_bias": True})
+    # transformers would give a missing MLP width its class default (11008), not 4 x hidden: refused, not guessed.
+    with pytest.raises(KeyError, match="intermediate_size"):
+        llama.config_from_hf({k: v for k, v in base.items() if k != "intermediate_size"})
 
 
 def test_the_chat_templates_survive_the_round_trip(tmp_path):

@@ -22,7 +22,7 @@ import dataclasses
 from typing import Callable
 
 from megatron_patch.errors import UserError
-from megatron_patch.model.config import ModelConfig
+from megatron_patch.model.config import ModelConfig, hf_sizes, is_model_type, model_of_type
 
 
 class UnsupportedCheckpoint(UserError, ValueError):
@@ -197,11 +197,11 @@ def _gpt2_config(c: dict) -> ModelConfig:
     for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
         _require(c, flag, [False], False)
     _require(c, "scale_attn_weights", [True], True)
-    return ModelConfig(
-        family="gpt", num_layers=c["n_layer"], hidden_size=c["n_embd"], num_attention_heads=c["n_head"],
-        ffn_hidden_size=c.get("n_inner") or 4 * c["n_embd"], seq_length=c["n_positions"],
-        max_position_embeddings=c["n_positions"], activation=_GELU_FROM_HF[c.get("activation_function", "gelu_new")],
-        layernorm_epsilon=c.get("layer_norm_epsilon", 1e-5), vocab_size=c["vocab_size"],
+    # GPT-2's n_inner null is an MLP of 4 x hidden.
+    sizes = hf_sizes(c, optional=("num_query_groups", "kv_channels", "ffn_hidden_size"))
+    return model_of_type(
+        "gpt2", **sizes, activation=_GELU_FROM_HF[c.get("activation_function", "gelu_new")],
+        layernorm_epsilon=c.get("layer_norm_epsilon", 1e-5),
         hidden_dropout=c.get("resid_pdrop", 0.1), attention_dropout=c.get("attn_pdrop", 0.1),
         untie_embeddings_and_output_weights=not c.get("tie_word_embeddings", True),
     )
@@ -252,10 +252,9 @@ def _gpt2_table(m: ModelConfig, architecture: str) -> Table:
 
 
 def _is_gpt2(m: ModelConfig) -> bool:
-    # GPT-2's block: LayerNorm, a GELU MLP, learned absolute positions, biases on every linear layer, one key and
-    # value head per query head of hidden_size / heads channels (its c_attn is [q; k; v] of hidden_size each).
-    return (m.family == "gpt" and m.normalization == "LayerNorm" and m.activation in _GELU_TO_HF
-            and m.position_embedding_type == "learned_absolute" and m.add_bias_linear and not m.qk_layernorm
+    # GPT-2's block with a GELU MLP, one key and value head per query head of hidden_size / heads channels (its
+    # c_attn is [q; k; v] of hidden_size each).
+    return (is_model_type(m, "gpt2") and m.activation in _GELU_TO_HF
             and m.num_query_groups == m.num_attention_heads
             and m.kv_channels * m.num_attention_heads == m.hidden_size and m.num_moe_experts is None)
 
@@ -270,19 +269,12 @@ register_family(Family("gpt2", _gpt2_config, _gpt2_hf, _gpt2_table, ("GPT2LMHead
 
 def _llama_config(c: dict, **fields) -> ModelConfig:
     _require(c, "hidden_act", ["silu"], "silu")
-    heads = c["num_attention_heads"]
-    return ModelConfig(
-        family="gpt", num_layers=c["num_hidden_layers"], hidden_size=c["hidden_size"],
-        ffn_hidden_size=c["intermediate_size"], num_attention_heads=heads,
-        num_query_groups=c.get("num_key_value_heads") or heads,
-        kv_channels=c.get("head_dim") or c["hidden_size"] // heads,
-        seq_length=c["max_position_embeddings"], max_position_embeddings=c["max_position_embeddings"],
-        position_embedding_type="rope", **_rope_fields(c),
+    return model_of_type(
+        c["model_type"], **hf_sizes(c), **_rope_fields(c),
         rotary_percent=(c.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0),
-        normalization="RMSNorm", layernorm_epsilon=c.get("rms_norm_eps", 1e-6), activation="swiglu",
-        add_bias_linear=False, vocab_size=c["vocab_size"],
-        untie_embeddings_and_output_weights=not c.get("tie_word_embeddings", False),
-        hidden_dropout=0.0, attention_dropout=c.get("attention_dropout", 0.0), **fields,
+        layernorm_epsilon=c.get("rms_norm_eps", 1e-6),
+        untie_embeddings_and_output_weights=not c.get("tie_word_embeddings", False), hidden_dropout=0.0,
+        attention_dropout=c.get("attention_dropout", 0.0), **fields,
     )
 
 
@@ -313,13 +305,13 @@ def _mistral_from_hf(c: dict) -> ModelConfig:
 
 def _qwen2_from_hf(c: dict) -> ModelConfig:
     _require(c, "use_sliding_window", [False], False)
-    return _llama_config(c, add_qkv_bias=True)
+    return _llama_config(c)
 
 
 def _qwen3_from_hf(c: dict) -> ModelConfig:
     _require(c, "use_sliding_window", [False], False)
     _require(c, "attention_bias", [False], False)
-    return _llama_config(c, qk_layernorm=True)
+    return _llama_config(c)
 
 
 def _llama_hf(m: ModelConfig) -> dict:
@@ -382,11 +374,8 @@ def _mistral_hf(m: ModelConfig) -> dict:
 
 
 def _is_llama(m: ModelConfig) -> bool:
-    # LLaMA's block: RMSNorm, SwiGLU, rotary positions and no bias anywhere (Qwen2 adds q/k/v biases, Qwen3 q/k
-    # norms); any number of query groups, tied or untied embeddings.
-    return (m.family == "gpt" and m.normalization == "RMSNorm" and m.activation == "swiglu"
-            and m.position_embedding_type == "rope" and not m.add_bias_linear and not m.add_qkv_bias
-            and not m.qk_layernorm and m.num_moe_experts is None)
+    # Any number of query groups, tied or untied embeddings, no experts.
+    return is_model_type(m, "llama") and m.num_moe_experts is None
 
 
 register_family(Family("llama", _llama_from_hf, _llama_hf, _llama_table, ("LlamaForCausalLM",), _is_llama))
@@ -472,12 +461,12 @@ def _qwen2_moe_from_hf(c: dict) -> ModelConfig:
         raise UnsupportedCheckpoint(f"config.json has shared_expert_intermediate_size={shared!r}: a Qwen2-MoE "
                                     "without its shared expert is not converted; give its width")
     return _llama_config(c, add_qkv_bias=c.get("qkv_bias", True), moe_shared_expert_intermediate_size=shared,
-                         moe_shared_expert_gate=True, **_qwen_moe_fields(c))
+                         **_qwen_moe_fields(c))
 
 
 def _qwen3_moe_from_hf(c: dict) -> ModelConfig:
     _require(c, "attention_bias", [False], False)
-    return _llama_config(c, qk_layernorm=True, **_qwen_moe_fields(c))
+    return _llama_config(c, **_qwen_moe_fields(c))
 
 
 def _moe_hf(m: ModelConfig, model_type: str, shared_expert: bool, pre_softmax: tuple[bool, ...]) -> dict:
@@ -539,13 +528,10 @@ def _bert_config(c: dict) -> ModelConfig:
             f"config.json architecture {architecture!r} is not supported for model_type 'bert'; "
             f"supported: {list(_BERT_KINDS)}"
         )
-    return ModelConfig(
-        family="bert", num_layers=c["num_hidden_layers"], hidden_size=c["hidden_size"],
-        ffn_hidden_size=c["intermediate_size"], num_attention_heads=c["num_attention_heads"],
-        seq_length=c["max_position_embeddings"], max_position_embeddings=c["max_position_embeddings"],
-        layernorm_epsilon=c.get("layer_norm_eps", 1e-12), vocab_size=c["vocab_size"], activation="gelu",
+    return model_of_type(
+        "bert", **hf_sizes(c), layernorm_epsilon=c.get("layer_norm_eps", 1e-12),
         num_tokentypes=c.get("type_vocab_size", 2), hidden_dropout=c.get("hidden_dropout_prob", 0.1),
-        attention_dropout=c.get("attention_probs_dropout_prob", 0.1), bert_layernorm_style="post",
+        attention_dropout=c.get("attention_probs_dropout_prob", 0.1),
         # Megatron builds its pooler together with the binary head: keep both where the checkpoint has a pooler.
         add_binary_head=_BERT_KINDS[architecture].pooler,
         untie_embeddings_and_output_weights=not c.get("tie_word_embeddings", True),

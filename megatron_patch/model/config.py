@@ -276,67 +276,158 @@ def get_model_config(name: str, **overrides) -> ModelConfig:
     return factory().replace(**overrides)
 
 
+# ----------------------------------------------------------------------------------------------------------
+# Model families: what makes each Hugging Face model type, read by the named configurations below and by the
+# converter (convert/families.py: config.json in and out, and which type a model without a config.json is)
+# ----------------------------------------------------------------------------------------------------------
+
+_LLAMA = dict(family="gpt", position_embedding_type="rope", normalization="RMSNorm", activation="swiglu",
+              add_bias_linear=False, add_qkv_bias=False, qk_layernorm=False)
+MODEL_TYPES: dict[str, dict] = {
+    # OpenAI GPT-2: learned positions, LayerNorm, biases on every linear layer (its GeLU is the tanh one, but a GPT-2
+    # block with erf-GeLU exports as gelu too).
+    "gpt2": dict(family="gpt", position_embedding_type="learned_absolute", normalization="LayerNorm",
+                 add_bias_linear=True, qk_layernorm=False),
+    # LLaMA: RoPE, RMSNorm, SwiGLU, no bias anywhere. Mistral is LLaMA with a sliding window (ours has none), Qwen2
+    # LLaMA with a bias on q/k/v, Qwen3 LLaMA with an RMSNorm over each head's query and key.
+    "llama": _LLAMA,
+    "mistral": _LLAMA,
+    "qwen2": {**_LLAMA, "add_qkv_bias": True},
+    "qwen3": {**_LLAMA, "qk_layernorm": True},
+    # The same with experts in every MLP; Qwen2-MoE adds a shared expert behind a sigmoid gate.
+    "mixtral": _LLAMA,
+    "qwen2_moe": {**_LLAMA, "add_qkv_bias": True, "moe_shared_expert_gate": True},
+    "qwen3_moe": {**_LLAMA, "qk_layernorm": True},
+    # Google's BERT: post-LN, erf-GeLU, learned positions.
+    "bert": dict(family="bert", position_embedding_type="learned_absolute", normalization="LayerNorm",
+                 activation="gelu", add_bias_linear=True, bert_layernorm_style="post"),
+}
+"""Hugging Face model_type -> the ModelConfig fields every model of that type has."""
+
+# config.json's keys for each size: LLaMA/BERT names first, then GPT-2's (n_layer, n_embd, ...) and T5's.
+HF_SIZE_KEYS = {
+    "num_layers": ("num_hidden_layers", "n_layer", "num_layers"),
+    "hidden_size": ("hidden_size", "n_embd", "d_model"),
+    "ffn_hidden_size": ("intermediate_size", "n_inner", "d_ff"),
+    "num_attention_heads": ("num_attention_heads", "n_head", "num_heads"),
+    "num_query_groups": ("num_key_value_heads",),
+    "kv_channels": ("head_dim",),
+    "max_position_embeddings": ("max_position_embeddings", "n_positions"),
+    "vocab_size": ("vocab_size",),
+}
+
+
+def hf_size_key(hf_config: dict, field: str) -> str | None:
+    """The key of ``hf_config`` (a config.json) that holds ModelConfig's ``field``, None where it has none.
+
+    Example::
+
+        >>> hf_size_key({"n_layer": 12}, "num_layers"), hf_size_key({"n_layer": 12}, "kv_channels")
+        ('n_layer', None)
+    """
+    return next((key for key in HF_SIZE_KEYS[field] if hf_config.get(key) is not None), None)
+
+
+def hf_sizes(hf_config: dict, optional: tuple[str, ...] = ("num_query_groups", "kv_channels")) -> dict:
+    """The sizes of the model ``hf_config`` describes, as ModelConfig fields; a size it does not give raises
+    KeyError naming config.json's key, unless ``optional``: then it is None, which ModelConfig derives as
+    transformers does for every model type (one key/value head per query head, heads of hidden / heads channels;
+    GPT-2 adds its MLP of 4 x hidden). The sequence length is the model's positions.
+
+    Example::
+
+        >>> sizes = hf_sizes({"n_layer": 2, "n_embd": 64, "n_head": 4, "n_positions": 32, "vocab_size": 128},
+        ...                  optional=("num_query_groups", "kv_channels", "ffn_hidden_size"))
+        >>> sizes["num_layers"], sizes["seq_length"], sizes["ffn_hidden_size"]
+        (2, 32, None)
+    """
+    sizes = {}
+    for field, keys in HF_SIZE_KEYS.items():
+        key = hf_size_key(hf_config, field)
+        if key is None and field not in optional:
+            raise KeyError(keys[0])
+        sizes[field] = hf_config[key] if key else None
+    return {**sizes, "seq_length": sizes["max_position_embeddings"]}
+
+
+def model_of_type(model_type: str, **fields) -> ModelConfig:
+    """A ModelConfig of Hugging Face ``model_type``'s family with ``fields``.
+
+    Example::
+
+        >>> m = model_of_type("qwen2", num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32)
+        >>> m.normalization, m.add_qkv_bias
+        ('RMSNorm', True)
+    """
+    return ModelConfig(**{**MODEL_TYPES[model_type], **fields})
+
+
+def is_model_type(m: ModelConfig, model_type: str) -> bool:
+    """Whether every field that makes ``model_type`` has its value in ``m`` (shapes, experts and defaults aside).
+
+    Example::
+
+        >>> qwen2 = get_model_config("tiny-qwen2")
+        >>> is_model_type(qwen2, "qwen2"), is_model_type(qwen2, "llama")
+        (True, False)
+    """
+    return all(getattr(m, field) == value for field, value in MODEL_TYPES[model_type].items())
+
+
 def _gpt2(num_layers: int, hidden_size: int, num_attention_heads: int) -> ModelConfig:
-    # OpenAI GPT-2: learned positions, LayerNorm, tanh-GeLU, biases everywhere, tied embeddings, 1024 context,
-    # vocabulary 50257 (padded to 50304 by make_vocab_size_divisible_by=128 x TP).
-    return ModelConfig(
-        family="gpt", num_layers=num_layers, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
+    # 1024 context, vocabulary 50257 (padded to 50304 by make_vocab_size_divisible_by=128 x TP), tied embeddings.
+    return model_of_type(
+        "gpt2", num_layers=num_layers, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
         seq_length=1024, max_position_embeddings=1024, activation="gelu_tanh", vocab_size=50257,
     )
 
 
-def _llama(**fields) -> ModelConfig:
-    # LLaMA: RoPE, RMSNorm, SwiGLU, no biases, untied output unless the entry says otherwise.
-    defaults = dict(
-        family="gpt", position_embedding_type="rope", normalization="RMSNorm", activation="swiglu",
-        add_bias_linear=False, untie_embeddings_and_output_weights=True, hidden_dropout=0.0, attention_dropout=0.0,
-    )
-    return ModelConfig(**{**defaults, **fields})
+def _llama(model_type: str = "llama", **fields) -> ModelConfig:
+    # Untied output and no dropout unless the entry says otherwise.
+    defaults = dict(untie_embeddings_and_output_weights=True, hidden_dropout=0.0, attention_dropout=0.0)
+    return model_of_type(model_type, **{**defaults, **fields})
 
 
-def _qwen2(**fields) -> ModelConfig:
-    # Qwen2 = LLaMA + a bias on q/k/v, RMSNorm eps 1e-6, RoPE base 1e6, vocabulary 151936 (already a multiple of
-    # 128, so no padding), tied embeddings below 7B.
-    defaults = dict(add_qkv_bias=True, layernorm_epsilon=1e-6, rotary_base=1000000, vocab_size=151936)
-    return _llama(**{**defaults, **fields})
+def _qwen2(model_type: str = "qwen2", **fields) -> ModelConfig:
+    # Qwen2's RMSNorm eps 1e-6, RoPE base 1e6, vocabulary 151936 (already a multiple of 128, so no padding), tied
+    # embeddings below 7B.
+    defaults = dict(layernorm_epsilon=1e-6, rotary_base=1000000, vocab_size=151936)
+    return _llama(model_type, **{**defaults, **fields})
 
 
-def _qwen3(**fields) -> ModelConfig:
-    # Qwen3 = Qwen2 without the q/k/v bias, with an RMSNorm over each head's query and key, and a head width of 128
-    # whatever hidden_size / heads is.
-    defaults = dict(add_qkv_bias=False, qk_layernorm=True, kv_channels=128, seq_length=4096,
-                    max_position_embeddings=40960)
-    return _qwen2(**{**defaults, **fields})
+def _qwen3(model_type: str = "qwen3", **fields) -> ModelConfig:
+    # Qwen3 = Qwen2's values with a head width of 128 whatever hidden_size / heads is.
+    defaults = dict(kv_channels=128, seq_length=4096, max_position_embeddings=40960)
+    return _qwen2(model_type, **{**defaults, **fields})
 
 
 def _mixtral(**fields) -> ModelConfig:
     # Mixtral = Mistral whose MLP is 8 experts, 2 per token, no shared expert, load-balancing loss weight 0.02;
     # RoPE base 1e6.
     defaults = dict(num_moe_experts=8, moe_router_topk=2, moe_aux_loss_coeff=0.02, rotary_base=1000000)
-    return _llama(**{**defaults, **fields})
+    return _llama("mixtral", **{**defaults, **fields})
 
 
 def _qwen2_moe(**fields) -> ModelConfig:
-    # Qwen1.5/2-MoE = Qwen2 whose every MLP is routed experts plus one shared expert behind a sigmoid gate; top-k
-    # weights taken from the softmax over all experts, not renormalised (norm_topk_prob false).
-    defaults = dict(moe_shared_expert_gate=True, moe_router_pre_softmax=True, moe_aux_loss_coeff=0.001,
-                    untie_embeddings_and_output_weights=True)
-    return _qwen2(**{**defaults, **fields})
+    # Qwen1.5/2-MoE: routed experts in every MLP plus the gated shared expert; top-k weights taken from the softmax
+    # over all experts, not renormalised (norm_topk_prob false).
+    defaults = dict(moe_router_pre_softmax=True, moe_aux_loss_coeff=0.001, untie_embeddings_and_output_weights=True)
+    return _qwen2("qwen2_moe", **{**defaults, **fields})
 
 
 def _qwen3_moe(**fields) -> ModelConfig:
-    # Qwen3-MoE = Qwen3 whose every MLP is routed experts, no shared expert, top-k weights renormalised
-    # (norm_topk_prob true, which is the softmax over the k chosen logits).
+    # Qwen3-MoE: routed experts in every MLP, no shared expert, top-k weights renormalised (norm_topk_prob true,
+    # which is the softmax over the k chosen logits).
     defaults = dict(moe_aux_loss_coeff=0.001, untie_embeddings_and_output_weights=True)
-    return _qwen3(**{**defaults, **fields})
+    return _qwen3("qwen3_moe", **{**defaults, **fields})
 
 
 def _bert(num_layers: int, hidden_size: int, num_attention_heads: int) -> ModelConfig:
-    # Google's BERT: post-LN, erf-GeLU, token types, NSP head, 512 positions, WordPiece vocabulary 30522.
-    return ModelConfig(
-        family="bert", num_layers=num_layers, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
+    # Token types, NSP head, 512 positions, WordPiece vocabulary 30522.
+    return model_of_type(
+        "bert", num_layers=num_layers, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
         seq_length=512, max_position_embeddings=512, layernorm_epsilon=1e-12, vocab_size=30522,
-        num_tokentypes=2, add_binary_head=True, bert_layernorm_style="post",
+        num_tokentypes=2, add_binary_head=True,
     )
 
 

@@ -33,7 +33,7 @@ from megatron_patch.checkpoint.format import find_info
 # The flag tables themselves: which model flags exist and which ModelConfig field each one sets.
 from megatron_patch.layout import check_layout
 from megatron_patch.model.config import (
-    _SWITCH_FLAGS, _VALUE_FLAGS, add_model_arguments, get_model_config, model_flag_values,
+    _SWITCH_FLAGS, _VALUE_FLAGS, HF_SIZE_KEYS, add_model_arguments, get_model_config, hf_size_key, model_flag_values,
 )
 from megatron_patch.model.parallel import (
     ParallelConfig, add_parallel_arguments, parallel_config_from_args, transformer_engine_missing,
@@ -456,20 +456,6 @@ def _apply_checkpoint_args(args: argparse.Namespace) -> None:
     args.checkpoint_info = dataclasses.replace(info, model_config=dataclasses.replace(stored, **training))
 
 
-# Shape flags a Hugging Face model's config.json fixes: (flag, args field, its keys in config.json). The keys are
-# transformers' config attributes: BERT/LLaMA names first, then GPT-2's (n_layer, n_embd, ...) and T5's.
-_PRETRAINED_SHAPE_FLAGS = [
-    ("--num-layers", "num_layers", ("num_hidden_layers", "n_layer", "num_layers")),
-    ("--hidden-size", "hidden_size", ("hidden_size", "n_embd", "d_model")),
-    ("--ffn-hidden-size", "ffn_hidden_size", ("intermediate_size", "n_inner", "d_ff")),
-    ("--num-attention-heads", "num_attention_heads", ("num_attention_heads", "n_head", "num_heads")),
-    ("--num-query-groups", "num_query_groups", ("num_key_value_heads",)),
-    ("--kv-channels", "kv_channels", ("head_dim",)),
-    ("--max-position-embeddings", "max_position_embeddings", ("max_position_embeddings", "n_positions")),
-    ("--vocab-size", "vocab_size", ("vocab_size",)),
-]
-
-
 def _check_pretrained_shape(args: argparse.Namespace) -> None:
     """Refuse a shape flag that contradicts ``--pretrained-model-name-or-path DIR``'s ``config.json`` (the model
     ``from_pretrained`` loads, whatever the flags say), naming the flag, the file, its value and the fix; a
@@ -488,10 +474,9 @@ def _check_pretrained_shape(args: argparse.Namespace) -> None:
         return
     with open(path, encoding="utf-8") as f:
         stored = json.load(f)
-    keys = {field: next((k for k in names if stored.get(k) is not None), None)
-            for _, field, names in _PRETRAINED_SHAPE_FLAGS}
-    for flag, field, _ in _PRETRAINED_SHAPE_FLAGS:
-        key, given = keys[field], getattr(args, field)
+    keys = {field: hf_size_key(stored, field) for field in HF_SIZE_KEYS}
+    for field, key in keys.items():
+        flag, given = "--" + field.replace("_", "-"), getattr(args, field)
         if given is not None and key is not None and given != stored[key]:
             _refuse(f"{flag} {given} contradicts {key}={stored[key]} in {path} (the pretrained model); drop {flag} "
                     f"or give {stored[key]}")
