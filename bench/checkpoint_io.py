@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_patch.model.config import get_model_config
     from megatron_patch.model.parallel import ParallelConfig
     from megatron_patch.testing import SEQ, counting_batches
-    from megatron_patch.training.backends.megatron import load_megatron_checkpoint, save_megatron_checkpoint
+    from megatron_patch.checkpoint.megatron import load_megatron_checkpoint, save_megatron_checkpoint
     from megatron_patch.training.step import build_optimizer, lm_forward_step, train_step, wrap_model
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -192,14 +192,15 @@ _check_environment() {
 
 # The rapidformer flags of the named flags (FLAGS), after the recipe's own.
 _rapidformer_flags() {
-  local load=$LOAD checkpoints=$OUTPUT_DIR/checkpoints
-  if [[ -z $load && -f $checkpoints/latest_checkpointed_iteration.txt ]]; then
+  local load=$LOAD checkpoints=$OUTPUT_DIR/checkpoints description
+  # The package names a checkpoint directory's files (its tracker, its model's description); the recipes ask it.
+  if [[ -z $load ]] && "$PYTHON" -m megatron_patch.checkpoint tracker "$checkpoints" >/dev/null; then
     load=$checkpoints
     note "resuming from $checkpoints (it holds a checkpoint; give --load or another --output-dir to start anew)"
   fi
   FLAGS=()
-  if [[ -n $load && -f $load/megatron_patch_args.json ]]; then
-    [[ -z $MODEL_SIZE ]] || note "the model comes from $load/megatron_patch_args.json; --model-size is not passed"
+  if [[ -n $load ]] && description=$("$PYTHON" -m megatron_patch.checkpoint description "$load"); then
+    [[ -z $MODEL_SIZE ]] || note "the model comes from $description; --model-size is not passed"
   else
     FLAGS+=(--model-name "$MODEL")
   fi
@@ -234,7 +235,9 @@ _rapidformer_flags() {
   FLAGS+=(--log-dir "$OUTPUT_DIR/logs")
   if "$PYTHON" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("tensorboard") is None)'; then
     FLAGS+=(--tensorboard-dir "$OUTPUT_DIR/tensorboard")
-  else
+  elif [[ -n ${MEGATRON_PATCH_DEBUG:-} && $MEGATRON_PATCH_DEBUG != 0 ]]; then
+    # tensorboard is a test extra, not an install requirement: saying so at every run is noise, shown when debugging
+    # like the upstream warnings (megatron_patch/startup.py).
     note "tensorboard is not installed: no $OUTPUT_DIR/tensorboard (pip install tensorboard)"
   fi
 }

@@ -17,7 +17,7 @@ def state_after_a_mutated_async_save(rank, world_size, save_dir, distributed_opt
 
     from megatron_patch.checkpoint import async_save
     from megatron_patch.testing import tiny_gpt_after_one_step
-    from megatron_patch.training.backends import megatron
+    from megatron_patch.checkpoint import megatron
 
     chunks, optimizer = tiny_gpt_after_one_step(distributed_optimizer)
 
@@ -78,7 +78,7 @@ def what_saves_leave(rank, world_size, save_dir):
 
     from megatron_patch.checkpoint import async_save
     from megatron_patch.testing import tiny_gpt_after_one_step
-    from megatron_patch.training.backends import megatron
+    from megatron_patch.checkpoint import megatron
 
     chunks, optimizer = tiny_gpt_after_one_step(distributed_optimizer=True)
     before = {child.pid for child in psutil.Process().children(recursive=True)}

@@ -164,7 +164,7 @@ def _save_and_load_hf_model(rank, world_size, save):
     import transformers
 
     from megatron_patch.distributed import initialize_distributed
-    from megatron_patch.training.backends.plain import load_plain_checkpoint, save_plain_checkpoint
+    from megatron_patch.checkpoint.plain import load_plain_checkpoint, save_plain_checkpoint
 
     initialize_distributed(seed=1)
     config = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=8)

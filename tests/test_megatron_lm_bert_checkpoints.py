@@ -83,7 +83,7 @@ def load_as_trainer(rank, world_size, load: str, family: str):
     """The outputs of the model a ``family`` trainer builds from ``--load`` and loads (as --finetune), or the
     error that refuses it."""
     from megatron_patch.convert.verify import megatron_outputs
-    from megatron_patch.training.backends.megatron import load_megatron_checkpoint
+    from megatron_patch.checkpoint.megatron import load_megatron_checkpoint
     from megatron_patch.training.engine import Engine
     from megatron_patch.training.models import megatron_model
 

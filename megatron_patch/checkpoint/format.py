@@ -21,8 +21,8 @@ then takes the model from the ``args`` in its common.pt or ``mp_rank_00*/model_o
 (:func:`info_from_megatron_lm`), the format from the files present. The other way, :func:`megatron_lm_common_state`
 writes those ``args`` into ours, so Megatron-LM resumes our checkpoints with ``--use-checkpoint-args``.
 
-Tensors are named as in megatron-core's TP=1, PP=1 model (``decoder.layers.3.mlp.linear_fc1.weight``, layers
-numbered across all stages); :func:`partition_dims` says along which dimension each is split over TP.
+Tensors are named as in megatron-core's TP=1, PP=1 model (``model.names``: ``decoder.layers.3.mlp.linear_fc1.weight``,
+layers numbered across all stages); :func:`partition_dims` says along which dimension each is split over TP.
 """
 
 from __future__ import annotations
@@ -40,18 +40,12 @@ from typing import TYPE_CHECKING, NamedTuple
 from megatron_patch import compat
 from megatron_patch.errors import UserError, read_json
 from megatron_patch.model.config import ModelConfig
+from megatron_patch.model.names import LAYER
 
 ARGS_FILE = "megatron_patch_args.json"
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
 TOKENIZER_DIR = "hf_tokenizer"
-LAYER = re.compile(r"^((?:decoder|encoder)\.layers\.)(\d+)\.")
-"""A layer's tensor name: group 1 up to the layer number, group 2 the number."""
-# Where Transformer Engine fuses a pre-norm into the linear layer after it, the norm's tensors are that layer's:
-# megatron-core's local name on the left, TE's on the right (megatron-core's gpt_layer_specs.py:417-420 maps them
-# so for torch_dist; the per-rank format keeps whichever the writer's layers had).
-FUSED_NORM_NAMES = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
-                    "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
 _COMPLETE = re.compile(r"iter_(\d{7})")
 
 if TYPE_CHECKING:
@@ -139,18 +133,13 @@ def read_tracker(root: str) -> int | str | None:
 def no_checkpoint_notice(root: str) -> str:
     """What a run given ``--load root`` with no checkpoint there logs before it starts from random weights, as
     Megatron-LM does ("could not find the metadata file ... will start from random"): the first run of a job that
-    saves and loads one directory. A Hugging Face model directory there is named, with the command that makes it
-    loadable.
+    saves and loads one directory. (A Hugging Face model directory is refused before launch: arguments.py.)
 
     Example::
 
-        logger.warning(no_checkpoint_notice("llama-hf"))   # ... holds a Hugging Face model: convert it with ...
+        logger.warning(no_checkpoint_notice("ckpt"))   # --load ckpt: no checkpoint there (...), so the model ...
     """
-    notice = f"--load {root}: no checkpoint there (no {TRACKER_FILE}), so the model starts from random weights"
-    if os.path.isfile(os.path.join(root, "config.json")):
-        notice += (f"; {root} holds a Hugging Face model: convert it with `megatron-patch convert hf-to-megatron "
-                   f"--hf-dir {root} --save-dir CONVERTED` and pass --load CONVERTED --finetune to start from it")
-    return notice
+    return f"--load {root}: no checkpoint there (no {TRACKER_FILE}), so the model starts from random weights"
 
 
 def write_tracker(root: str, iteration: int | str) -> None:

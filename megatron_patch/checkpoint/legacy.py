@@ -26,11 +26,12 @@ import re
 import torch
 
 from megatron_patch.checkpoint.format import (
-    ARGS_FILE, FUSED_NORM_NAMES, LAYER, CheckpointInfo, CheckpointMismatch, full_state_dict, load_megatron_file,
-    megatron_lm_common_state, partition_dims,
+    ARGS_FILE, CheckpointInfo, CheckpointMismatch, full_state_dict, load_megatron_file, megatron_lm_common_state,
+    partition_dims,
 )
 from megatron_patch.errors import first_problems
 from megatron_patch.model.config import ModelConfig
+from megatron_patch.model.names import FUSED_NORM_NAMES, LAYER
 
 
 def rank_dir_name(tp_rank: int, pp_rank: int, pp: int) -> str:

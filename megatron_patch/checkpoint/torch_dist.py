@@ -20,10 +20,9 @@ from typing import Callable
 import torch
 
 from megatron_patch import compat
-from megatron_patch.checkpoint.format import (
-    ARGS_FILE, LAYER, CheckpointInfo, CheckpointMismatch, megatron_lm_common_state,
-)
+from megatron_patch.checkpoint.format import ARGS_FILE, CheckpointInfo, CheckpointMismatch, megatron_lm_common_state
 from megatron_patch.errors import first_problems
+from megatron_patch.model.names import LAYER
 
 
 def _sharded_tensors(sharded_state_dict, prefix=""):

@@ -26,11 +26,11 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-from megatron_patch.checkpoint.format import FUSED_NORM_NAMES
 from megatron_patch.compat import dense_mlp_submodule
 from megatron_patch.model.attention import SDPAttention
 from megatron_patch.model.config import ModelConfig
 from megatron_patch.model.layers import PostLNTransformerLayer, PostLNTransformerLayerSubmodules, TorchNorm
+from megatron_patch.model.names import FUSED_NORM_NAMES
 from megatron_patch.model.parallel import ParallelConfig
 
 # GPT attends causally; BERT to every non-padding token.

@@ -1,7 +1,7 @@
 """Training: the typed run configuration (``config``, parsed by ``arguments``), the ``Engine``, the trainer
 templates (``trainers``: the loop and the hooks) over two backends (``backends``: megatron-core and plain
-torch/Hugging Face), checkpoints (``checkpointing``), GPT and BERT trainers and tasks, and the ``rapidformer``
-launcher.
+torch/Hugging Face, saving and loading through ``megatron_patch.checkpoint``), GPT and BERT trainers and tasks, and
+the ``rapidformer`` launcher.
 
 Example::
 

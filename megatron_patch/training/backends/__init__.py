@@ -1,6 +1,7 @@
 """The two training backends, one interface: megatron-core model chunks (backends/megatron.py) and plain torch /
 Hugging Face modules (backends/plain.py). Each composes a model with its optimizer and scheduler, steps,
-evaluates, saves and loads; the trainers keep only the loop and the hooks.
+evaluates, saves and loads (through ``checkpoint.megatron`` and ``checkpoint.plain``, which hold the file I/O); the
+trainers keep only the loop and the hooks.
 
 Example::
 

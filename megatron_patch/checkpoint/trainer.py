@@ -1,15 +1,16 @@
-"""Saving and loading a trainer's checkpoint, whatever its backend: the staging directory, every rank's RNG state,
+"""Saving and loading a trainer's checkpoint, whatever its model: the staging directory, every rank's RNG state,
 publishing, choosing the checkpoint to load and the RNG on the way back. What the model, optimizer and scheduler
-write is the backend's (training/backends/): it passes its ``write_state``/``read_state`` here.
+write is the model kind's (``checkpoint.megatron``, ``checkpoint.plain``): it passes its ``write_state``/``read_state``
+here.
 
 Example::
 
-    save_checkpoint("ckpt", 100, backend.write_state, info=info)                 # any TP/PP/DP layout
-    iteration = load_checkpoint("ckpt", backend.read_state, megatron=True)      # loads at another TP/PP too
+    save_checkpoint("ckpt", 100, write_state, info=info)                          # any TP/PP/DP layout
+    iteration = load_checkpoint("ckpt", read_state, megatron=True)                # loads at another TP/PP too
 
-The files and their description are :mod:`megatron_patch.checkpoint`'s: ``SAVE/iter_0000100/`` named by
-``SAVE/latest_checkpointed_iteration.txt`` (``checkpoint.format``), written through a staging directory and
-checksummed (``checkpoint.integrity``).
+The files and their description are ``checkpoint.format``'s: ``SAVE/iter_0000100/`` named by
+``SAVE/latest_checkpointed_iteration.txt``, written through a staging directory and checksummed
+(``checkpoint.integrity``).
 
 A megatron model whose description is known (``info``) also gets ``SAVE/megatron_patch_args.json``, the file
 ``megatron-patch convert megatron-to-hf`` reads. A tracker holding ``release`` names a converted checkpoint
@@ -18,8 +19,8 @@ Megatron-LM's trainer saved loads too (its model described by the ``args`` it ca
 legacy per-rank files (``iter_N/mp_rank_*/model_optim_rng.pt``) for the model only, with --finetune or
 --no-load-optim; both through ``checkpoint.load.load_into_chunks``.
 
-megatron-core models go through ``dist_checkpointing`` (torch_dist, backends/megatron.py), plain/Hugging Face
-models through ``save_pretrained`` and the optimizer state keyed by parameter name (backends/plain.py).
+megatron-core models go through ``dist_checkpointing`` (torch_dist, ``checkpoint.megatron``), plain/Hugging Face
+models through ``save_pretrained`` and the optimizer state keyed by parameter name (``checkpoint.plain``).
 
 A checkpoint with a missing, truncated or damaged file raises CorruptCheckpointError; ``load_fallback`` loads the
 newest intact earlier ``iter_*`` instead.
@@ -31,6 +32,7 @@ import functools
 import logging
 import os
 import random
+import time
 from typing import Callable
 
 import numpy
@@ -45,6 +47,9 @@ from megatron_patch.checkpoint.integrity import (
     write_checksums,
 )
 
+# The trainer's log (training/engine.py sets it up: the last rank prints INFO), so each save is said once.
+_LOG = logging.getLogger("rapidformer")
+
 
 def trained_model_info(model_config, padded_vocab_size: int, precision: str, parallel,
                        loaded: CheckpointInfo | None) -> CheckpointInfo:
@@ -55,7 +60,7 @@ def trained_model_info(model_config, padded_vocab_size: int, precision: str, par
     Example::
 
         info = trained_model_info(model, 128, "bf16", config.parallel, config.checkpoint_info)
-        save_checkpoint("ckpt", 10, model, optimizer, scheduler, True, info)
+        save_megatron_checkpoint("ckpt", 10, chunks, optimizer, scheduler, info)
     """
     return CheckpointInfo(
         format="torch_dist", model_config=model_config, padded_vocab_size=padded_vocab_size,
@@ -84,15 +89,19 @@ def save_checkpoint(root: str, iteration: int, write_state: Callable, *, info: C
     """
     path = checkpoint_dir(root, iteration)
     rank = torch.distributed.get_rank()
+    # Megatron-LM's wording (training/checkpointing.py save_checkpoint), which log scrapers look for.
+    _LOG.info(f"saving checkpoint at iteration {iteration} to {root}")
     staging = make_staging_dir(path, rank)
-    finalize = functools.partial(_publish_when_written, root, staging, path, iteration, info, keep_last_k)
+    save = {"started": time.perf_counter(), "returned": False}
+    finalize = functools.partial(_publish_when_written, root, staging, path, iteration, info, keep_last_k, save)
     write_rng = functools.partial(_save_rng, staging, rank, _rng_state())
     write_state(staging, rank, write_rng, finalize)
+    save["returned"] = True
     return path
 
 
 def _publish_when_written(root: str, staging: str, path: str, iteration: int, info: CheckpointInfo | None,
-                          keep_last_k: int | None) -> None:
+                          keep_last_k: int | None, save: dict) -> None:
     torch.distributed.barrier()  # every rank's files are written: rank 0 may publish them
     if torch.distributed.get_rank() == 0:
         write_checksums(staging, torch.distributed.get_world_size())
@@ -103,6 +112,11 @@ def _publish_when_written(root: str, staging: str, path: str, iteration: int, in
         write_tracker(root, iteration)
         remove_old(root, iteration, keep_last_k)
     torch.distributed.barrier()
+    # An asynchronous save (--async-save) is published after later iterations ran, when save_checkpoint has long
+    # returned: the line says it only now became the checkpoint a resume loads.
+    latest = " (asynchronously; it is now the latest)" if save["returned"] else ""
+    _LOG.info(f"saved checkpoint at iteration {iteration} to {root} in {time.perf_counter() - save['started']:.2f} s"
+              f"{latest}")
 
 
 def _rng_state() -> dict:
