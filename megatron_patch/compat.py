@@ -50,35 +50,11 @@ import signal
 import sys
 import textwrap
 import types
-import warnings
 
 # The megatron-core releases CI tests (setup.py's requirement says the same): 0.16.1 and the newest 0.19.
 TESTED_MEGATRON_CORE = ">=0.16.1,<0.20"
 
-# megatron-core warns at import time, once per module, that TE/apex are missing; the choice between TE and local
-# layers is made (and reported) by our spec builder, so these repeat what the user already knows.
-warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex|apex).*(not installed|Falling back).*")
-# So does megatron/core/inference/contexts/__init__.py:9-15 (0.16.1 and 0.19.2), a DeprecationWarning about its own
-# imports, raised whenever megatron-core's models import it: nothing a caller does changes it.
-warnings.filterwarnings("ignore", message=r"The following imports from `dynamic_context.py` will be removed",
-                        category=DeprecationWarning)
-
-# megatron-core 0.19.2 logs "GPTModel IS DEPRECATED ... use HybridModel" at every GPTModel built
-# (models/gpt/gpt_model.py:118-124). Its successor, HybridModel (models/hybrid/hybrid_model.py), is not in 0.16.1,
-# which CI also runs, and GPTModel is what Megatron-LM's GPT checkpoints and our converters are laid out for; the
-# message tells our users nothing they can act on. Only that record is dropped.
-logging.getLogger("megatron.core.models.gpt.gpt_model").addFilter(
-    lambda record: not record.getMessage().startswith("GPTModel IS DEPRECATED"))
-# 0.19.2 also logs, once per process, that its own asynchronous checkpoint writer is deprecated in favour of
-# NVIDIA Resiliency Extension's (dist_checkpointing/strategies/torch.py:745-752), including for every synchronous
-# save, which it runs through that writer (:727). Ours must stay on megatron-core's writer (``async_save_options``).
-logging.getLogger("megatron.core.dist_checkpointing.strategies.torch").addFilter(
-    lambda record: not record.getMessage().startswith("MCore's async save is deprecated"))
-# And it logs that load_common is deprecated whenever it reads a checkpoint's common.pt
-# (dist_checkpointing/strategies/common.py:39-42, from serialization.py:223-225): every torch_dist checkpoint that
-# 0.16.1 or Megatron-LM on it saved, which 0.19 reads that way and no other.
-logging.getLogger("megatron.core.dist_checkpointing.strategies.common").addFilter(
-    lambda record: not record.getMessage().startswith("load_common is deprecated"))
+# The upstream warnings and log records we silence are listed in startup.py (KNOWN_WARNINGS, KNOWN_LOG_RECORDS).
 
 
 def _compile_on_first_call(fn):
@@ -900,9 +876,10 @@ def bert_lm_head_norm(norm: type):
         bert_lm_head.LNImpl = imported
 
 
-def die_with_parent() -> None:
+def die_with_parent(parent: int | None = None) -> None:
     """Have the kernel SIGKILL this process when the thread that started it ends (Linux's PR_SET_PDEATHSIG);
-    elsewhere nothing. A parent that died before this call is not noticed.
+    elsewhere nothing. Given the ``parent``'s pid, a parent that died before this call is noticed too: this process
+    then has another (init, a subreaper) and ends at once.
 
     Example::
 
@@ -911,6 +888,8 @@ def die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         pr_set_pdeathsig = 1  # <linux/prctl.h>
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL))
+        if parent is not None and os.getppid() != parent:  # checked after prctl: no moment goes unwatched
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def write_results_queue_getter(filesystem_async) -> str:
@@ -1002,7 +981,7 @@ def shorten_elastic_shutdown(seconds: int) -> None:
 # (dist_checkpointing/mapping.py:134; docs/megatron-core-on-cpu.md, item 9); Megatron-LM's default, "dp_reshardable"
 # (:1187-1191), loads only at the tensor/pipeline layout it was saved at. "fully_reshardable" (:1192-1196) saves one
 # state tensor per model parameter, which every rank slices for itself on load, at any layout. A load builds its
-# state with the metadata the checkpoint records (training/backends/megatron.py ``_saved_metadata``).
+# state with the metadata the checkpoint records (checkpoint/megatron.py ``_saved_metadata``).
 DISTRIB_OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 

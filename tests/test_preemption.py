@@ -32,16 +32,22 @@ def assets(tmp_path_factory):
     return rapidformer_assets(tmp_path_factory)
 
 
+def recipe_flags(assets, out, nproc_per_node=2) -> list[str]:
+    """examples/gpt/run_pretrain_gpt.sh's flags for a tiny GPT at TP=2 over ``nproc_per_node`` CPU processes on each
+    node, ITERS iterations, its output under ``out`` (tests/test_multinode.py runs the same job on two nodes)."""
+    return ["--cpu", "--nproc-per-node", str(nproc_per_node), "--tp", "2", "--seq-length", "32", "--data-path",
+            assets.gpt_prefix, "--vocab-file", assets.gpt_options["vocab_file"], "--merge-file",
+            assets.gpt_options["merge_file"], "--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters",
+            str(ITERS), "--lr", "3e-3", "--output-dir", str(out), "--", "--log-interval", "1", "--split", "98,2,0"]
+
+
 def _start_recipe(assets, out):
     """examples/gpt/run_pretrain_gpt.sh with TP=2 on 2 CPU processes, in a process group of its own (a container's,
     a scheduler job's)."""
-    flags = ["--cpu", "--nproc-per-node", "2", "--tp", "2", "--seq-length", "32", "--data-path", assets.gpt_prefix,
-             "--vocab-file", assets.gpt_options["vocab_file"], "--merge-file", assets.gpt_options["merge_file"],
-             "--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters", str(ITERS), "--lr", "3e-3",
-             "--output-dir", str(out), "--", "--log-interval", "1", "--split", "98,2,0"]
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK")}
-    return subprocess.Popen(["bash", GPT, *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env={**env, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"})
+    return subprocess.Popen(["bash", GPT, *recipe_flags(assets, out)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**env, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"})
 
 
 def _wait_for_iteration(process, logs, iteration, timeout=300):

@@ -210,3 +210,22 @@ def test_megatron_patch_train_is_the_launcher(capsys):
     entries = _help_entries(capsys.readouterr().out)
     for flag in SEED_ACCELERATION_FLAGS:
         assert entries.get(flag), f"rapidformer --help does not explain {flag}"
+
+
+@pytest.mark.parametrize("outer", [None, "4242"])
+def test_the_launcher_pid_reaches_its_ranks_only(monkeypatch, outer):
+    """run_torchrun gives the ranks it starts its pid (a rank whose launcher died ends itself, issue 42). A process
+    that goes on afterwards (a rank relaunching convert verify, a test's rank pool) keeps the environment it had:
+    left there, the pid made that process's next in-process rank take it for a dead launcher and SIGKILL itself
+    (test_run_config's test_a_rank_parses_its_flags_once, exit -9, in the fresh-clone CI run)."""
+    from megatron_patch.training import launcher
+
+    if outer is None:
+        monkeypatch.delenv(launcher._LAUNCHER_PID, raising=False)
+    else:
+        monkeypatch.setenv(launcher._LAUNCHER_PID, outer)
+    script = "import os, sys; sys.exit(0 if os.environ['MEGATRON_PATCH_LAUNCHER_PID'] == str(os.getppid()) else 3)"
+    command = launcher.torchrun_command("megatron_patch.testing", [], nproc_per_node=1)
+    command[command.index("-m", 3):] = ["--no-python", sys.executable, "-c", script]
+    assert launcher.run_torchrun(command) == 0
+    assert os.environ.get(launcher._LAUNCHER_PID) == outer

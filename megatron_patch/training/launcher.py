@@ -6,7 +6,7 @@ Example::
     rapidformer --user-script my_trainer.py --micro-batch-size 16 --mixed-precision
     python -m megatron_patch.training.launcher --task pretraining --nproc-per-node 2 ...   # on CPUs
 
-The flags and the parallel layout (``check_launch_layout``) are checked in the launcher's process, so a run that
+The flags and the parallel layout (``arguments.run_config``) are checked in the launcher's process, so a run that
 cannot start ends in one ``rapidformer: error: ...`` line before any rank does. ``torchrun_command`` is the one
 builder of torchrun command lines (``megatron-patch convert``'s verification uses it too). The elastic agent
 (torchrun) runs inside the launcher (``run_torchrun``), so the launcher is the one process that a signal has to
@@ -17,17 +17,21 @@ through ``megatron_patch.distributed.exit_rank`` (a normal interpreter exit afte
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import signal
 import sys
 import traceback
 import types
+from typing import Callable
 
 from megatron_patch.errors import UserError, debugging, describe, one_line_errors
-from megatron_patch.training.arguments import check_launch_layout, parse_args, parse_run
+from megatron_patch.training.arguments import parse_flags, parse_run, run_config
 
 _RANK_ENTRY = "--rank-entry"
+# The launcher's pid, in its ranks' environment: a rank whose launcher died while it started ends (_run_rank).
+_LAUNCHER_PID = "MEGATRON_PATCH_LAUNCHER_PID"
 
 # When a rank fails, the others get SIGTERM and, SHUTDOWN_SECONDS later, SIGKILL (torch's default, 30 s, was waited
 # out by every hung or stopped rank with a SIGTERM handler); the failing ranks' report is written by then
@@ -99,15 +103,15 @@ def torchrun_command(module: str, module_args: list[str], nproc_per_node: int,
 def launch_command(argv: list[str]) -> list[str]:
     """The torch.distributed.run command line for ``argv``, validated first: errors name the flag, and a layout the
     processes cannot hold is refused here, before any starts."""
-    args = parse_args(argv)
-    if not args.task and not args.user_script:
+    flags = parse_flags(argv)
+    if not flags.task and not flags.user_script:
         raise SystemExit("rapidformer: error: give --task (black-box) or --user-script FILE (white-box)")
-    if args.user_script and not os.path.isfile(args.user_script):
-        raise SystemExit(f"rapidformer: error: --user-script {args.user_script}: no such file")
-    nproc_per_node = processes_per_node(args.nproc_per_node)
+    if flags.user_script and not os.path.isfile(flags.user_script):
+        raise SystemExit(f"rapidformer: error: --user-script {flags.user_script}: no such file")
+    nproc_per_node = processes_per_node(flags.nproc_per_node)
     nnodes = os.environ.get("NNODES", "1")
     # torchrun also takes an elastic MIN:MAX, which leaves the world size open until the nodes meet.
-    check_launch_layout(args, nproc_per_node * int(nnodes) if nnodes.isdigit() else None)
+    run_config(flags, nproc_per_node * int(nnodes) if nnodes.isdigit() else None)
     return torchrun_command("megatron_patch.training.launcher", [_RANK_ENTRY, *_without(argv, "--nproc-per-node")],
                             nproc_per_node)
 
@@ -150,7 +154,7 @@ def prepare_nodes():
                         f"and set it on every node") from None
 
 
-def run_torchrun(command: list[str], fate=None) -> int:
+def run_torchrun(command: list[str], fate=None, left: Callable[[], str] | None = None) -> int:
     """Run a ``python -m torch.distributed.run ...`` command line in this process; returns the job's exit status.
 
     Example::
@@ -161,7 +165,8 @@ def run_torchrun(command: list[str], fate=None) -> int:
     ``--exit-signal-handler``, 143 if they stopped on it); a second one stops them (status 143). A failed job is
     summed up in one line; torchrun's own table names the first rank to exit as the "root cause", which after a hang
     is a rank that waited for it. With a ``nodes.JobFate`` (a job of several nodes) the line names the node that
-    failed first, on every node.
+    failed first, on every node. A job stopped by a signal says which, and ``left()`` what it left to resume
+    from (the launcher's: the latest checkpoint under --save).
     """
     from megatron_patch.startup import paused_collector
 
@@ -176,6 +181,11 @@ def run_torchrun(command: list[str], fate=None) -> int:
     shorten_elastic_shutdown(SHUTDOWN_SECONDS)
     assert command[1:3] == ["-m", "torch.distributed.run"], command
     args = torchrun.parse_args(command[3:])
+    # For the ranks only (torchrun hands them this environment): a process that runs this function and goes on (a
+    # rank relaunching convert verify, the test suite's rank pools) must not leave its pid there for ranks it does
+    # not start, which would take it for a launcher that died and end themselves.
+    outer = os.environ.get(_LAUNCHER_PID)
+    os.environ[_LAUNCHER_PID] = str(os.getpid())
     forward = RanksForward()
     failed = False
     try:
@@ -185,7 +195,8 @@ def run_torchrun(command: list[str], fate=None) -> int:
         if forward.forwarded:
             # The ranks ended on the SIGTERM passed on to them (no --exit-signal-handler, or a command with nothing
             # to save, such as convert verify): the job was stopped, as a scheduler asked, not broken.
-            stopped = f"stopped by signal {forward.signum}: {_describe_failures(error.failures)}"
+            stopped = (f"stopped by signal {forward.signum} ({signal.Signals(forward.signum).name}): "
+                       f"{_describe_failures(error.failures)}{_left(left)}")
             if fate:
                 fate.failed(stopped)
             print(f"rapidformer: {stopped}", file=sys.stderr, flush=True)
@@ -196,14 +207,42 @@ def run_torchrun(command: list[str], fate=None) -> int:
         return 1
     except SignalException as error:
         failed = True
+        # Ctrl-C (SIGINT) or a second SIGTERM: torchrun's agent stopped the ranks where they were.
+        stopped = f"stopped by signal {int(error.sigval)} ({signal.Signals(error.sigval).name}){_left(left)}"
         if fate:
-            fate.failed(f"stopped by signal {int(error.sigval)}")
+            fate.failed(stopped)
+        print(f"rapidformer: {stopped}", file=sys.stderr, flush=True)
         return 128 + int(error.sigval)
     finally:
+        if outer is None:
+            os.environ.pop(_LAUNCHER_PID, None)
+        else:
+            os.environ[_LAUNCHER_PID] = outer
         forward.restore()
         if fate:
             fate.stop(failed)
     return 0
+
+
+def _left(left: Callable[[], str] | None) -> str:
+    return f"; {left()}" if left is not None else ""
+
+
+def latest_checkpoint(save: str | None) -> str:
+    """What a stopped run leaves to resume from: the latest checkpoint under ``save`` (``--save``), if any.
+
+    Example::
+
+        latest_checkpoint("ckpt")    # 'the latest checkpoint is iteration 20 in ckpt: resume with --load ckpt'
+    """
+    from megatron_patch.checkpoint.format import read_tracker
+
+    if save is None:
+        return "nothing was saved (no --save)"
+    latest = read_tracker(save)
+    if latest is None:
+        return f"no checkpoint was saved to {save}"
+    return f"the latest checkpoint is iteration {latest} in {save}: resume with --load {save}"
 
 
 def _describe_failures(failures: dict) -> str:
@@ -225,8 +264,9 @@ def _run_rank(argv: list[str]) -> int:
     # torch's elastic agent starts each rank in a session of its own (elastic/multiprocessing/subprocess_handler/
     # subprocess_handler.py, ``start_new_session``), so a SIGKILL of the launcher's process group (a container's
     # teardown, a scheduler's end of the grace period) would leave the ranks running, holding their devices. A
-    # launcher that died before this call leaves the rank to fail at the rendezvous: its store lived in the launcher.
-    compat.die_with_parent()
+    # launcher that died before this call is noticed by its pid: on a node other than node 0 the rendezvous store
+    # lives on, and such a rank joined node 0's and trained on without its node (issue 42).
+    compat.die_with_parent(int(os.environ.get(_LAUNCHER_PID, os.getppid())))
     import_libraries()
     from megatron_patch.training import mpu
 
@@ -284,10 +324,12 @@ def main(argv: list[str] | None = None) -> int:
             status = error.code if isinstance(error.code, int) else 1
         except BaseException as error:  # noqa: BLE001  (report every failure of a rank before the hard exit)
             # A user's error (bad data, a damaged checkpoint) says what to fix in its one line; a bug needs the trace.
+            rank = int(os.environ.get("RANK", 0))
             if not isinstance(error, UserError) or debugging():
                 traceback.print_exc()
-            print(f"rapidformer: rank {os.environ.get('RANK', 0)} failed: {type(error).__name__}: {describe(error)}",
-                  file=sys.stderr)
+            # An error every rank meets alike (the data's) is said by rank 0 alone, not once per rank.
+            if rank == 0 or not getattr(error, "same_on_every_rank", False):
+                print(f"rapidformer: rank {rank} failed: {type(error).__name__}: {describe(error)}", file=sys.stderr)
             report = report_failure(error)
             if report:
                 print(f"rapidformer: {report}", file=sys.stderr)
@@ -304,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rapidformer: {slurm}", flush=True)
     fate = prepare_nodes()
     print("+ " + " ".join(command), flush=True)
-    return run_torchrun(command, fate)
+    return run_torchrun(command, fate, left=functools.partial(latest_checkpoint, parse_flags(argv).save))
 
 
 if __name__ == "__main__":

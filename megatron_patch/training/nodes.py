@@ -206,6 +206,7 @@ class JobFate:
         self.verdict: str | None = None
         self._others = [node for node in range(nnodes) if node != node_rank]
         self._heard: dict[int, tuple[int, float]] = {}  # node -> (its beat count, when this node saw it change)
+        self._lost: set[int] = set()  # nodes found silent: node 0 does not wait for them to read the verdict
         self._lock = threading.Lock()  # the store client is used by the watching thread and by failed()
         self._stopped = threading.Event()
         self._store = None
@@ -236,7 +237,7 @@ class JobFate:
                         self._store.compare_set(_VERDICT, "", self._store.get(_FAILURE.format(1)))
                     break
                 if time.monotonic() - started > SILENCE_SECONDS:  # a lost node made this one's ranks fail
-                    self._decide(self._silence(silent[0]))
+                    self._decide(self._lose(silent))
                     break
                 time.sleep(BEAT_SECONDS / 4)
             self._read_verdict()
@@ -250,7 +251,7 @@ class JobFate:
         deadline = time.monotonic() + LINGER_SECONDS
         while failed and self.node_rank == 0 and time.monotonic() < deadline:
             with self._lock:
-                if self._store.add(_READ, 0) >= len(self._others):
+                if self._store.add(_READ, 0) >= len(self._others) - len(self._lost):
                     break
             time.sleep(0.1)
         self._stopped.set()
@@ -274,7 +275,11 @@ class JobFate:
                 self._store = store
             if store is None:
                 return
-        while not self._stopped.wait(BEAT_SECONDS):
+        # The first beat at once: a node killed just after its agent joined the rendezvous is then one whose beat
+        # stopped, not one that never joined, whose ranks node 0's would wait for until the distributed timeout.
+        interval = 0.0
+        while not self._stopped.wait(interval):
+            interval = BEAT_SECONDS
             try:
                 with self._lock:
                     self._store.add(_BEAT.format(self.node_rank), 1)
@@ -292,13 +297,16 @@ class JobFate:
                     self._heard[node] = (count, now)
             silent = [node for node in self._heard if now - self._heard[node][1] > SILENCE_SECONDS]
             if silent:
-                self._decide(self._silence(silent[0]))
+                self._decide(self._lose(silent))
                 self._read_verdict()
                 break
         while self.verdict and not self._stopped.wait(BEAT_SECONDS / 2):  # ranks the agent was still starting
             self._kill_ranks()
 
-    def _silence(self, node: int) -> str:
+    def _lose(self, silent: list[int]) -> str:
+        """The verdict naming the first of the ``silent`` nodes, all of them now lost to this one."""
+        self._lost.update(silent)
+        node = silent[0]
         if node not in self._heard:
             return f"node {node} failed first: it never joined (no launcher beat in {SILENCE_SECONDS:.0f} s)"
         return (f"node {node} failed first: its launcher stopped answering {SILENCE_SECONDS:.0f} s ago (killed, or "
