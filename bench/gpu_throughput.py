@@ -120,7 +120,8 @@ def run_case(case: Case, dry_run: bool) -> dict:
     model_config = get_model_config(model_name, **layers)
     seq_length = min(case.seq_length, model_config.max_positions) if dry_run else case.seq_length
     micro_batch_size = 2 if dry_run else case.micro_batch_size
-    parallel_config = ParallelConfig(bf16=on_gpu, recompute_granularity=case.recompute, fused_kernels=case.fused)
+    parallel_config = ParallelConfig(precision="bf16" if on_gpu else "fp32", recompute_granularity=case.recompute,
+                                     fused_kernels=case.fused)
     vocab = padded_vocab_size(model_config.vocab_size, model_config.make_vocab_size_divisible_by, 1)
     chunks = wrap_model(build_model_chunks(model_config, parallel_config, vocab),
                         DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True))

@@ -318,7 +318,7 @@ def test_flags_alone_describe_a_model():
      "--recompute-method and --recompute-num-layers only apply with --recompute-granularity full"),
     ({}, dict(recompute_granularity="full", recompute_num_layers=13), None,
      "--recompute-num-layers 13 must be between 1 and the 12 layers"),
-    ({}, dict(bf16=True, fp16=True), None, "--bf16 and --fp16 are mutually exclusive"),
+    ({}, dict(precision="fp8"), None, "precision must be fp32, fp16 or bf16, got 'fp8'"),
     ({}, dict(context_parallel_size=2), None, "--context-parallel-size greater than 1 needs Transformer Engine"),
 ])
 def test_invalid_layouts_are_refused(model_overrides, layout, world_size, message):

@@ -155,10 +155,10 @@ def test_a_resume_at_ep2_repeats_the_uninterrupted_records(assets, run):
     (["--tensor-model-parallel-size", "2"], 2, "need --sequence-parallel"),
 ])
 def test_the_launcher_refuses_an_expert_layout_before_any_rank_starts(flags, world_size, message):
-    from megatron_patch.training.arguments import check_launch_layout, parse_args
+    from megatron_patch.training.arguments import parse_flags, run_config
 
     with pytest.raises(SystemExit) as error:
-        check_launch_layout(parse_args(["--model-name", "tiny-mixtral", *flags]), world_size)
+        run_config(parse_flags(["--model-name", "tiny-mixtral", *flags]), world_size)
     assert message in str(error.value)
 
 

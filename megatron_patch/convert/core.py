@@ -49,7 +49,7 @@ from megatron_patch.convert.startup import import_megatron_core
 from megatron_patch.convert.transforms import Shapes, apply_to_hf, apply_to_mcore, row_runs
 from megatron_patch.distributed import free_port, initialize_distributed
 from megatron_patch.errors import UserError, first_problems
-from megatron_patch.layout import LayoutError, check_layout
+from megatron_patch.layout import LayoutError
 from megatron_patch.model.config import ModelConfig
 from megatron_patch.staging import killed_leftovers, staging_tag, tag_pattern
 
@@ -154,7 +154,8 @@ def build_reference_model(model_config: ModelConfig, padded_vocab_size: int, dty
     initialize_distributed(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, seed=1234)
     # megatron-core's local layers even where Transformer Engine is installed: the conversion tables name their
     # tensors, the model stays in this process's memory, and their checkpoints load into TE's layers.
-    parallel = ParallelConfig(bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, transformer_impl="local")
+    parallel = ParallelConfig(precision={torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32"),
+                              transformer_impl="local")
     if not (allocate_only or meta):
         [model] = build_model_chunks(model_config, parallel, padded_vocab_size)
         return model
@@ -495,13 +496,13 @@ def check_layout_of(m: ModelConfig, tp: int, pp: int, ep: int = 1, padded_vocab_
 
     Otherwise the conversion read and wrote every weight first, and each rank of its verification failed alone.
     """
+    from megatron_patch.model.parallel import ParallelConfig
+
+    # megatron-core's MoE layers at TP > 1 need sequence parallelism, which verify turns on.
+    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                              expert_model_parallel_size=ep, sequence_parallel=tp > 1 and m.num_moe_experts is not None)
     try:
-        check_layout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
-                     # megatron-core's MoE layers at TP > 1 need sequence parallelism, which verify turns on
-                     sequence_parallel=tp > 1 and m.num_moe_experts is not None, num_layers=m.num_layers,
-                     num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
-                     ffn_hidden_size=m.ffn_hidden_size, padded_vocab_size=padded_vocab_size,
-                     num_moe_experts=m.num_moe_experts, moe_ffn_hidden_size=m.moe_ffn_hidden_size)
+        parallel.check_layout(m, padded_vocab_size=padded_vocab_size)
     except LayoutError as error:
         message = str(error)
         for theirs, ours in (flags or {}).items():

@@ -217,7 +217,7 @@ def build_and_load(megatron_dir: str, info: CheckpointInfo, tp: int, pp: int, dt
     config = info.model_config.replace(hidden_dropout=0.0, attention_dropout=0.0)
     parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                               expert_model_parallel_size=ep, sequence_parallel=_sequence_parallel(info, tp),
-                              bf16=dtype == "bfloat16", fp16=dtype == "float16")
+                              precision={"bfloat16": "bf16", "float16": "fp16"}.get(dtype, "fp32"))
     chunks = build_model_chunks(config, parallel, info.padded_vocab_size)
     load_into_chunks(chunks, megatron_dir, info)
     return chunks

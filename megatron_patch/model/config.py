@@ -594,6 +594,18 @@ _SWITCH_FLAGS = [
 ]
 
 
+def switch_name(flag: str) -> str:
+    """Where a switch flag's value is kept: Megatron-LM's ``args`` name (``--swiglu`` -> ``swiglu``), which
+    ``get_args()`` answers too, so ``model_config_from_args(get_args())`` reads the run's switches.
+
+    Example::
+
+        >>> switch_name("--untie-embeddings-and-output-weights")
+        'untie_embeddings_and_output_weights'
+    """
+    return flag[2:].replace("-", "_")
+
+
 def add_model_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add ``--model-name`` and Megatron-LM's model flags to ``parser``.
 
@@ -612,7 +624,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     for flag, field, kwargs in _VALUE_FLAGS:
         group.add_argument(flag, dest=field, default=None, **kwargs)
     for flag, field, value in _SWITCH_FLAGS:
-        group.add_argument(flag, dest=f"_switch_{flag[2:].replace('-', '_')}", action="store_true",
+        group.add_argument(flag, dest=switch_name(flag), action="store_true",
                            help=f"sets {field}={value}")
     return parser
 
@@ -628,7 +640,7 @@ def model_flag_values(args: argparse.Namespace) -> dict:
     """
     values = {field: getattr(args, field) for _, field, _ in _VALUE_FLAGS if getattr(args, field) is not None}
     for flag, field, value in _SWITCH_FLAGS:
-        if getattr(args, f"_switch_{flag[2:].replace('-', '_')}"):
+        if getattr(args, switch_name(flag)):
             values[field] = value
     return values
 

@@ -64,8 +64,9 @@ class ParallelConfig:
     recompute_num_layers layers of each stage. Defaults to "uniform" when full recompute is on."""
     recompute_num_layers: int | None = None
     """Defaults to 1 with full recompute (every layer is checkpointed)."""
-    bf16: bool = False
-    fp16: bool = False
+    precision: Literal["fp32", "fp16", "bf16"] = "fp32"
+    """The parameters' dtype, Megatron-LM's ``params_dtype`` name (``--bf16``, ``--fp16``, ``--mixed-precision``):
+    the one field every part of a run reads its precision from."""
     attention_backend: Literal["auto", "flash", "fused", "unfused", "local"] = "auto"
     """Transformer Engine's attention kernel (megatron-core's ``attention_backend``); without Transformer Engine the
     local spec's SDPA attention runs whatever this says (the trainers log that as ignored)."""
@@ -96,12 +97,15 @@ class ParallelConfig:
     def params_dtype(self) -> torch.dtype:
         import torch  # here, not at the top: the flags' parser (`rapidformer --help`) imports this module
 
-        return torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
+        return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.precision]
 
-    def check_layout(self, model_config: ModelConfig, world_size: int | None = None,
-                     micro_batch_size: int | None = None, global_batch_size: int | None = None) -> int | None:
-        """``megatron_patch.layout.check_layout`` of this layout for ``model_config``: the data-parallel size (None
-        without ``world_size``), or LayoutError naming the flags.
+    def check_layout(self, model_config: ModelConfig | None, world_size: int | None = None,
+                     micro_batch_size: int | None = None, global_batch_size: int | None = None,
+                     padded_vocab_size: int | None = None) -> int | None:
+        """``megatron_patch.layout.check_layout`` of this layout for ``model_config`` (None: a model the flags do
+        not describe, a Hugging Face one or a user script's own): the data-parallel size (None without
+        ``world_size``), or LayoutError naming the flags. The launcher, the ranks, the dry-run plan and the
+        converter all check a layout through here.
 
         Example::
 
@@ -110,6 +114,10 @@ class ParallelConfig:
             4
         """
         m = model_config
+        model = {} if m is None else dict(
+            num_layers=m.num_layers, num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
+            ffn_hidden_size=m.ffn_hidden_size, seq_length=m.seq_length, num_moe_experts=m.num_moe_experts,
+            moe_ffn_hidden_size=m.moe_ffn_hidden_size)
         return check_layout(
             world_size, tensor_model_parallel_size=self.tensor_model_parallel_size,
             pipeline_model_parallel_size=self.pipeline_model_parallel_size,
@@ -117,11 +125,8 @@ class ParallelConfig:
             virtual_pipeline_model_parallel_size=self.virtual_pipeline_model_parallel_size,
             expert_model_parallel_size=self.expert_model_parallel_size,
             expert_tensor_parallel_size=self.expert_tensor_parallel_size,
-            num_moe_experts=m.num_moe_experts, moe_ffn_hidden_size=m.moe_ffn_hidden_size,
             sequence_parallel=self.sequence_parallel, micro_batch_size=micro_batch_size,
-            global_batch_size=global_batch_size, num_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
-            num_query_groups=m.num_query_groups, ffn_hidden_size=m.ffn_hidden_size, seq_length=m.seq_length,
-        )
+            global_batch_size=global_batch_size, padded_vocab_size=padded_vocab_size, **model)
 
     def validate(self, model_config: ModelConfig, world_size: int | None = None) -> None:
         """Raise a ValueError (LayoutError), naming the flags, when this layout cannot run ``model_config`` on this
@@ -164,8 +169,8 @@ class ParallelConfig:
     def check_options(self, model_config: ModelConfig) -> None:
         """Raise ValueError, naming the flags, when the precision or recompute options contradict each other or
         the layers of a model chunk (the layout itself is ``check_layout``'s)."""
-        if self.bf16 and self.fp16:
-            raise ValueError("--bf16 and --fp16 are mutually exclusive")
+        if self.precision not in ("fp32", "fp16", "bf16"):
+            raise ValueError(f"precision must be fp32, fp16 or bf16, got {self.precision!r}")
         m, vpp = model_config, self.virtual_pipeline_model_parallel_size or 1
         self._validate_recompute(m, layers_per_chunk=m.num_layers // (self.pipeline_model_parallel_size * vpp))
 
@@ -214,7 +219,8 @@ def _cuda_available() -> bool:
 
 
 def add_parallel_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add Megatron-LM's parallelism, recompute and precision flags to ``parser``.
+    """Add Megatron-LM's parallelism, recompute and precision flags (and Rapidformer's ``--mixed-precision``) to
+    ``parser``.
 
     Example::
 
@@ -242,6 +248,11 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
                        help="old name for --recompute-granularity full --recompute-method uniform")
     group.add_argument("--bf16", action="store_true")
     group.add_argument("--fp16", action="store_true")
+    group.add_argument("--mixed-precision", action="store_true",
+                       help="Rapidformer's: fp16 with dynamic loss scaling (bf16 without scaling when --bf16 is also "
+                            "given); megatron models train in fp16 with megatron-core's optimizer, plain/HF models "
+                            "keep fp32 weights and run their forward under torch.autocast with a GradScaler, also "
+                            "on CPUs")
     group.add_argument("--attention-backend", choices=["auto", "flash", "fused", "unfused", "local"], default="auto",
                        help="Transformer Engine's attention kernel (megatron-core's attention_backend); without "
                             "Transformer Engine megatron-core's local attention (torch SDPA) runs")
@@ -252,6 +263,20 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     group.add_argument("--fused-kernels", action="store_true",
                        help="torch.compile'd bias-activation and bias-dropout-add fusions (see ParallelConfig)")
     return parser
+
+
+def precision_of(args: argparse.Namespace) -> str:
+    """The run's precision from ``--bf16``, ``--fp16`` and ``--mixed-precision`` (fp16 unless ``--bf16``), the
+    one place it is decided; ``--fp16`` with ``--bf16`` is refused.
+
+    Example::
+
+        >>> precision_of(argparse.Namespace(bf16=True, fp16=False, mixed_precision=True))
+        'bf16'
+    """
+    if args.fp16 and args.bf16:
+        raise ValueError("--fp16 and --bf16 conflict; give one (or --mixed-precision [--bf16])")
+    return "bf16" if args.bf16 else "fp16" if args.fp16 or args.mixed_precision else "fp32"
 
 
 def parallel_config_from_args(args: argparse.Namespace, num_layers: int) -> ParallelConfig:
@@ -290,8 +315,7 @@ def parallel_config_from_args(args: argparse.Namespace, num_layers: int) -> Para
         recompute_granularity=granularity,
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
-        bf16=args.bf16,
-        fp16=args.fp16,
+        precision=precision_of(args),
         fused_kernels=args.fused_kernels,
         attention_backend=args.attention_backend,
         transformer_impl=args.transformer_impl or "transformer_engine",

@@ -30,6 +30,7 @@ import torch
 
 from megatron_patch.distributed import initialize_distributed
 from megatron_patch.training.arguments import parse_run
+from megatron_patch.training.config import ArgsView
 from megatron_patch.training.backends import backend_for
 from megatron_patch.training.schedule import configure_batch_schedule
 
@@ -45,9 +46,9 @@ def _current() -> "Engine":
     return engine
 
 
-def get_args() -> argparse.Namespace:
-    """The parsed flags of the current engine under Megatron-LM's names (for user scripts; our own code reads
-    ``engine.config``)."""
+def get_args() -> ArgsView:
+    """The current engine's run under Megatron-LM's names, read-only (for user scripts; our own code reads
+    ``engine.config``, which it is made from)."""
     return _current().args
 
 
@@ -277,7 +278,7 @@ class Engine:
         self.logger.info(message)
 
 
-def format_arguments(args: argparse.Namespace, title: str = "arguments") -> str:
+def format_arguments(args, title: str = "arguments") -> str:
     """Every effective setting in Megatron-LM's block (``_print_args`` of megatron/training/arguments.py): one
     ``  name .... value`` line each, dots up to column 48, sorted ignoring case, between two rulers.
 
@@ -288,11 +289,8 @@ def format_arguments(args: argparse.Namespace, title: str = "arguments") -> str:
         #   lr .............................................. 0.001
         # -------------------- end of arguments ---------------------
     """
-    settings = {name: value for name, value in vars(args).items() if not name.startswith("_switch_")}
-    # Switch flags keep their value under a private name (model.config._SWITCH_FLAGS); show the flag's name.
-    settings.update({name[len("_switch_"):]: value for name, value in vars(args).items()
-                     if name.startswith("_switch_")})
-    lines = sorted((f"  {name} {'.' * (48 - len(name))} {value}" for name, value in settings.items()), key=str.lower)
+    lines = sorted((f"  {name} {'.' * (48 - len(name))} {value}" for name, value in vars(args).items()),
+                   key=str.lower)
     return "\n".join([f"------------------------ {title} ------------------------", *lines,
                       f"-------------------- end of {title} ---------------------"])
 

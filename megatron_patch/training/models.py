@@ -15,29 +15,25 @@ save loads again with ``--load`` alone and exports with ``megatron-patch convert
 from __future__ import annotations
 
 from megatron_patch.checkpoint.format import CheckpointInfo
+from megatron_patch.checkpoint.trainer import trained_model_info
 from megatron_patch.model import ModelConfig
-from megatron_patch.model.builder import build_model_chunks, build_sequence_classifier, padded_vocab_size
-from megatron_patch.training.checkpointing import trained_model_info
+from megatron_patch.model.builder import build_model_chunks, build_sequence_classifier
 from megatron_patch.training.config import RunConfig
 
 
 def model_config_and_vocab(config: RunConfig, tokenizer, family: str) -> tuple[ModelConfig, int]:
-    """The model to build and its padded vocabulary: ``--load``'s description when it has one
-    (the stored vocabulary: a conversion pads for TP=1, recomputing it may not match), else the flags with the
-    tokenizer's vocabulary (``tokenizer`` may be None with ``--load``). Refuses a model of another ``family``."""
-    loaded: CheckpointInfo | None = config.checkpoint_info
-    if loaded is not None:
-        model, vocab, source = loaded.model_config, loaded.padded_vocab_size, f"--load {config.checkpointing.load}"
-    else:
-        if tokenizer is None:
-            raise SystemExit("rapidformer: error: without --load the model needs --tokenizer-type (and its files) "
-                             "for its vocabulary")
-        model = config.model.build(family, tokenizer.vocab_size)
-        vocab = padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by,
-                                  config.parallel.tensor_model_parallel_size)
-        spec = config.model
-        source = f"--model-name {spec.name}" if spec.name else f"--model-family {spec.family}"
+    """The model to build and its padded vocabulary (``ModelSpec.model_and_vocab``, as the dry-run plan resolves
+    them): ``--load``'s description, else the flags with the tokenizer's vocabulary (``tokenizer`` may be None
+    with ``--load``). Refuses a model of another ``family``."""
+    spec = config.model
+    if spec.loaded is None and tokenizer is None:
+        raise SystemExit("rapidformer: error: without --load the model needs --tokenizer-type (and its files) "
+                         "for its vocabulary")
+    model, vocab = spec.model_and_vocab(family, tokenizer and tokenizer.vocab_size,
+                                        config.parallel.tensor_model_parallel_size)
     if model.family != family:
+        source = (f"--load {config.checkpointing.load}" if spec.loaded else f"--model-name {spec.name}" if spec.name
+                  else f"--model-family {spec.family}")
         raise SystemExit(f"rapidformer: error: {source} describes a {model.family} model; this trainer trains "
                          f"{family} models")
     return model, vocab
@@ -59,5 +55,5 @@ def megatron_model(engine, family: str = "gpt", num_labels: int | None = None) -
         chunks = build_model_chunks(model, parallel, vocab)
     else:
         chunks = build_sequence_classifier(model, parallel, vocab, num_labels)
-    return chunks, trained_model_info(model, vocab, config.training.precision, parallel, config.checkpoint_info)
+    return chunks, trained_model_info(model, vocab, config.precision, parallel, config.checkpoint_info)
 

@@ -30,10 +30,10 @@ import math
 import os
 import sys
 
-from megatron_patch.model import ModelConfig, model_config_from_args, num_parameters, parallel_config_from_args
+from megatron_patch.model import ModelConfig, num_parameters
 from megatron_patch.model.flops import expert_parameters, layer_parameters
-from megatron_patch.tokenizer.registry import build_tokenizer, padded_vocab_size, tokenizer_options
-from megatron_patch.training.arguments import parse_args
+from megatron_patch.tokenizer.registry import build_tokenizer
+from megatron_patch.training.arguments import parse_flags, run_config
 from megatron_patch.training.launcher import processes_per_node
 
 GIB = 2 ** 30
@@ -215,23 +215,6 @@ def _spans(values: list[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
 
-def _model(args: argparse.Namespace) -> tuple[ModelConfig, int]:
-    """The model and its padded vocabulary, resolved as the trainers do (a stored checkpoint's, else the flags
-    with the tokenizer's vocabulary, else the named configuration's)."""
-    if args.checkpoint_info is not None:
-        return args.checkpoint_info.model_config, args.checkpoint_info.padded_vocab_size
-    vocab = None
-    if args.tokenizer_type:
-        options = {k: v for k, v in tokenizer_options(args).items() if v is not None}
-        vocab = build_tokenizer(args.tokenizer_type, **options).vocab_size
-    model = model_config_from_args(args, vocab_size=vocab)
-    if model.vocab_size is None:
-        raise ValueError("the vocabulary size is unknown: give --tokenizer-type and its files, or a --model-name "
-                         "that has one")
-    return model, padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by,
-                                    args.tensor_model_parallel_size)
-
-
 def _stages(model: ModelConfig, vocab: int, pp: int, vpp: int, stage_ranks: list[list[int]]) -> list[Stage]:
     """What each pipeline rank holds: its VPP chunks of layers, the input embedding on the first, the final norm,
     heads and output layer on the last. With tied embeddings and PP > 1 the last stage keeps its own copy of the
@@ -275,20 +258,24 @@ def build_plan(argv: list[str], nnodes: int = 1, train_tokens: int | None = None
     """
     from megatron.core.parallel_state import RankGenerator
 
-    args = parse_args(argv)
-    model, vocab = _model(args)
-    parallel = parallel_config_from_args(args, model.num_layers)
-    vpp = parallel.virtual_pipeline_model_parallel_size or 1
-    nproc = processes_per_node(args.nproc_per_node)
+    flags = parse_flags(argv)
+    nproc = processes_per_node(flags.nproc_per_node)
     if nnodes < 1:
         raise ValueError(f"NNODES (--nnodes) must be at least 1, got {nnodes}")
-    dp = parallel.check_layout(model, nnodes * nproc, args.micro_batch_size, args.global_batch_size)
-    # The model builder's other checks but Transformer Engine for CP, which the machine planning a GPU run may lack.
-    parallel.check_options(model)
-    if train_tokens is not None and args.train_iters is not None:
+    # The checks of the launcher but what this machine lacks (Transformer Engine for CP): a plan is for the cluster.
+    config = run_config(flags, nnodes * nproc, this_machine=False)
+    parallel, training = config.parallel, config.training
+    vocab_size = None
+    if config.tokenizer_type:
+        vocab_size = build_tokenizer(config.tokenizer_type, **dict(config.tokenizer_options)).vocab_size
+    model, vocab = config.model.model_and_vocab(config.model.family or "gpt", vocab_size,
+                                                parallel.tensor_model_parallel_size)
+    vpp = parallel.virtual_pipeline_model_parallel_size or 1
+    dp, gbs = training.data_parallel_size, training.global_batch_size
+    if train_tokens is not None and training.train_iters is not None:
         raise ValueError("give --train-iters or --train-tokens, not both")
-    gbs = args.global_batch_size or args.micro_batch_size * dp
-    train_iters = math.ceil(train_tokens / (gbs * model.seq_length)) if train_tokens is not None else args.train_iters
+    train_iters = math.ceil(train_tokens / (gbs * model.seq_length)) if train_tokens is not None else \
+        training.train_iters
     ranks = RankGenerator(tp=parallel.tensor_model_parallel_size, ep=1, dp=dp,
                           pp=parallel.pipeline_model_parallel_size, cp=parallel.context_parallel_size,
                           order=RANK_ORDER)
@@ -299,15 +286,15 @@ def build_plan(argv: list[str], nnodes: int = 1, train_tokens: int | None = None
     expert_ranks = RankGenerator(tp=etp, ep=ep, dp=nnodes * nproc // (etp * ep * pp), pp=pp, cp=1, order=RANK_ORDER)
     # get_ranks("pp") lists the pipelines; stage s holds the s-th rank of every pipeline.
     stage_ranks = [[pipeline[s] for pipeline in ranks.get_ranks("pp")] for s in range(pp)]
-    precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     return Plan(
-        model_name=args.model_name or (f"--load {args.load}" if args.checkpoint_info else "from the flags"),
+        model_name=config.model.name or (f"--load {config.checkpointing.load}" if config.checkpoint_info else
+                                         "from the flags"),
         model=model, padded_vocab=vocab, nnodes=nnodes,
         nproc_per_node=nproc, tp=parallel.tensor_model_parallel_size, pp=pp, vpp=vpp,
         cp=parallel.context_parallel_size, dp=dp, sequence_parallel=parallel.sequence_parallel,
-        recompute=parallel.recompute_granularity or "none", micro_batch_size=args.micro_batch_size,
-        global_batch_size=gbs, train_iters=train_iters, precision=precision,
-        distributed_optimizer=args.use_distributed_optimizer, stages=_stages(model, vocab, pp, vpp, stage_ranks),
+        recompute=parallel.recompute_granularity or "none", micro_batch_size=training.micro_batch_size,
+        global_batch_size=gbs, train_iters=train_iters, precision=config.precision,
+        distributed_optimizer=training.use_distributed_optimizer, stages=_stages(model, vocab, pp, vpp, stage_ranks),
         tp_groups=ranks.get_ranks("tp"), dp_groups=ranks.get_ranks("dp"), ep=ep, etp=etp,
         ep_groups=expert_ranks.get_ranks("ep"), expert_dp_groups=expert_ranks.get_ranks("dp"),
     )

@@ -116,7 +116,7 @@ class _Trainer:
         self._exit_signal = None  # signals.ExitSignal with --exit-signal-handler
         self._async_saves = None  # megatron-core's AsyncCallsQueue (run in threads) with --async-save
         # The megatron model's description, written next to each save (so megatron-to-hf can export it); set by
-        # a model provider that knows its ModelConfig (checkpointing.trained_model_info).
+        # a model provider that knows its ModelConfig (checkpoint.trainer.trained_model_info).
         self.checkpoint_info = None
 
     # -- the user's side --------------------------------------------------------------------------------
@@ -176,6 +176,14 @@ class _Trainer:
                 verify_checksums=not checkpoints.no_verify_checksums, logger=self.engine.logger)
         elif checkpoints.load:
             self.engine.logger.warning(no_checkpoint_notice(checkpoints.load))
+        if self.iteration:
+            # The loaded checkpoint holds this state: a run that trains no further saves nothing (it wrote the
+            # loaded iteration again, into a new --save directory too).
+            self._last_saved = self.iteration
+        if self.iteration >= train_iters:
+            self.engine.logger.info(f" nothing left to train: --load {checkpoints.load} is at iteration "
+                                    f"{self.iteration} and --train-iters is {train_iters}; give a larger "
+                                    "--train-iters to train on")
         self.consumed_samples, self.skipped_samples = self._resumed_samples()
 
     def _resumed_samples(self) -> tuple[int, int]:
@@ -191,9 +199,9 @@ class _Trainer:
 
     def _run(self, forward, data_iterator, train_iters: int, log: TrainingLog, after_step=None,
              counter: _TokenCounter | None = None) -> bool:
-        """Train up to ``train_iters``; returns True when an exit signal or ``--exit-duration-in-mins`` stopped it
-        (after saving). Without a token ``counter`` every sample counts ``--seq-length`` tokens (Megatron-LM's
-        pretraining count). Each iteration takes the global batch megatron-core's microbatch calculator gives
+        """Train up to ``train_iters``; returns True when an exit signal, ``--exit-interval`` or
+        ``--exit-duration-in-mins`` stopped it (after saving). Without a token ``counter`` every sample counts
+        ``--seq-length`` tokens (Megatron-LM's pretraining count). Each iteration takes the global batch megatron-core's microbatch calculator gives
         for the samples consumed so far (``--rampup-batch-size``)."""
         from megatron.core.num_microbatches_calculator import (
             get_current_global_batch_size, get_num_microbatches, update_num_microbatches,
@@ -243,6 +251,13 @@ class _Trainer:
                 self.engine.logger.info(f" exiting on signal {self._exit_signal.signum}: saved iteration "
                                         f"{self.iteration} to {save}")
                 return True
+            if training.exit_interval and self.iteration % training.exit_interval == 0:
+                # Megatron-LM's --exit-interval (training.py, core_v0.16.1): save if --save, then stop.
+                self._finish_saves()
+                saved = f", saved to {save}" if save else ""
+                self.engine.logger.info(f" exiting at iteration {self.iteration} (--exit-interval "
+                                        f"{training.exit_interval}){saved}")
+                return True
             if training.exit_duration_in_mins and self._out_of_time():
                 self._finish_saves()
                 saved = f", saved to {save}" if save else ""
@@ -259,7 +274,7 @@ class _Trainer:
         return bool(done.item())
 
     def _profile(self, start: bool) -> None:
-        """``--profile`` (GPUs; arguments.flag_notices turns it off elsewhere): CUDA's profiler runs from the
+        """``--profile`` (GPUs; ignored_flags.flag_notices turns it off elsewhere): CUDA's profiler runs from the
         start of iteration ``--profile-step-start`` to the end of ``--profile-step-end``, on ``--profile-ranks``."""
         training = self.config.training
         if not training.profile or torch.distributed.get_rank() not in training.profile_ranks:
@@ -273,7 +288,7 @@ class _Trainer:
         """fp16 skips overflowing steps as a matter of course (the loss scaler adapts); in bf16/fp32 a skipped
         step had NaN/Inf gradients, and ``--max-bad-steps`` of them in a row stop the run."""
         training, save = self.config.training, self.config.checkpointing.save
-        self._bad_steps = self._bad_steps + 1 if skipped and not training.fp16 else 0
+        self._bad_steps = self._bad_steps + 1 if skipped and self.config.precision != "fp16" else 0
         if self._bad_steps < training.max_bad_steps:
             return
         self._wait_for_saves()
@@ -343,7 +358,19 @@ class _Trainer:
         record = os.path.join(logging.log_dir, "iterations.jsonl") if logging.log_dir and last else None
         return TrainingLog(self.engine.logger, logging.log_interval, train_iters, flops_per_sample,
                            logging.tensorboard_dir if last else None, record_path=record, world_size=world_size,
-                           loss_name=self.backend.loss_name)
+                           loss_name=self.backend.loss_name, wandb_options=self._wandb_options() if last else None)
+
+    def _wandb_options(self) -> dict | None:
+        """``wandb.init``'s arguments for ``--wandb-project`` (Megatron-LM's _set_wandb_writer: the run under
+        ``--wandb-save-dir``, by default ``--save``'s wandb/, with the run's settings as its config)."""
+        logging = self.config.logging
+        if logging.wandb_project is None:
+            return None
+        settings = {name: value if isinstance(value, (bool, int, float, str, type(None))) else str(value)
+                    for name, value in vars(self.engine.args).items()}
+        options = dict(project=logging.wandb_project, name=logging.wandb_exp_name, config=settings,
+                       dir=logging.wandb_save_dir or os.path.join(self.config.checkpointing.save, "wandb"))
+        return {**options, "entity": logging.wandb_entity} if logging.wandb_entity else options
 
 
 def _pretraining_batches(dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
