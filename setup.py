@@ -25,8 +25,9 @@ setup(
         "einops",
         "matplotlib",
     ],
-    # tensorboard: --tensorboard-dir writes through torch.utils.tensorboard, which needs it (tests read the events).
-    extras_require={"test": ["pytest>=8", "pytest-timeout", "tensorboard"]},
+    # tensorboard: --tensorboard-dir writes through torch.utils.tensorboard, which needs it (tests read the events);
+    # wandb: --wandb-project, tested in W&B's offline mode. Neither is needed to train.
+    extras_require={"test": ["pytest>=8", "pytest-timeout", "tensorboard", "wandb"]},
     entry_points={
         "console_scripts": [
             "megatron-patch=megatron_patch.cli:run",

@@ -14,6 +14,7 @@ import sys
 from typing import Callable, NoReturn
 
 from megatron_patch.errors import DEBUG_ENV
+from megatron_patch.startup import show_known_noise
 
 
 def launch(module: str, nproc_per_node: int, module_args: list[str]) -> int:
@@ -36,6 +37,8 @@ def _forward(module: str):
     """A subcommand that hands its arguments to ``module.main(argv)`` (the toolkits' own parsers)."""
 
     def run(args: argparse.Namespace, rest: list[str]) -> int:
+        # argparse's default prog is sys.argv[0]'s base name, so the tools' usage lines name the subcommand.
+        sys.argv[0] = f"megatron-patch {args.command}"
         return importlib.import_module(module).main(rest)
 
     return run
@@ -70,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action=_Versions, help="print the versions of this package, Python, torch, "
                         "megatron-core, Transformer Engine and apex, then exit")
     parser.add_argument("--debug", action="store_true",
-                        help="print the traceback behind an error (sets MEGATRON_PATCH_DEBUG=1 for every process)")
+                        help="print the traceback behind an error and the upstream warnings silenced by default "
+                             "(startup.KNOWN_WARNINGS; sets MEGATRON_PATCH_DEBUG=1 for every process)")
     commands = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_text) in TOOLS.items():
         tool = commands.add_parser(name, help=help_text, add_help=False)
@@ -83,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     quickstart.set_defaults(run=_quickstart)
     args, rest = parser.parse_known_args(argv)
     if args.debug:
-        os.environ[DEBUG_ENV] = "1"
+        os.environ[DEBUG_ENV] = "1"  # the ranks torchrun starts inherit it
+        show_known_noise()  # this process imported the package, and silenced them, before --debug was read
     return args.run(args, rest)
 
 

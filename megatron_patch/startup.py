@@ -1,4 +1,5 @@
-"""What every process of ours pays before its work, made cheaper: importing torch, megatron-core, transformers.
+"""What every process of ours pays before its work, made cheaper (importing torch, megatron-core, transformers) and
+quieter (the upstream warnings we know about).
 
 Example::
 
@@ -6,6 +7,10 @@ Example::
     import_libraries()            # torch, the CPU shim (compat.apply) and megatron-core, the collector paused
     with paused_collector():      # transformers imports a model class's module at its first use
         model = AutoModelForCausalLM.from_pretrained("llama-hf")
+
+Importing the package silences the upstream warnings and log records listed in ``KNOWN_WARNINGS`` and
+``KNOWN_LOG_RECORDS`` (``quiet_known_noise``), each with the reason it tells our users nothing they can act on;
+``megatron-patch --debug`` or ``MEGATRON_PATCH_DEBUG=1`` shows them again, in every rank.
 
 Importing torch and megatron-core makes about 700,000 objects, and every one of them lives as long as the process.
 CPython's cyclic garbage collector runs on allocation counts, so it walks them again and again while they are
@@ -23,9 +28,86 @@ walks: 0.25-0.3 s less of a rank's start-up here.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
+import logging
+import warnings
 
 from megatron_patch.compat import process_froze_objects
+from megatron_patch.errors import debugging
+
+# (category, message pattern, why it is silenced) of upstream warnings.
+KNOWN_WARNINGS = (
+    (UserWarning, r".*(Transformer Engine|Apex|apex).*(not installed|Falling back).*",
+     "megatron-core warns at import, once per module, that TE/apex are missing; our spec builder makes the choice "
+     "between TE and local layers and reports it"),
+    (DeprecationWarning, r"The following imports from `dynamic_context.py` will be removed",
+     "megatron/core/inference/contexts/__init__.py:9-15 (0.16.1 and 0.19.2) about its own imports, raised whenever "
+     "megatron-core's models import it"),
+    (FutureWarning, r"`load_state_dict` is deprecated and will be removed in future versions",
+     "megatron-core's torch_dist loader calls torch DCP's load_state_dict (dist_checkpointing/strategies/torch.py:799 "
+     "in 0.16.1) at every checkpoint load"),
+    (FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor",
+     "megatron-core's torch_dist checkpoints are made of ShardedTensors (0.16.1 and 0.19.2), so torch DCP warns at "
+     "every save and load; the format is megatron-core's to change"),
+    (UserWarning, r"MimoModelConfig is experimental",
+     "megatron-core 0.19.2 warns when its models package imports models/mimo (mimo/config/base_configs.py:12); no "
+     "MIMO model is built here"),
+    (UserWarning, r"torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to (save|load) "
+                  r"in a single process",
+     "torch DCP (distributed/checkpoint/utils.py) in a converter's single process, where that is the intent"),
+    (UserWarning, r"The argument order of load has been changed",
+     "torch 2.11's DCP warns at every dcp.load with keyword arguments (distributed/checkpoint/logger.py:90), which is "
+     "how the converters call it"),
+)
+# (logger, start of the message, why it is dropped) of upstream log records.
+KNOWN_LOG_RECORDS = (
+    ("megatron.core.models.gpt.gpt_model", "GPTModel IS DEPRECATED",
+     "0.19.2 logs it at every GPTModel built (models/gpt/gpt_model.py:118-124); its successor HybridModel is not in "
+     "0.16.1, which CI also runs, and GPTModel is what Megatron-LM's GPT checkpoints and our converters are laid "
+     "out for"),
+    ("megatron.core.dist_checkpointing.strategies.torch", "MCore's async save is deprecated",
+     "0.19.2 logs it once per process for every save, synchronous ones included (strategies/torch.py:727,745-752); "
+     "ours must stay on megatron-core's writer (compat.async_save_options)"),
+    ("megatron.core.dist_checkpointing.strategies.common", "load_common is deprecated",
+     "0.19.2 logs it at every read of a common.pt (strategies/common.py:39-42), which is how it reads every "
+     "checkpoint 0.16.1 or Megatron-LM on it saved"),
+    ("megatron.core.datasets.gpt_dataset", "Unable to save Mock",
+     "--mock-data's indexes are made in memory in a moment; there is nothing to cache (gpt_dataset.py:556, once "
+     "per split)"),
+    ("torch.utils.cpp_extension", "No CUDA runtime is found",
+     "PyPI's CUDA build of torch logs it on a machine without a GPU when megatron-core imports cpp_extension "
+     "(utils/cpp_extension.py:140); nothing here runs on CUDA then"),
+    ("megatron.core.datasets.megatron_tokenizer", "You're using the legacy tokenizer system",
+     "megatron-core 0.16.1's MegatronLegacyTokenizer logs it at every tokenizer built; our tokenizers "
+     "(tokenizer/base.py) do not use it, Megatron-LM's own do"),
+)
+
+
+def quiet_known_noise() -> None:
+    """Silence ``KNOWN_WARNINGS`` and ``KNOWN_LOG_RECORDS`` (once, at the package's import) unless debugging.
+
+    Example::
+
+        quiet_known_noise()     # megatron_patch/__init__.py
+        show_known_noise()      # megatron-patch --debug, after the package is imported
+    """
+    if not debugging():
+        for category, message, _ in KNOWN_WARNINGS:
+            warnings.filterwarnings("ignore", message=message, category=category)
+    for logger, start, _ in KNOWN_LOG_RECORDS:
+        # Checked at each record, so that --debug given after the import shows them.
+        logging.getLogger(logger).addFilter(functools.partial(_shown, start))
+
+
+def show_known_noise() -> None:
+    """Show ``KNOWN_WARNINGS`` again (``--debug``): a filter that shows each, ahead of the one that hid it."""
+    for category, message, _ in KNOWN_WARNINGS:
+        warnings.filterwarnings("default", message=message, category=category)
+
+
+def _shown(start: str, record: logging.LogRecord) -> bool:
+    return debugging() or not record.getMessage().startswith(start)
 
 
 @contextlib.contextmanager

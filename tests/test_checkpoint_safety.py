@@ -78,7 +78,8 @@ def test_damaged_checkpoint_is_named_and_fallback_loads_the_previous(assets, thr
         common = os.path.basename(common_state_source(latest))
         name = {"remove-common": common, "remove-metadata": "metadata.json"}[damage]
         os.remove(os.path.join(latest, name))
-    load = _gpt_flags(assets, *_BATCH, "--load", save, "--train-iters", "2")
+    # The saves ran with --train-iters 3: the scheduler flag lets a shorter run load them (Megatron-LM's too).
+    load = _gpt_flags(assets, *_BATCH, "--load", save, "--train-iters", "2", "--use-checkpoint-opt_param-scheduler")
     with pytest.raises(AssertionError) as failure:
         run_on_ranks(resumed_iteration, 1, args=(load,))
     message = str(failure.value)
@@ -95,15 +96,15 @@ def test_killed_save_leaves_the_previous_checkpoint_current(assets, tmp_path):
     # files are written (before the rename and the tracker) so the kill lands mid-save.
     script = textwrap.dedent(f"""
         import time
-        from megatron_patch.training import checkpointing
+        from megatron_patch.checkpoint import trainer
         from test_trainer_megatron import train_gpt
 
-        publish = checkpointing._publish_when_written
+        publish = trainer._publish_when_written
         def stalling_publish(root, staging, *args):
             if "iter_0000002.tmp-" in staging:
                 time.sleep(600)
             publish(root, staging, *args)
-        checkpointing._publish_when_written = stalling_publish
+        trainer._publish_when_written = stalling_publish
         train_gpt(0, 1, {argv!r})
     """)
     port = free_port()
@@ -128,7 +129,7 @@ def test_killed_save_leaves_the_previous_checkpoint_current(assets, tmp_path):
     assert _tracker(save) == "1"
     assert _iter_dirs(save)[0] == "iter_0000001" and "iter_0000002" not in _iter_dirs(save)
     assert run_on_ranks(resumed_iteration, 1, args=(_gpt_flags(
-        assets, *_BATCH, "--load", save, "--train-iters", "1"),)) == [1]
+        assets, *_BATCH, "--load", save, "--train-iters", "1", "--use-checkpoint-opt_param-scheduler"),)) == [1]
     # The next successful save replaces the leftover.
     run_on_ranks(resumed_iteration, 1, args=(argv + ["--load", save],))
     assert _iter_dirs(save) == ["iter_0000001", "iter_0000002"] and _tracker(save) == "2"

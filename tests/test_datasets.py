@@ -1,6 +1,7 @@
 """megatron-core GPT and BERT datasets built over our preprocessed files yield correct samples."""
 
 import json
+import struct
 import sys
 
 import megatron.core.datasets.utils
@@ -168,6 +169,7 @@ def test_the_launchers_check_finds_the_prefixes_megatron_core_reads(tmp_path, wo
 
     named = [word if word[0].isdigit() else str(tmp_path / word) for word in words]
     for word in words:
-        for suffix in (".bin", ".idx"):
-            (tmp_path / (word + suffix)).write_bytes(b"tokens")
+        (tmp_path / (word + ".bin")).write_bytes(b"tokens")
+        # an index of no sequences: the launcher reads its header too
+        (tmp_path / (word + ".idx")).write_bytes(struct.pack("<9sQBQQ", b"MMIDIDX\x00\x00", 1, 8, 0, 0))
     assert check_data_path(named) == get_blend_from_list(named)[0]

@@ -168,7 +168,8 @@ def train_and_resume(rank, world_size, converted, trained, sequences):
               "--lr-decay-style", "constant", "--seed", "3", "--save", trained]
     with logged_messages() as messages:
         _fixed_data_pretrainer(sequences)(engine=Engine(["--load", converted, "--train-iters", "2", *common])).train()
-        _fixed_data_pretrainer(sequences)(engine=Engine(["--load", trained, "--train-iters", "3", *common])).train()
+        _fixed_data_pretrainer(sequences)(engine=Engine(["--load", trained, "--train-iters", "3",
+                                                         "--use-checkpoint-opt_param-scheduler", *common])).train()
     return messages
 
 

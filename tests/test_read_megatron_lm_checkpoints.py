@@ -351,7 +351,10 @@ def test_the_args_of_a_rank_file_are_read_without_loading_its_tensors(tmp_path, 
 SAVED_AT = 2
 RUN_FLAGS = ["--micro-batch-size", "2", "--global-batch-size", "4", "--seq-length", "16", "--lr", "1e-3",
              "--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--lr-decay-iters", "8", "--seed", "3",
-             "--log-interval", "1"]
+             "--log-interval", "1",
+             # A resume here goes on to a longer --train-iters, so the scheduler's weight-decay iterations (train
+             # iters x global batch) differ from the save's; Megatron-LM refuses that without one of its two flags.
+             "--use-checkpoint-opt_param-scheduler"]
 
 
 def save_as_megatron_lm_run(trainer, out: str, **flags) -> None:

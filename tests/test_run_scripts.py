@@ -211,6 +211,33 @@ def test_help_lists_the_named_flags(tmp_path):
         assert flag in output
 
 
+@pytest.mark.parametrize("described", [True, False], ids=["described", "tracker-only"])
+def test_a_rerun_resumes_from_its_output_directory(tmp_path, described):
+    """A recipe rerun on an output directory holding a checkpoint resumes from it, with the model the checkpoint
+    describes when it has a description; the package names both files, which common.sh does not spell."""
+    from megatron_patch.checkpoint.format import (
+        ARGS_FILE, TRACKER_FILE, CheckpointInfo, write_args_file, write_tracker,
+    )
+    from megatron_patch.model.config import get_model_config
+
+    checkpoints = tmp_path / "out" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    write_tracker(str(checkpoints), 1)
+    if described:
+        write_args_file(str(checkpoints), CheckpointInfo("torch_dist", get_model_config("tiny-llama"), 128))
+    code, output = _recipe(GPT, "--dry-run", "--cpu", "--model-size", "tiny-gpt2", "--output-dir",
+                           str(tmp_path / "out"), cwd=tmp_path, timeout=120)
+    assert code == 0, output
+    assert f"resuming from {checkpoints} " in output
+    assert (f"the model comes from {checkpoints / ARGS_FILE}; --model-size is not passed" in output) == described
+    command = _command_words(next(line for line in output.splitlines() if line.startswith("+ ")))
+    assert command[command.index("--load") + 1] == str(checkpoints)
+    assert ("--model-name" in command) != described
+    with open(os.path.join(ROOT, "run_scripts", "common.sh")) as f:
+        recipe = f.read()
+    assert TRACKER_FILE not in recipe and ARGS_FILE not in recipe
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Every recipe trains a tiny model on CPU processes (BERT ones at 1 and 2); the printed command is what runs
 # ------------------------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@ shards its state, a checkpoint saved at one TP/PP resumes at another with the lo
 NaN gradient on one rank skips the step on every rank without touching the weights."""
 
 import os
+import re
 
 import pytest
 from seed_scripts.assets import rapidformer_assets
@@ -176,17 +177,18 @@ def train_gpt_logging(rank, world_size, argv):
 
 
 def test_a_load_directory_without_a_checkpoint_is_named_before_training_from_random_weights(assets, tmp_path):
-    """Failed before: a --load with no checkpoint, a Hugging Face model's directory among them, started from random
-    weights without a word (Megatron-LM warns); the first run of a job saving to its --load does the same."""
+    """Failed before: a --load with no checkpoint started from random weights without a word (Megatron-LM warns):
+    the first run of a job saving to its --load. A Hugging Face model's directory is refused instead (issue 38)."""
+    from megatron_patch.training.arguments import parse_run
     from tests.convert_oracles import make_hf_model
 
     hf = make_hf_model("llama-gqa", str(tmp_path / "hf"))
     missing = str(tmp_path / "ckpt")
     step = ["--train-iters", "1", "--micro-batch-size", "2", "--global-batch-size", "2"]
     [(scratch, _)] = run_on_ranks(train_gpt_logging, 1, args=(_gpt_flags(assets, *step),))
-    for load in (hf, missing):
-        [(loss, messages)] = run_on_ranks(train_gpt_logging, 1, args=(_gpt_flags(assets, *step, "--load", load),))
-        assert loss == scratch  # nothing was loaded
-        [notice] = [m for m in messages if m.startswith(f"--load {load}: no checkpoint there")]
-        convert = f"convert it with `megatron-patch convert hf-to-megatron --hf-dir {hf} --save-dir CONVERTED`"
-        assert (convert in notice) == (load == hf), notice
+    [(loss, messages)] = run_on_ranks(train_gpt_logging, 1, args=(_gpt_flags(assets, *step, "--load", missing),))
+    assert loss == scratch  # nothing was loaded
+    assert [m for m in messages if m.startswith(f"--load {missing}: no checkpoint there")], messages
+    convert = f"convert it with `megatron-patch convert hf-to-megatron --hf-dir {hf} --save-dir CONVERTED`"
+    with pytest.raises(SystemExit, match=re.escape(convert)):
+        parse_run(_gpt_flags(assets, *step, "--load", hf), 1)

@@ -1,5 +1,5 @@
-"""``--data-path`` checked without megatron-core: the launcher refuses a wrong one before torchrun starts, and does
-not pay megatron-core's import (~3 s here) for it.
+"""``--data-path`` checked without megatron-core: the launcher refuses a missing prefix or an .idx megatron-core
+cannot read before torchrun starts, and does not pay megatron-core's import (~3 s here) for it.
 
 Example::
 
@@ -10,14 +10,91 @@ The ranks build the blend with megatron-core's own parser (``datasets.parse_data
 """
 
 import os
+import struct
 from typing import Sequence
+
+import numpy
 
 from megatron_patch.errors import UserError
 
+# megatron-core's .idx layout (datasets/indexed_dataset.py, _IndexWriter.write and _IndexReader.__init__, 0.16.1):
+# the magic, version 1, a dtype code, the sequence and document counts, then int32 lengths and int64 pointers per
+# sequence, int64 document indices (and one int8 mode per sequence in multimodal data).
+_INDEX_HEADER = b"MMIDIDX\x00\x00"
+_HEADER = struct.Struct("<9sQBQQ")
+_TOKEN_DTYPES = {1: numpy.uint8, 2: numpy.int8, 3: numpy.int16, 4: numpy.int32, 5: numpy.int64, 6: numpy.float64,
+                 7: numpy.float32, 8: numpy.uint16}
+_REBUILD = "preprocess its JSONL again (megatron-patch preprocess-data) or give the right prefix"
 
-class EmptyDataError(UserError, ValueError):
-    """--data-path names data that gives no training samples. A ValueError as well: the launcher's argument check
-    (training/arguments.py) reports those as one line before torchrun starts."""
+
+class DataError(UserError, ValueError):
+    """A --data-path file missing or one megatron-core cannot read, or tokens the run's tokenizer does not have. A
+    ValueError as well: the launcher's argument check (training/arguments.py) reports those as one line before
+    torchrun starts. Every rank finds the same, so a rank's report is printed once (``same_on_every_rank``)."""
+
+    same_on_every_rank = True
+
+
+class EmptyDataError(DataError):
+    """--data-path names data that gives no training samples."""
+
+
+def read_index(prefix: str) -> tuple[numpy.dtype, int, int]:
+    """``(token dtype, sequences, documents)`` of ``prefix.idx``, its header and size checked against what
+    megatron-core reads, and ``prefix.bin``'s size against the last sequence it points to; a DataError naming the
+    file otherwise (megatron-core's own: 'buffer is smaller than requested size', or a bare AssertionError).
+
+    Example::
+
+        read_index("data/corpus_text_document")     # (dtype('uint16'), 1200, 1200)
+    """
+    path = prefix + ".idx"
+    with open(path, "rb") as f:
+        head = f.read(_HEADER.size)
+        if len(head) < _HEADER.size or not head.startswith(_INDEX_HEADER):
+            raise DataError(f"--data-path {prefix}: {path} is not a megatron-core index (its header is not "
+                            f"MMIDIDX); {_REBUILD}")
+        _, version, code, sequences, documents = _HEADER.unpack(head)
+        if version != 1 or code not in _TOKEN_DTYPES:
+            raise DataError(f"--data-path {prefix}: {path} has index version {version}, token type code {code}; "
+                            f"megatron-core reads version 1 with codes 1-8: {_REBUILD}")
+        arrays = 12 * sequences + 8 * documents
+        size = os.path.getsize(path)
+        # multimodal indices carry one more byte per sequence
+        if size not in (_HEADER.size + arrays, _HEADER.size + arrays + sequences):
+            raise DataError(f"--data-path {prefix}: {path} is {size} bytes, its header promises "
+                            f"{_HEADER.size + arrays} ({sequences} sequences, {documents} documents): it is "
+                            f"truncated or damaged; {_REBUILD}")
+        dtype = numpy.dtype(_TOKEN_DTYPES[code])
+        if sequences:
+            f.seek(_HEADER.size + 4 * (sequences - 1))
+            (length,) = struct.unpack("<i", f.read(4))
+            f.seek(_HEADER.size + 4 * sequences + 8 * (sequences - 1))
+            (pointer,) = struct.unpack("<q", f.read(8))
+            needed, held = pointer + length * dtype.itemsize, os.path.getsize(prefix + ".bin")
+            if held < needed:
+                raise DataError(f"--data-path {prefix}: {prefix}.bin is {held} bytes, {path} points to {needed}: "
+                                f"the .bin is truncated or from another run; {_REBUILD}")
+    return dtype, sequences, documents
+
+
+def check_token_ids(prefixes: Sequence[str], vocab_size: int) -> None:
+    """Refuse data with a token id the tokenizer's ``vocab_size`` does not reach (the embedding lookup failed deep
+    in the first step: 'IndexError: index out of range in self'), naming the file; one pass over each .bin.
+
+    Example::
+
+        check_token_ids(["data/corpus_text_document"], tokenizer.vocab_size)
+    """
+    for prefix in prefixes:
+        dtype, _, _ = read_index(prefix)
+        if not os.path.getsize(prefix + ".bin"):
+            continue
+        largest = int(numpy.memmap(prefix + ".bin", dtype=dtype, mode="r").max())
+        if largest >= vocab_size:
+            raise DataError(f"--data-path {prefix}: {prefix}.bin holds token id {largest}, beyond this tokenizer's "
+                            f"{vocab_size} tokens: the data was tokenized with another tokenizer; give that "
+                            "tokenizer's flags, or preprocess the data again with this one")
 
 
 def data_path_words(data_path: Sequence[str]) -> list[str]:
@@ -53,7 +130,7 @@ def check_data_path(data_path: Sequence[str]) -> list[str]:
     for prefix in prefixes:
         missing = [prefix + s for s in (".bin", ".idx") if not os.path.isfile(prefix + s)]
         if missing:
-            raise ValueError(
+            raise DataError(
                 f"--data-path {prefix}: {' and '.join(missing)} not found; give the prefix without "
                 "the suffix, e.g. data/corpus_text_document"
             )
@@ -64,4 +141,5 @@ def check_data_path(data_path: Sequence[str]) -> list[str]:
                 f"--data-path {prefix}: {prefix}.bin holds no tokens (its input had no documents, or only empty "
                 "ones); preprocess a JSONL with text into it (megatron-patch preprocess-data), or leave it out"
             )
+        read_index(prefix)
     return prefixes

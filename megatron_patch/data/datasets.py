@@ -23,21 +23,25 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.utils import get_blend_from_list
 
-from megatron_patch.data.data_path import EmptyDataError, check_data_path, data_path_words
+from megatron_patch.data.data_path import EmptyDataError, check_data_path, check_token_ids, data_path_words
 
 # megatron-core's BERT sample index (helpers.cpp, LONG_SENTENCE_LEN) skips a document of several sentences when one
 # of them has more tokens than this.
 _LONG_SENTENCE_LEN = 512
 
 
-def parse_data_path(data_path: Sequence[str]) -> tuple[list[str], list[float] | None]:
-    """`--data-path` values -> (prefixes, weights or None), checking that the files exist (``check_data_path``).
+def parse_data_path(data_path: Sequence[str], vocab_size: int | None = None
+                    ) -> tuple[list[str], list[float] | None]:
+    """`--data-path` values -> (prefixes, weights or None), checking that the files exist and megatron-core can read
+    them (``check_data_path``) and, with the tokenizer's ``vocab_size``, that it has every token id in them.
 
         parse_data_path(["0.3", "a", "0.7", "b"])   # (["a", "b"], [0.3, 0.7])
         parse_data_path(["a", "b"])                 # (["a", "b"], None): weighted by size
         parse_data_path(["0.3 a 0.7 b"])            # one quoted string works too
     """
-    check_data_path(data_path)
+    prefixes = check_data_path(data_path)
+    if vocab_size is not None:
+        check_token_ids(prefixes, vocab_size)
     return get_blend_from_list(data_path_words(data_path))
 
 
@@ -145,7 +149,7 @@ def build_gpt_datasets(
     config = GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
-        blend=None if mock else parse_data_path(data_path or []),
+        blend=None if mock else parse_data_path(data_path or [], tokenizer.vocab_size),
         split=split,
         path_to_cache=data_cache_path,
         mmap_bin_files=mmap_bin_files,  # False: Megatron-LM's --no-mmap-bin-files (file reads)
@@ -182,7 +186,7 @@ def build_bert_datasets(
     config = BERTMaskedWordPieceDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
-        blend=parse_data_path(data_path),
+        blend=parse_data_path(data_path, tokenizer.vocab_size),
         split=split,
         path_to_cache=data_cache_path,
         mmap_bin_files=mmap_bin_files,  # False: Megatron-LM's --no-mmap-bin-files (file reads)

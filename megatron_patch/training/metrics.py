@@ -18,7 +18,8 @@ A line reads like Megatron-LM's: `` iteration 10/100 | consumed samples: 80 | el
 120.0 | learning rate: 1.000E-04 | global batch size: 8 | lm loss: 3.200E+00 | loss scale: 65536.0 | grad norm:
 1.100 | number of skipped iterations: 0 | tokens/s: 34133 | peak memory (MB): 512``; TFLOP/s and MFU are added on GPUs:
 TFLOP/s per GPU = ``flops_per_sample`` x samples / step time / ``world_size`` / 1e12, MFU = that / the GPU's peak.
-The trainers give ``tensorboard_dir`` to the last rank only (it holds the loss under pipeline parallelism).
+The trainers give ``tensorboard_dir`` and ``wandb_options`` (``wandb.init``'s arguments: W&B gets the same scalars, as
+Megatron-LM's ``--wandb-project``) to the last rank only (it holds the loss under pipeline parallelism).
 
 The loss is named by what it is: ``lm loss`` for a language model's, ``classification loss`` for a sequence
 classifier's (``loss_name``, from the training backend that knows the model). Megatron-LM's tasks/finetune_utils.py
@@ -62,7 +63,8 @@ class TrainingLog:
 
     def __init__(self, logger: logging.Logger, log_interval: int, train_iters: int | None = None,
                  flops_per_sample: float | None = None, tensorboard_dir: str | None = None,
-                 record_path: str | None = None, world_size: int = 1, loss_name: str = LM_LOSS):
+                 record_path: str | None = None, world_size: int = 1, loss_name: str = LM_LOSS,
+                 wandb_options: dict | None = None):
         self.logger = logger
         self.loss_name = loss_name
         self.log_interval = max(1, log_interval)
@@ -89,10 +91,16 @@ class TrainingLog:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(tensorboard_dir)
+        self.wandb_run = None
+        if wandb_options:
+            import wandb
+
+            os.makedirs(wandb_options["dir"], exist_ok=True)
+            self.wandb_run = wandb.init(**wandb_options)
 
     def scalar(self, name: str, value: float, iteration: int) -> None:
-        """``value`` under ``name`` in TensorBoard (nothing without ``--tensorboard-dir`` or for None); ``RoutingLog``
-        writes its per-layer losses through it too.
+        """``value`` under ``name`` in TensorBoard and W&B (nothing without ``--tensorboard-dir``/``--wandb-project``
+        or for None); ``RoutingLog`` writes its per-layer losses through it too.
 
         Example::
 
@@ -100,6 +108,9 @@ class TrainingLog:
         """
         if self.writer is not None and value is not None:
             self.writer.add_scalar(name, value, iteration)
+        if self.wandb_run is not None and value is not None:
+            # Megatron-LM's training_log: wandb_writer.log({name: value}, iteration), scalar by scalar.
+            self.wandb_run.log({name: value}, step=iteration)
 
     def step(self, iteration: int, consumed_samples: int, lr: float, loss: float | None, grad_norm: float | None,
              loss_scale: float, skipped: bool, step_time: float, tokens: int, samples: int,
@@ -167,9 +178,11 @@ class TrainingLog:
         self.logger.info(f" epoch {epoch} | " + " | ".join(f"{k}: {v:.4f}" for k, v in values.items()))
 
     def close(self) -> None:
-        """Write out and close the TensorBoard events and the record."""
+        """Write out and close the TensorBoard events, the W&B run and the record."""
         if self.writer is not None:
             self.writer.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
         if self.record is not None:
             self.record.close()
 
