@@ -114,6 +114,24 @@ def test_a_bad_batch_is_refused_before_any_process_group():
         parse_run(["--micro-batch-size", "2", "--global-batch-size", "6"], world_size=2)
 
 
+@pytest.mark.parametrize("flags, precision", [
+    ([], "fp32"), (["--bf16"], "bf16"), (["--fp16"], "fp16"), (["--mixed-precision"], "fp16"),
+    (["--mixed-precision", "--bf16"], "bf16"), (["--fp16", "--bf16"], None),
+])
+def test_precision_is_decided_once_and_a_conflict_refused_at_its_flags(flags, precision):
+    """ParallelConfig holds one precision field, so the --fp16/--bf16 conflict that its two booleans were checked
+    for (test_model_config's old case) is refused where the flags are read, naming both."""
+    from megatron_patch.training.arguments import parse_run
+
+    if precision is None:
+        with pytest.raises(SystemExit, match="--fp16 and --bf16 conflict"):
+            parse_run(flags, world_size=1)
+    else:
+        config, args = parse_run(flags, world_size=1)
+        assert (config.parallel.precision, args.bf16, args.fp16) == (precision, precision == "bf16",
+                                                                    precision == "fp16")
+
+
 # What get_args() answered before the RunConfig became the only source (the parsed Namespace, validated in place),
 # and answers now from it: every flag's destination, Megatron-LM's derived names, and the model switches under
 # Megatron-LM's names (swiglu, ..., kept before under a private _switch_ name), which model_config_from_args reads.

@@ -59,9 +59,14 @@ def test_help_imports_no_heavy_library(argv):
 def test_the_launcher_checks_a_job_without_megatron_core(tmp_path):
     """``train`` checks the flags, the data and the layout in the launcher's process, before torchrun starts, without
     importing megatron-core (~3 s of every job's start-up): torchrun's agent needs torch only. The refused layout
-    is checked after the data."""
-    for suffix in (".bin", ".idx"):
-        (tmp_path / f"corpus{suffix}").write_bytes(b"tokens")
+    is checked after the data, which must be an index megatron-core reads (written here by its own builder)."""
+    import numpy
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(str(tmp_path / "corpus.bin"), dtype=numpy.uint16)
+    builder.add_document(torch.tensor([5, 6, 7]), [3])
+    builder.finalize(str(tmp_path / "corpus.idx"))
     imported = imported_heavy_modules(
         "megatron_patch.cli", "train", "--task", "pretraining", "--data-path", str(tmp_path / "corpus"),
         "--nproc-per-node", "2", "--tensor-model-parallel-size", "4", "--num-layers", "2", "--hidden-size", "32",
