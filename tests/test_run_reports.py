@@ -190,10 +190,30 @@ def test_a_damaged_index_is_refused_before_launch(tmp_path, damage, fix):
     assert "torch.distributed.run" not in output, output[-3000:]
 
 
-def test_token_ids_beyond_the_tokenizer_are_refused_once_naming_the_file(tmp_path):
-    """Data of another tokenizer (ids up to 999, this one has 100): once, not once per rank."""
+def test_token_ids_beyond_the_tokenizer_are_refused_before_launch_naming_the_file(tmp_path):
+    """Data of another tokenizer (ids up to 999, this one has 100): once, by the launcher, before any rank starts."""
     prefix = _documents(str(tmp_path / "corpus_text_document"), [[*doc[:-1], 999] for doc in DOCUMENTS])
     status, output, _ = rapidformer(*MODEL, "--nproc-per-node", "2", "--global-batch-size", "4", "--train-iters", "1",
-                                    "--data-path", prefix)
+                                    "--data-path", prefix, timeout=60)
     _one_line_refusal(status, output, prefix, "token id 999")
+    assert "torch.distributed.run" not in output, output[-3000:]  # no rank started
+
+
+def test_token_ids_beyond_the_tokenizer_are_refused_once_by_ranks_started_without_the_launcher(tmp_path):
+    """A job whose ranks torchrun starts itself (a user script on the no-trainer API) meets the same check where the
+    ranks build the datasets: one line from rank 0, not one per rank, and no 'index out of range' from the
+    embedding."""
+    prefix = _documents(str(tmp_path / "corpus_text_document"), [[*doc[:-1], 999] for doc in DOCUMENTS])
+    from megatron_patch.training.launcher import torchrun_command
+
+    command = torchrun_command("megatron_patch.training.launcher", ["--rank-entry", *MODEL, "--global-batch-size",
+                                                                    "4", "--train-iters", "1", "--data-path", prefix],
+                               nproc_per_node=2, this_host_only=True)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=tmp_path,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES=""))
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output[-3000:]
+    # torchrun's own report of the failed ranks follows (a traceback of its agent); the ranks say it once.
+    lines = [line for line in output.splitlines() if f"--data-path {prefix}:" in line]
+    assert len(lines) == 1 and "token id 999" in lines[0], output[-3000:]
     assert "index out of range" not in output, output[-3000:]

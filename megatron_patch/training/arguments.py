@@ -170,18 +170,31 @@ def _names_prefixes(flags: argparse.Namespace) -> bool:
     return not (flags.data_name or flags.dataset_name or any(os.path.exists(word) for word in words))
 
 
-def _check_data_path(flags: argparse.Namespace) -> None:
+def _check_data_path(flags: argparse.Namespace, tokens: bool) -> None:
     """Pretraining's ``--data-path`` prefixes, their files found and their ``.idx`` read now, before torchrun starts
     and models are built: for ``--task pretraining`` and for user scripts (the recipes) whose ``--data-path`` names
-    prefixes. The tokens are checked against the tokenizer where the ranks build the datasets."""
+    prefixes. With ``tokens`` (the launcher's check) their token ids too, against the tokenizer the flags name: a
+    run on data of another tokenizer is refused before any rank starts, not after the model is built."""
     if flags.data_path and not flags.mock_data and (
             flags.task == "pretraining" or (flags.user_script and _names_prefixes(flags))):
-        from megatron_patch.data.data_path import check_data_path
+        from megatron_patch.data.data_path import check_data_path, check_token_ids
 
         try:
-            check_data_path(flags.data_path)
+            prefixes = check_data_path(flags.data_path)
+            if tokens and flags.tokenizer_type is not None:
+                check_token_ids(prefixes, _tokenizer_size(flags))
         except ValueError as error:
             _refuse(str(error))
+
+
+def _tokenizer_size(flags: argparse.Namespace) -> int:
+    """The vocabulary of the tokenizer the flags name, built as the ranks build it; its files' errors name it."""
+    from megatron_patch.tokenizer.registry import build_tokenizer
+
+    try:
+        return build_tokenizer(flags.tokenizer_type, **tokenizer_options(flags)).vocab_size
+    except OSError as error:
+        raise ValueError(f"--tokenizer-type {flags.tokenizer_type}: {error}") from error
 
 
 def _environment(name: str, default: int) -> int:
@@ -194,12 +207,13 @@ def _environment(name: str, default: int) -> int:
         _refuse(str(error))
 
 
-def run_config(flags: argparse.Namespace, world_size: int | None, *, layout: bool = True, this_machine: bool = True
-               ) -> RunConfig:
+def run_config(flags: argparse.Namespace, world_size: int | None, *, layout: bool = True, this_machine: bool = True,
+               tokens: bool = False) -> RunConfig:
     """The run of parsed ``flags`` on ``world_size`` processes (None: not known yet, an elastic world), refused in
     one line when anything is wrong: the flags' conflicts, the model against ``--load``'s record or the pretrained
-    config.json, (``layout``) the layout against the model and the world, and (``this_machine``) what this
-    machine lacks.
+    config.json, (``layout``) the layout against the model and the world, (``this_machine``) what this
+    machine lacks and (``tokens``: the launcher's, once per node, not once per rank) the data's token ids against
+    the tokenizer.
 
     Example::
 
@@ -213,7 +227,7 @@ def run_config(flags: argparse.Namespace, world_size: int | None, *, layout: boo
         given["seq_length"] = positions
     model = _loaded_model(flags) or ModelSpec(name=flags.model_name, family=flags.model_family,
                                               fields=tuple(given.items()))
-    _check_data_path(flags)
+    _check_data_path(flags, tokens)
     try:
         precision = precision_of(flags)
         notices, off = flag_notices(flags, precision)
