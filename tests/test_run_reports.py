@@ -135,6 +135,8 @@ def test_a_sigint_stop_names_the_signal_and_the_latest_checkpoint(tmp_path):
     assert process.returncode == 128 + signal.SIGINT, output[-3000:]
     stopped = [line for line in output.splitlines() if "stopped by signal" in line]
     assert len(stopped) == 1, output[-3000:]
+    # The ranks stop where they were, without a traceback or a 'failed' line each: the launcher's line says it.
+    assert "Traceback" not in output and "failed" not in output, output[-3000:]
     assert re.fullmatch(rf"rapidformer: stopped by signal 2 \(SIGINT\); the latest checkpoint is iteration \d+ in "
                         rf"{re.escape(save)}: resume with --load {re.escape(save)}", stopped[0]), output[-3000:]
 

@@ -322,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
         except SystemExit as error:  # argument errors and the like: the message is the report
             print(error, file=sys.stderr)
             status = error.code if isinstance(error.code, int) else 1
+        except KeyboardInterrupt:  # Ctrl-C, passed on by torchrun's agent: a stop the launcher reports in one line
+            status = 128 + signal.SIGINT
         except BaseException as error:  # noqa: BLE001  (report every failure of a rank before the hard exit)
             # A user's error (bad data, a damaged checkpoint) says what to fix in its one line; a bug needs the trace.
             rank = int(os.environ.get("RANK", 0))
