@@ -257,6 +257,35 @@ def test_a_node_without_a_route_to_master_addr_is_told_at_once(two_hosts, tmp_pa
     assert time.monotonic() - started < 60
 
 
+# Node 0's fate alone, in a process of its own (a verdict SIGKILLs the process's children): node 1 never beats, as
+# when its launcher is killed before its first beat; node 0's ranks then fail (at the distributed timeout, in a job).
+NEVER_JOINED = """
+import sys, time
+from megatron_patch.distributed import free_port
+from megatron_patch.training import nodes
+nodes.SILENCE_SECONDS = 1.0
+fate = nodes.JobFate(node_rank=0, nnodes=2, master_addr="127.0.0.1", master_port=free_port())
+time.sleep(1.5)
+start = time.monotonic()
+verdict = fate.failed("rank 0 exited with status 1")
+took = time.monotonic() - start
+fate.stop(failed=True)
+print(f"{took:.2f} {verdict}")
+"""
+
+
+def test_a_node_that_never_beat_is_named_at_once_when_the_ranks_fail():
+    """Failed before (29 s in a fresh-clone CI run of the start-up kill above, against its 20 s bound): silence
+    was counted from the ranks' failure, which a node lost before its first beat causes only at the distributed
+    timeout, so node 0 waited SILENCE_SECONDS more. It is counted from the node's last beat, or from the start."""
+    result = subprocess.run([sys.executable, "-c", NEVER_JOINED], capture_output=True, text=True, timeout=60,
+                            env=dict(os.environ, PYTHONPATH=ROOT))
+    assert result.returncode == 0, result.stderr[-3000:]
+    took, verdict = result.stdout.strip().split(" ", 1)
+    assert verdict.startswith("node 1 failed first: it never joined"), verdict
+    assert float(took) < 0.5, took
+
+
 def test_the_interface_found_and_the_users_setting():
     """No root needed: MASTER_ADDR 127.0.0.1 is reached through lo; a variable the user set is kept."""
     from megatron_patch.training.nodes import choose_socket_interfaces

@@ -206,6 +206,7 @@ class JobFate:
         self.verdict: str | None = None
         self._others = [node for node in range(nnodes) if node != node_rank]
         self._heard: dict[int, tuple[int, float]] = {}  # node -> (its beat count, when this node saw it change)
+        self._began = time.monotonic()  # a node never heard from has been silent since then
         self._lost: set[int] = set()  # nodes found silent: node 0 does not wait for them to read the verdict
         self._lock = threading.Lock()  # the store client is used by the watching thread and by failed()
         self._stopped = threading.Event()
@@ -227,7 +228,10 @@ class JobFate:
                 order = self._store.add(_FAILURES, 1)
                 self._store.set(_FAILURE.format(order), f"node {self.node_rank} failed first: {description}")
                 since = {node: self._store.add(_BEAT.format(node), 0) for node in self._others}
-            started = time.monotonic()
+            # Silence is counted from a node's last beat this node saw, or from the start for one never heard (its
+            # launcher killed before its first beat): such a node's ranks fail this node's only at the distributed
+            # timeout, and waiting a further SILENCE_SECONDS from that failure outran the job's bound (issue 42).
+            failed_at = time.monotonic()
             while not self.verdict:
                 with self._lock:
                     beats = {node: self._store.add(_BEAT.format(node), 0) for node in self._others}
@@ -236,14 +240,23 @@ class JobFate:
                     with self._lock:
                         self._store.compare_set(_VERDICT, "", self._store.get(_FAILURE.format(1)))
                     break
-                if time.monotonic() - started > SILENCE_SECONDS:  # a lost node made this one's ranks fail
-                    self._decide(self._lose(silent))
+                lost = [node for node in silent
+                        if time.monotonic() - self._last_heard(node, beats[node], failed_at) > SILENCE_SECONDS]
+                if lost:  # a lost node made this one's ranks fail
+                    self._decide(self._lose(lost))
                     break
                 time.sleep(BEAT_SECONDS / 4)
             self._read_verdict()
         except (RuntimeError, OSError):  # node 0's store is gone: it failed as well, or first
             self.verdict = self.verdict or f"node {self.node_rank} failed first: {description}"
         return self.verdict
+
+    def _last_heard(self, node: int, beats: int, failed_at: float) -> float:
+        """When ``node``'s beat (``beats`` in the store now) last changed as this node saw it: the watch's record,
+        the start for a node that never beat, ``failed_at`` for one whose first beats the watch has not seen yet."""
+        if node in self._heard:
+            return self._heard[node][1]
+        return self._began if beats == 0 else failed_at
 
     def stop(self, failed: bool = False) -> None:
         """Stop watching; after a failure node 0 first waits (up to LINGER_SECONDS) until the others read the
