@@ -52,6 +52,8 @@ TOOLS = {
     "preprocess-data": ("megatron_patch.data.preprocess", "tokenize JSONL into Megatron .bin/.idx files"),
     "convert": ("megatron_patch.convert.cli", "Hugging Face <-> Megatron checkpoints, verified"),
     "train": ("megatron_patch.training.launcher", "the rapidformer launcher: --task or --user-script on N processes"),
+    "checkpoint": ("megatron_patch.training.reshard",
+                   "reshard a checkpoint's distributed-optimizer state to resume at another TP/PP"),
 }
 
 

@@ -28,16 +28,16 @@ FORBIDDEN = {
 
 # The package's floors, bottom up: a module imports from its own floor and the ones below, never from one above (the
 # model knows nothing of checkpoints, checkpoints nothing of training). A module belongs to the most specific name
-# listed: convert/cli.py is an entry point like megatron_patch.cli, whose runner and launcher it uses. The
-# package itself (megatron_patch/__init__.py), which every import of a module under it runs first, is on the ground
-# floor.
+# listed: convert/cli.py and training/reshard.py are entry points like megatron_patch.cli, whose runner and launcher
+# they use. The package itself (megatron_patch/__init__.py), which every import of a module under it runs first, is
+# on the ground floor.
 FLOORS = (
     ("", "errors", "compat", "startup", "staging", "layout"),
     ("tokenizer", "distributed"),
     ("model", "data"),
     ("checkpoint",),
     ("training", "convert"),
-    ("cli", "convert.cli", "quickstart", "testing"),
+    ("cli", "convert.cli", "training.reshard", "quickstart", "testing"),
 )
 
 # Calls that read or write files, by full name ("x." for everything under x), and methods that do: under

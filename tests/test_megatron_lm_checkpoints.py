@@ -194,7 +194,8 @@ def test_trainer_checkpoint_carries_megatron_lm_args_and_its_load_is_logged(llam
                         consumed_train_samples=iteration * 4, consumed_valid_samples=0)
         _check_args(common["args"], expected)
         # What Megatron-LM's load builds its state with (load_content_metadata); without it, it would take the
-        # distributed optimizer's state for another format than the one saved.
+        # distributed optimizer's state for another format than the one saved. This run's optimizer is not the
+        # distributed one: its state is keyed by parameter, as the fully reshardable format's is.
         assert common["content_metadata"]["distrib_optim_sharding_type"] == "fully_reshardable"
         with open(os.path.join(path, "checksums.json")) as f:
             assert os.path.basename(common_state_source(path)) in json.load(f)["files"]

@@ -541,11 +541,12 @@ def test_megatron_lm_optimizer_buckets_reshard_across_data_parallel_ranks_only(c
         (out, [*distributed, "--tensor-model-parallel-size", "2"]), (out, []), (old, distributed)]), timeout=400)[0]
     path = os.path.join(out, f"iter_{SAVED_AT:07d}")
     assert at_tp2 == (
-        f"--load {out}: {path} holds the distributed optimizer's state in its buckets ('dp_reshardable'), which "
-        "megatron-core loads only at the tensor/pipeline layout it was saved at and with --use-distributed-optimizer: "
-        "saved at TP=1 PP=1 VPP=1 DP=1, requested TP=2 PP=1 VPP=1 DP=1; resume at TP=1 PP=1 VPP=1 with "
-        "--use-distributed-optimizer, pass --finetune or --no-load-optim to load the model alone, or resave it with "
-        "Megatron-LM's --dist-ckpt-optim-fully-reshardable")
+        f"--load {out}: {path} holds the distributed optimizer's state in its buckets ('dp_reshardable', "
+        "Megatron-LM's default format), which loads at another data-parallel size but only at the tensor/pipeline "
+        "layout it was saved at: saved at TP=1 PP=1 VPP=1 DP=1, requested TP=2 PP=1 VPP=1 DP=1; resume at TP=1 PP=1 "
+        "VPP=1, pass --no-load-optim to load the model alone with a new optimizer state, or reshard it first: "
+        f"megatron-patch checkpoint reshard --load-dir {out} --save-dir RESHARDED --target-tensor-parallel-size 2 "
+        "--target-pipeline-parallel-size 1, then --load RESHARDED")
     assert "requested TP=1 PP=1 VPP=1 DP=2 without the distributed optimizer" in without, without
     assert flattened.startswith(f"--load {old}: ") and flattened.endswith(
         "('fully_sharded_model_space', Megatron-LM's before megatron-core 0.13), which megatron-core "

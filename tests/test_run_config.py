@@ -16,8 +16,9 @@ import pytest
 from megatron_patch.testing import run_on_ranks
 
 TRAINING = pathlib.Path(__file__).resolve().parent.parent / "megatron_patch" / "training"
-# The entry points, which parse flags into the RunConfig and keep Megatron-LM's view of them for user scripts.
-ENTRY_POINTS = {"arguments.py", "engine.py", "launcher.py", "plan.py"}
+# The entry points, which parse flags into the RunConfig and keep Megatron-LM's view of them for user scripts; and
+# `megatron-patch checkpoint reshard`, a command of its own that reads the Megatron-LM args a checkpoint stores.
+ENTRY_POINTS = {"arguments.py", "engine.py", "launcher.py", "plan.py", "reshard.py"}
 
 USER_SCRIPT = """
 from rapidformer import RapidformerEngine, get_args

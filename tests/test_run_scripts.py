@@ -303,7 +303,7 @@ def _saved_optimizer_state(checkpoints) -> dict:
     Which optimizer ran shows there, not in the flags: megatron-core's DistributedOptimizer records how it sharded
     its parameter state (``param_state_sharding_type``, ``DistributedOptimizer.sharded_state_dict`` in core
     0.16.1), while its plain Float16/FP32 optimizers save torch's ``param_groups`` and ``state`` and no such entry.
-    The tensors alone do not tell them apart: the ``fully_reshardable`` format saves the same keys as the plain
+    The tensors alone need not tell them apart: the ``fully_reshardable`` format saves the same keys as the plain
     optimizer, so that either loads the other's checkpoint.
     """
     from megatron.core import dist_checkpointing
@@ -321,7 +321,7 @@ def test_run_pretrain_bert_trains_with_the_distributed_optimizer(assets, tmp_pat
             "--train-iters", "16", "--lr", "3e-3", "--", "--log-interval", "2", "--split", "98,2,0",
             recipe_name="pretrain_bert", nproc=nproc)
     saved = _saved_optimizer_state(tmp_path / "out" / "checkpoints")
-    assert saved.get("param_state_sharding_type") == "fully_reshardable", \
+    assert saved.get("param_state_sharding_type") == "dp_reshardable", \
         f"the checkpoint's optimizer state {sorted(saved)} is not the distributed optimizer's"
 
 

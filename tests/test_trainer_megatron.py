@@ -64,8 +64,11 @@ def test_resume_at_another_layout_and_data_parallel_size_matches_unbroken_run(as
     save = str(tmp_path / "ckpt")
     common = ["--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "6",
               "--use-distributed-optimizer"]
+    # The optimizer state gathered per parameter, to load at another TP/PP (the default format loads at the saved
+    # TP/PP only: tests/test_checkpoint_reshard.py).
     unbroken = run_on_ranks(train_gpt, 2, args=(_gpt_flags(
-        assets, *common, "--tensor-model-parallel-size", "2", "--save", save, "--save-interval", "3"),))
+        assets, *common, "--tensor-model-parallel-size", "2", "--save", save, "--save-interval", "3",
+        "--dist-ckpt-optim-fully-reshardable"),))
     # Resume from an earlier checkpoint than the last one. Set before the ranks start: every rank reads the
     # tracker while parsing its flags.
     write_tracker(save, 3)

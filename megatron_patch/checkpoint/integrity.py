@@ -31,6 +31,7 @@ import re
 import shutil
 import uuid
 import zipfile
+from typing import Callable
 
 import torch
 
@@ -290,14 +291,18 @@ def verify_checkpoint(path: str, megatron: bool, *, checksums: bool = True, logg
     _verify_checksums(path, checksums)
 
 
-def _verify_checksums(path: str, checksums: bool) -> None:
-    """Every file ``checksums.json`` lists is there with its length and (``checksums``) its CRC-32."""
+def _recorded_checksums(path: str) -> dict:
     try:
         with open(os.path.join(path, CHECKSUMS)) as f:
-            files = json.load(f)["files"]
+            return json.load(f)["files"]
     except (ValueError, KeyError) as error:
         raise CorruptCheckpointError(f"checkpoint {path} is corrupted: {CHECKSUMS} does not load ({error!r})"
                                      ) from None
+
+
+def _verify_checksums(path: str, checksums: bool) -> None:
+    """Every file ``checksums.json`` lists is there with its length and (``checksums``) its CRC-32."""
+    files = _recorded_checksums(path)
     for name, recorded in sorted(files.items()):
         file = os.path.join(path, name)
         if not os.path.isfile(file):
@@ -307,15 +312,49 @@ def _verify_checksums(path: str, checksums: bool) -> None:
             damage = "truncated" if size < recorded["bytes"] else "longer than written"
             raise CorruptCheckpointError(f"checkpoint {path} is corrupted: {name} is {damage} ({size} bytes; "
                                          f"{CHECKSUMS} records {recorded['bytes']})")
-    if not checksums:
-        return
+    if checksums:
+        _agree_on_damage(path, _damaged_file(path, files))
+
+
+def verify_checksums_meanwhile(path: str) -> Callable[[], None]:
+    """Start comparing this rank's share of ``path``'s files with their CRC-32s in ``checksums.json`` in a thread;
+    return the function that waits for it and raises CorruptCheckpointError on every rank when any rank found a
+    damaged file. Under torch.distributed every rank must call both, the second outside any other collective.
+
+    Example::
+
+        verify_checkpoint(path, megatron=True, checksums=False)   # every file there, at its length
+        finish = verify_checksums_meanwhile(path)
+        dist_checkpointing.load(state, path)                       # reads the files the thread reads: once from disk
+        finish()                                                   # a flipped byte raises here
+
+    The checksums and the load read the same bytes; side by side, the disk serves them once and the CRC, which
+    releases the GIL, runs while the load unpickles, instead of a whole read of the checkpoint before it.
+    A checkpoint without ``checksums.json`` has nothing to compare.
+    """
+    if not os.path.isfile(os.path.join(path, CHECKSUMS)):
+        return lambda: None
+    files = _recorded_checksums(path)
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="verify-checksums")
+    damaged = pool.submit(_damaged_file, path, files)
+    pool.shutdown(wait=False)
+    return lambda: _agree_on_damage(path, damaged.result())
+
+
+def _damaged_file(path: str, files: dict) -> str | None:
+    """The first of this rank's share of ``files`` (``checksums.json``'s) whose CRC-32 differs; None if none."""
     rank, world_size = ((torch.distributed.get_rank(), torch.distributed.get_world_size())
                         if torch.distributed.is_initialized() else (0, 1))
     # Largest first, dealt out in turn: the ranks read about as many bytes each.
     mine = sorted(files, key=lambda name: (-files[name]["bytes"], name))[rank::world_size]
     found = checksum_files([os.path.join(path, name) for name in mine])
-    here = next((name for name, checksum in zip(mine, found) if checksum != files[name]), None)
+    return next((name for name, checksum in zip(mine, found) if checksum != files[name]), None)
+
+
+def _agree_on_damage(path: str, here: str | None) -> None:
+    """Raise on every rank when any rank's share had a damaged file (``here``: this rank's)."""
     damaged = [here]
+    world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     if world_size > 1:
         damaged = [None] * world_size
         torch.distributed.all_gather_object(damaged, here)

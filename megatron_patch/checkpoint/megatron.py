@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -22,8 +22,8 @@ from megatron_patch import compat
 from megatron_patch.checkpoint import trainer
 from megatron_patch.checkpoint.async_save import live_storages, with_snapshot
 from megatron_patch.checkpoint.format import (
-    RELEASE, CheckpointInfo, CheckpointMismatch, checkpoint_dir, megatron_lm_common_state, read_args_state, read_info,
-    weights_dir,
+    RELEASE, CheckpointInfo, CheckpointMismatch, checkpoint_dir, checkpoint_format, megatron_lm_common_state,
+    read_args_state, read_info, read_tracker, weights_dir,
 )
 from megatron_patch.checkpoint.integrity import write_checksummed, write_rank_checksums
 from megatron_patch.checkpoint.legacy import load_legacy_optimizer
@@ -58,10 +58,14 @@ def _megatron_state(model, optimizer, scheduler, is_loading: bool, with_optimize
 
 def save_megatron_checkpoint(root: str, iteration: int, chunks: list, optimizer, scheduler,
                              info: CheckpointInfo | None = None, *, keep_last_k: int | None = None,
-                             async_queue=None, run_args: dict | None = None) -> str:
-    """Save model chunks, optimizer and scheduler with megatron-core's ``dist_checkpointing`` (torch_dist, which
-    reshards on load; the distributed optimizer's state ``fully_reshardable``, so it loads at another TP/PP/DP), in
-    the trainer's layout (``trainer.save_checkpoint``).
+                             async_queue=None, run_args: dict | None = None, fully_reshardable: bool = False,
+                             rng_from: str | None = None) -> str:
+    """Save model chunks, optimizer and scheduler with megatron-core's ``dist_checkpointing`` (torch_dist, whose
+    model weights reshard on load), in the trainer's layout (``trainer.save_checkpoint``). The distributed
+    optimizer's state is saved as Megatron-LM saves it by default, ``dp_reshardable``: its buckets as they are, which
+    load at another data-parallel size but only at the saved tensor/pipeline layout; ``fully_reshardable``
+    (Megatron-LM's ``--dist-ckpt-optim-fully-reshardable``) gathers it per parameter, to load at any layout
+    (``compat.distrib_optimizer_metadata``; ``megatron-patch checkpoint reshard`` turns one into the other).
 
     Example::
 
@@ -72,15 +76,19 @@ def save_megatron_checkpoint(root: str, iteration: int, chunks: list, optimizer,
     when the queue finalizes the save on every rank (``maybe_finalize_async_calls``), so an unfinished save is never
     the latest. With ``info``, ``common.pt``
     carries Megatron-LM's ``args`` (``run_args``, e.g. ``consumed_train_samples``, override what ``info`` cannot
-    know), so Megatron-LM resumes it with ``--use-checkpoint-args``.
+    know), so Megatron-LM resumes it with ``--use-checkpoint-args``. ``rng_from``: ``trainer.save_checkpoint``'s.
     """
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 
+    # Without the distributed optimizer the state is keyed by parameter, as the fully reshardable format is (which
+    # the distributed optimizer loads too): recorded as that.
+    metadata = compat.distrib_optimizer_metadata(fully_reshardable or not _distributed(optimizer))
+
     def write_state(staging: str, rank: int, write_rng: Callable[[], dict], finalize: Callable[[], None]) -> None:
         state = _megatron_state(chunks, optimizer, scheduler, is_loading=False, with_optimizer=True,
-                                metadata=compat.DISTRIB_OPTIMIZER_METADATA)
+                                metadata=metadata)
         # dist_checkpointing.save writes the state's non-sharded entries to common.pt (rank 0), which
         # write_checksums covers.
         state.update(megatron_lm_common_state(info, iteration, **(run_args or {})) if info is not None
@@ -96,7 +104,7 @@ def save_megatron_checkpoint(root: str, iteration: int, chunks: list, optimizer,
                                                     parallel_state.get_data_parallel_group(with_context_parallel=True))
         with compat.write_results_in_this_process():
             request = dist_checkpointing.save(state, staging, sharded_strategy=strategy, async_sharded_save=True,
-                                              content_metadata=dict(compat.DISTRIB_OPTIMIZER_METADATA),
+                                              content_metadata=dict(metadata),
                                               **compat.async_save_options())
         # Only now: rank 0's dist_checkpointing.save warns "Overwriting old incomplete / corrupted checkpoint" when
         # the directory holds a file (serialization.py:383-387), and no rank leaves save() before rank 0 has
@@ -115,19 +123,24 @@ def save_megatron_checkpoint(root: str, iteration: int, chunks: list, optimizer,
         else:
             async_queue.schedule_async_request(with_snapshot(request, live_storages(chunks, optimizer)))
 
-    return trainer.save_checkpoint(root, iteration, write_state, info=info, keep_last_k=keep_last_k)
+    return trainer.save_checkpoint(root, iteration, write_state, info=info, keep_last_k=keep_last_k, rng_from=rng_from)
 
 
-def load_megatron_checkpoint(root: str, chunks: list, optimizer, scheduler, **options) -> int:
+def load_megatron_checkpoint(root: str, chunks: list, optimizer, scheduler, *, fully_parallel: bool = False,
+                             **options) -> int:
     """Load ``root``'s latest checkpoint into model chunks (``options``: ``trainer.load_checkpoint``'s): ours or
     Megatron-LM's torch_dist with its optimizer and scheduler, their sharded state built with the metadata the
-    checkpoint records (``_saved_metadata``: ours load at any TP/PP/DP, Megatron-LM's
-    default distributed-optimizer state at its TP/PP and any DP), Megatron-LM's per-rank files likewise (at their
-    TP/PP and any DP: ``_load_legacy``), or the model alone of a converted (``release``) checkpoint.
+    checkpoint records (``saved_metadata``: the distributed optimizer's default state, ours and Megatron-LM's,
+    at its TP/PP and any DP, its fully reshardable state at any layout), Megatron-LM's per-rank files likewise (at
+    their TP/PP and any DP: ``_load_legacy``), or the model alone of a converted (``release``) checkpoint.
 
     Example::
 
         iteration = load_megatron_checkpoint("ckpt", chunks, optimizer, scheduler, load_fallback=True)
+
+    ``fully_parallel`` (Megatron-LM's ``--ckpt-fully-parallel-load``): the data-parallel replicas share the reading
+    of what they all hold (the model weights), each reading a part and sending it to the others, instead of each
+    reading all of it (megatron-core's ``FullyParallelLoadStrategyWrapper``).
     """
 
     def read_state(path: str, with_optimizer: bool, finetune: bool) -> None:
@@ -135,21 +148,22 @@ def load_megatron_checkpoint(root: str, chunks: list, optimizer, scheduler, **op
         from megatron.core.dist_checkpointing.validation import StrictHandling
 
         common = read_args_state(compat.common_state_source(path))
-        metadata = _saved_metadata(common)
+        metadata = saved_metadata(common)
         if with_optimizer:
             _require_optimizer_state(root, path)
             _check_optimizer_layout(root, path, metadata, common.get("args"), optimizer)
         state = _megatron_state(chunks, optimizer, scheduler, is_loading=True, with_optimizer=with_optimizer,
                                 metadata=metadata)
+        load_options = dict(compat.dist_load_options(), **_parallel_load_strategy(path) if fully_parallel else {})
         if finetune:
             # --finetune may put a new head on the loaded weights (a classifier on a pretrained BERT): tensors the
             # checkpoint lacks keep their initialisation, as Megatron-LM's tasks/finetune_utils.py loads its
             # pretrained checkpoint with strict=False.
             loaded, _, absent = dist_checkpointing.load(state, path, strict=StrictHandling.RETURN_UNEXPECTED,
-                                                        **compat.dist_load_options())
+                                                        **load_options)
             _check_finetune_coverage(path, state, absent, logger)
         else:
-            loaded = dist_checkpointing.load(state, path, **compat.dist_load_options())
+            loaded = dist_checkpointing.load(state, path, **load_options)
         modules = [_unwrap(c) for c in chunks]
         for i, module in enumerate(modules):
             module.load_state_dict(loaded["model" if len(modules) == 1 else f"model{i}"], strict=not finetune)
@@ -170,6 +184,17 @@ def load_megatron_checkpoint(root: str, chunks: list, optimizer, scheduler, **op
 
     logger = options.get("logger") or logging.getLogger(__name__)
     return trainer.load_checkpoint(root, read_state, megatron=True, load_converted=load_converted, **options)
+
+
+def _parallel_load_strategy(path: str) -> dict:
+    """``dist_checkpointing.load``'s strategy for ``fully_parallel``, as Megatron-LM builds it
+    (training/checkpointing.py, where it picks the load strategy, with --ckpt-fully-parallel-load)."""
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
+
+    return {"sharded_strategy": FullyParallelLoadStrategyWrapper(
+        get_default_load_sharded_strategy(path), parallel_state.get_data_parallel_group(with_context_parallel=True))}
 
 
 def _reload_main_params(optimizer) -> None:
@@ -193,44 +218,121 @@ def _require_optimizer_state(root: str, path: str) -> None:
                         "its model")
 
 
-def _saved_metadata(common: dict) -> dict:
+def saved_metadata(common: dict) -> dict:
     """The metadata ``common`` (a checkpoint's common.pt) says its sharded state was built with, which the state
     that loads it must be built with too, as Megatron-LM's ``load_checkpoint`` does
     (``dist_checkpointing.load_content_metadata``, megatron/training/checkpointing.py at core_v0.16.1).
 
     Example::
 
-        _saved_metadata(read_args_state("ckpt/iter_0000100/common.pt"))
+        saved_metadata(read_args_state("ckpt/iter_0000100/common.pt"))
         # Megatron-LM's: {'distrib_optim_sharding_type': 'dp_reshardable', 'singleton_local_shards': False,
         #                 'chained_optim_avoid_prefix': True}
 
-    Megatron-LM has recorded it since megatron-core 0.13. Our saves (``compat.DISTRIB_OPTIMIZER_METADATA``) and
-    older Megatron-LM ones do not; for them the distributed optimizer's own record of its sharding stands in
-    (``param_state_sharding_type``, beside its state: distrib_optimizer.py ``sharded_state_dict``).
+    Megatron-LM has recorded it since megatron-core 0.13, our saves since they began to; for older ones the
+    distributed optimizer's own record of its sharding stands in (``param_state_sharding_type``, beside its state:
+    distrib_optimizer.py ``sharded_state_dict``), and without that (no distributed optimizer) the format our saves
+    had then, ``fully_reshardable``.
     """
     from megatron.core import dist_checkpointing
 
     saved = dist_checkpointing.load_content_metadata(preloaded_state_dict=common)
     if saved is not None:
         return dict(saved)
-    recorded = _recorded_sharding(common.get("optimizer"))
-    return {"distrib_optim_sharding_type": recorded} if recorded else dict(compat.DISTRIB_OPTIMIZER_METADATA)
+    recorded = recorded_sharding(common.get("optimizer"))
+    return {"distrib_optim_sharding_type": recorded} if recorded else compat.distrib_optimizer_metadata(True)
 
 
-def _recorded_sharding(optimizer_state) -> str | None:
+def recorded_sharding(optimizer_state) -> str | None:
     """The distributed optimizer's ``param_state_sharding_type`` in a common.pt's optimizer entry (one per
     optimizer of a chained one, keyed by its index); None for another optimizer's."""
     if not isinstance(optimizer_state, dict):
         return None
     if "param_state_sharding_type" in optimizer_state:
         return optimizer_state["param_state_sharding_type"]
-    return next(filter(None, map(_recorded_sharding, optimizer_state.values())), None)
+    return next(filter(None, map(recorded_sharding, optimizer_state.values())), None)
+
+
+class Layout(NamedTuple):
+    """A run's parallel sizes as far as the distributed optimizer's checkpoint is concerned."""
+
+    tensor: int
+    pipeline: int
+    virtual: int
+    expert: int
+    data: int | None
+
+
+def _current_layout() -> Layout:
+    from megatron.core import parallel_state
+
+    return Layout(parallel_state.get_tensor_model_parallel_world_size(),
+                  parallel_state.get_pipeline_model_parallel_world_size(),
+                  parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1,
+                  parallel_state.get_expert_model_parallel_world_size(), parallel_state.get_data_parallel_world_size())
+
+
+def saved_layout(args) -> Layout:
+    """The layout Megatron-LM's ``args`` in a checkpoint record (ours carry them too).
+
+    Example::
+
+        saved_layout(read_args_state("ckpt/iter_0000100/common.pt")["args"])   # Layout(tensor=2, pipeline=1, ...)
+    """
+    return Layout(getattr(args, "tensor_model_parallel_size", 1), getattr(args, "pipeline_model_parallel_size", 1),
+                  getattr(args, "virtual_pipeline_model_parallel_size", None) or 1,
+                  getattr(args, "expert_model_parallel_size", None) or 1, getattr(args, "data_parallel_size", None))
+
+
+def check_resume_layout(root: str, requested: Layout, distributed: bool) -> None:
+    """Refuse, before any rank starts, resuming ``root``'s latest checkpoint's optimizer state at a layout it does
+    not load at (``_optimizer_layout_refusal``); a checkpoint without a torch_dist optimizer state, or one that
+    cannot be read, is left to the ranks' load, which names what is wrong with it.
+
+    Example::
+
+        check_resume_layout("ckpt", Layout(1, 1, 1, 1, 2), distributed=True)
+        # UserError: --load ckpt: ckpt/iter_0000100 holds the distributed optimizer's state in its buckets ...
+    """
+    iteration = read_tracker(root)
+    if iteration is None or iteration == RELEASE:
+        return
+    path = checkpoint_dir(root, iteration)
+    if checkpoint_format(path) != "torch_dist":
+        return
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        common = read_args_state(compat.common_state_source(path))
+    # A damaged checkpoint: the ranks' verification names the file (and --load-fallback acts). DCP's reader wraps
+    # its errors in CheckpointException, a BaseException (torch/distributed/checkpoint/api.py).
+    except (Exception, CheckpointException):
+        return
+    refusal = _optimizer_layout_refusal(root, path, saved_metadata(common), common.get("args"), requested,
+                                        distributed)
+    if refusal is not None:
+        raise UserError(refusal)
+
+
+def _distributed(optimizer) -> bool:
+    """Whether ``optimizer`` (every part of a chained one) is megatron-core's distributed optimizer."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return all(isinstance(part, DistributedOptimizer) for part in getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
 def _check_optimizer_layout(root: str, path: str, metadata: dict, args, optimizer) -> None:
-    """Refuse, in one line naming the saved and the requested layout and the fix, an optimizer state megatron-core
-    cannot load at this layout or into this optimizer, before its loader fails on missing keys or mismatched
-    buckets (``args``: the saving run's, from common.pt).
+    """The ranks' ``_optimizer_layout_refusal`` at their layout, for this ``optimizer``."""
+    refusal = _optimizer_layout_refusal(root, path, metadata, args, _current_layout(), _distributed(optimizer))
+    if refusal is not None:
+        raise UserError(refusal)
+
+
+def _optimizer_layout_refusal(root: str, path: str, metadata: dict, args, requested: Layout,
+                              distributed: bool) -> str | None:
+    """The one line refusing an optimizer state megatron-core cannot load at the ``requested`` layout or into this
+    optimizer (``distributed``: megatron-core's distributed optimizer), before its loader fails on missing keys or
+    mismatched buckets (``args``: the saving run's, from common.pt); None when it loads.
 
     Megatron-LM's default, ``dp_reshardable`` (and the older ``dp_zero_gather_scatter``), holds the state in the
     distributed optimizer's own buckets, which follow the tensor/pipeline layout: megatron-core reshards it across
@@ -242,53 +344,48 @@ def _check_optimizer_layout(root: str, path: str, metadata: dict, args, optimize
     (``_build_sharded_state_dict_metadata``); its state is keyed by parameter, not laid out as the distributed
     optimizer's.
     """
-    from megatron.core import parallel_state
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     sharding = metadata.get("distrib_optim_sharding_type")
-    distributed = all(isinstance(part, DistributedOptimizer)
-                      for part in getattr(optimizer, "chained_optimizers", [optimizer]))
     model_alone = "pass --finetune or --no-load-optim to load the model alone"
-    saved_ep = getattr(args, "expert_model_parallel_size", None) or 1
-    if saved_ep != parallel_state.get_expert_model_parallel_world_size():
+    saved = saved_layout(args)
+    if saved.expert != requested.expert:
         # At EP > 1 megatron-core chains a dense and an expert optimizer, whose keys (chained_N.) and step
         # counters a one-part state lacks (optimizer.py ChainedOptimizer.sharded_state_dict); a change of EP is
         # refused rather than tried.
-        raise UserError(f"--load {root}: {path} holds the optimizer state of a run at --expert-model-parallel-size "
-                        f"{saved_ep}, requested {parallel_state.get_expert_model_parallel_world_size()}: megatron-core "
-                        f"splits a mixture of experts' optimizer by expert parallelism, so it loads only at the saved "
-                        f"size; resume with --expert-model-parallel-size {saved_ep}, or {model_alone}")
+        return (f"--load {root}: {path} holds the optimizer state of a run at --expert-model-parallel-size "
+                f"{saved.expert}, requested {requested.expert}: megatron-core splits a mixture of experts' optimizer "
+                f"by expert parallelism, so it loads only at the saved size; resume with --expert-model-parallel-size "
+                f"{saved.expert}, or {model_alone}")
     if sharding is None:
         if distributed:
-            raise UserError(f"--load {root}: {path} holds the state of an optimizer saved without the distributed "
-                            "optimizer, which megatron-core does not load into one; resume without "
-                            f"--use-distributed-optimizer and --zero-*-memory-optimization, or {model_alone}")
-        return
+            return (f"--load {root}: {path} holds the state of an optimizer saved without the distributed "
+                    "optimizer, which megatron-core does not load into one; resume without "
+                    f"--use-distributed-optimizer and --zero-*-memory-optimization, or {model_alone}")
+        return None
     if sharding == "fully_sharded_model_space":
-        raise UserError(f"--load {root}: {path} holds the distributed optimizer's state as flattened slices "
-                        f"('{sharding}', Megatron-LM's before megatron-core 0.13), which megatron-core "
-                        f"{compat.check_megatron_core_version()} no longer reads; {model_alone}")
+        return (f"--load {root}: {path} holds the distributed optimizer's state as flattened slices "
+                f"('{sharding}', Megatron-LM's before megatron-core 0.13), which megatron-core "
+                f"{compat.check_megatron_core_version()} no longer reads; {model_alone}")
     if sharding in DistributedOptimizer.checkpoint_fully_reshardable_formats:
-        return
-    saved = (getattr(args, "tensor_model_parallel_size", 1), getattr(args, "pipeline_model_parallel_size", 1),
-             getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
-    requested = (parallel_state.get_tensor_model_parallel_world_size(),
-                 parallel_state.get_pipeline_model_parallel_world_size(),
-                 parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1)
-    if saved == requested and distributed:
-        return
+        return None
+    if saved[:3] == requested[:3] and distributed:
+        return None
     layout = "TP={} PP={} VPP={}".format
-    # The data-parallel sizes may differ; named for the reader.
-    saved_dp = getattr(args, "data_parallel_size", None)
-    saved_text = layout(*saved) + (f" DP={saved_dp}" if saved_dp else "")
-    requested_text = layout(*requested) + f" DP={parallel_state.get_data_parallel_world_size()}" + (
+    saved_text = layout(*saved[:3]) + (f" DP={saved.data}" if saved.data else "")
+    requested_text = layout(*requested[:3]) + (f" DP={requested.data}" if requested.data else "") + (
         "" if distributed else " without the distributed optimizer")
-    raise UserError(
-        f"--load {root}: {path} holds the distributed optimizer's state in its buckets ('{sharding}'), which "
-        "megatron-core loads only at the tensor/pipeline layout it was saved at and with "
-        f"--use-distributed-optimizer: saved at {saved_text}, requested {requested_text}; resume at "
-        f"{layout(*saved)} with --use-distributed-optimizer, {model_alone}, or resave it with Megatron-LM's "
-        "--dist-ckpt-optim-fully-reshardable")
+    if not distributed:
+        return (f"--load {root}: {path} holds the distributed optimizer's state in its buckets ('{sharding}'), which "
+                f"megatron-core loads only into the distributed optimizer: saved at {saved_text}, requested "
+                f"{requested_text}; resume with --use-distributed-optimizer, or {model_alone}")
+    return (f"--load {root}: {path} holds the distributed optimizer's state in its buckets ('{sharding}', "
+            f"Megatron-LM's default format), which loads at another data-parallel size but only at the tensor/"
+            f"pipeline layout it was saved at: saved at {saved_text}, requested {requested_text}; resume at "
+            f"{layout(*saved[:3])}, pass --no-load-optim to load the model alone with a new optimizer state, or "
+            f"reshard it first: megatron-patch checkpoint reshard --load-dir {root} --save-dir RESHARDED "
+            f"--target-tensor-parallel-size {requested.tensor} --target-pipeline-parallel-size {requested.pipeline}"
+            ", then --load RESHARDED")
 
 
 def _check_finetune_coverage(path: str, state: dict, absent: set, logger) -> None:

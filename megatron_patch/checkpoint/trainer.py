@@ -32,6 +32,7 @@ import functools
 import logging
 import os
 import random
+import shutil
 import time
 from typing import Callable
 
@@ -40,11 +41,11 @@ import torch
 
 from megatron_patch.checkpoint.format import (
     RELEASE, TRACKER_FILE, CheckpointInfo, checkpoint_dir, checkpoint_format, complete_iterations, dtype_name,
-    read_tracker, rng_file, write_args_file, write_tracker,
+    fsync_path, read_tracker, rng_file, write_args_file, write_tracker,
 )
 from megatron_patch.checkpoint.integrity import (
-    CorruptCheckpointError, fsync_tree, make_staging_dir, publish, remove_old, save_checksummed, verify_checkpoint,
-    write_checksums,
+    CorruptCheckpointError, checksum_files, fsync_tree, make_staging_dir, publish, remove_old, save_checksummed,
+    verify_checkpoint, verify_checksums_meanwhile, write_checksums,
 )
 
 # The trainer's log (training/engine.py sets it up: the last rank prints INFO), so each save is said once.
@@ -72,7 +73,7 @@ def trained_model_info(model_config, padded_vocab_size: int, precision: str, par
 
 
 def save_checkpoint(root: str, iteration: int, write_state: Callable, *, info: CheckpointInfo | None = None,
-                    keep_last_k: int | None = None) -> str:
+                    keep_last_k: int | None = None, rng_from: str | None = None) -> str:
     """Write ``iter_{iteration}`` through a ``.tmp-`` directory, renamed once every rank's files are on disk and
     their checksums in ``checksums.json``; then ``info`` as ``megatron_patch_args.json`` and the tracker; with
     ``keep_last_k`` delete all but the newest K ``iter_*`` (never the tracker's).
@@ -86,6 +87,8 @@ def save_checkpoint(root: str, iteration: int, write_state: Callable, *, info: C
     ``staging``, calls ``write_rng()`` once its writer has started (it writes this rank's RNG state as it was at
     this call and returns the file's checksum, keyed by its name), checksums what it wrote, and calls
     ``finalize()`` on every rank once the files are written: at once, or when an asynchronous save is done.
+    ``rng_from``: an iteration directory whose RNG files are copied instead (a resharded checkpoint keeps the
+    generators of the run that saved it, not those of the processes that resharded it).
     """
     path = checkpoint_dir(root, iteration)
     rank = torch.distributed.get_rank()
@@ -94,7 +97,8 @@ def save_checkpoint(root: str, iteration: int, write_state: Callable, *, info: C
     staging = make_staging_dir(path, rank)
     save = {"started": time.perf_counter(), "returned": False}
     finalize = functools.partial(_publish_when_written, root, staging, path, iteration, info, keep_last_k, save)
-    write_rng = functools.partial(_save_rng, staging, rank, _rng_state())
+    write_rng = (functools.partial(_copy_rng, rng_from, staging, rank) if rng_from is not None
+                 else functools.partial(_save_rng, staging, rank, _rng_state()))
     write_state(staging, rank, write_rng, finalize)
     save["returned"] = True
     return path
@@ -150,6 +154,20 @@ def _save_rng(path: str, rank: int, state: dict) -> dict:
     return {rng_file(rank): save_checksummed(state, os.path.join(path, rng_file(rank)))}
 
 
+def _copy_rng(source: str, path: str, rank: int) -> dict:
+    """Copy this rank's share of ``source``'s RNG files (every world-size-th, from ``rank`` on) to ``path``; return
+    their checksums, keyed by their names in the checkpoint."""
+    directory = os.path.join(source, "rng")
+    names = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+    mine = [os.path.join("rng", name) for name in names[rank::torch.distributed.get_world_size()]]
+    if mine:
+        os.makedirs(os.path.join(path, "rng"), exist_ok=True)
+    for name in mine:
+        shutil.copyfile(os.path.join(source, name), os.path.join(path, name))
+        fsync_path(os.path.join(path, name))
+    return dict(zip(mine, checksum_files([os.path.join(path, name) for name in mine])))
+
+
 def _load_rng(path: str, rank: int, logger) -> None:
     # verify_checkpoint found every rank's file of the world size the checkpoint was saved at; none for this
     # rank, or another world size in it, means a resume at another world size.
@@ -202,28 +220,57 @@ def _load(root: str, read_state: Callable, megatron: bool, load_converted: Calla
             raise ValueError(f"--load {root}: a converted ({RELEASE}) or Megatron-LM per-rank checkpoint holds a "
                              "megatron-core model; this trainer's model is a plain torch/Hugging Face one")
         return load_converted(root, iteration, with_optimizer, finetune)
-    iteration = _complete_iteration(root, iteration, megatron, load_fallback, verify_checksums, logger)
+    # Every file there at its length first; the checksums are compared while the state loads (one read from disk).
+    iteration = _complete_iteration(root, iteration, megatron, load_fallback, False, logger)
     path = checkpoint_dir(root, iteration)
-    read_state(path, with_optimizer, finetune)
+    try:
+        _read_verified(path, read_state, with_optimizer, finetune, verify_checksums)
+    except CorruptCheckpointError as error:
+        if not load_fallback:
+            raise CorruptCheckpointError(f"--load {root}: {error}; pass --load-fallback to load the newest "
+                                         "complete earlier checkpoint instead") from None
+        # Whatever the damaged checkpoint put into the model and optimizer is overwritten: the earlier one holds
+        # every tensor the state has.
+        iteration = _intact_before(root, iteration, error, megatron, verify_checksums, logger)
+        path = checkpoint_dir(root, iteration)
+        read_state(path, with_optimizer, finetune)
     if load_rng and not finetune:
         _load_rng(path, torch.distributed.get_rank(), logger)
     torch.distributed.barrier()
     return 0 if finetune else iteration
 
 
+def _read_verified(path: str, read_state: Callable, with_optimizer: bool, finetune: bool, checksums: bool) -> None:
+    """``read_state`` of ``path`` while its checksums are compared (``integrity.verify_checksums_meanwhile``); a
+    damaged file is named before any error the load met on it."""
+    finish = verify_checksums_meanwhile(path) if checksums else lambda: None
+    try:
+        read_state(path, with_optimizer, finetune)
+    except Exception:
+        finish()
+        raise
+    finish()
+
+
 def _complete_iteration(root: str, iteration: int, megatron: bool, load_fallback: bool, checksums: bool,
                         logger) -> int:
-    """``iteration`` when its checkpoint is intact; else, with ``load_fallback``, the newest intact earlier
-    one. Every rank checks the same files, so all ranks pick the same checkpoint."""
-    verify = functools.partial(verify_checkpoint, megatron=megatron, checksums=checksums, logger=logger)
+    """``iteration`` when its checkpoint is intact (``checksums``: to its files' CRC-32s, else their presence and
+    lengths); else, with ``load_fallback``, the newest intact earlier one. Every rank checks the same files, so
+    all ranks pick the same checkpoint."""
     try:
-        verify(checkpoint_dir(root, iteration))
+        verify_checkpoint(checkpoint_dir(root, iteration), megatron=megatron, checksums=checksums, logger=logger)
         return iteration
     except CorruptCheckpointError as error:
         if not load_fallback:
             raise CorruptCheckpointError(f"--load {root}: {error}; pass --load-fallback to load the newest "
                                          "complete earlier checkpoint instead") from None
-        problem = error
+        return _intact_before(root, iteration, error, megatron, checksums, logger)
+
+
+def _intact_before(root: str, iteration: int, problem: CorruptCheckpointError, megatron: bool, checksums: bool,
+                   logger) -> int:
+    """The newest checkpoint before ``iteration`` (whose ``problem`` is logged) that is intact; --load-fallback's."""
+    verify = functools.partial(verify_checkpoint, megatron=megatron, checksums=checksums, logger=logger)
     for earlier in reversed([i for i in complete_iterations(root) if i < iteration]):
         try:
             verify(checkpoint_dir(root, earlier))

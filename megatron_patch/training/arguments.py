@@ -197,6 +197,22 @@ def _tokenizer_size(flags: argparse.Namespace) -> int:
         raise ValueError(f"--tokenizer-type {flags.tokenizer_type}: {error}") from error
 
 
+def _check_resume_layout(flags: argparse.Namespace, parallel, data_parallel_size: int | None,
+                         distributed: bool) -> None:
+    """``--load``'s optimizer state against the run's layout (``checkpoint.megatron.check_resume_layout``), so
+    that a resume it cannot load at is refused before any rank starts."""
+    from megatron_patch.checkpoint.megatron import Layout, check_resume_layout
+    from megatron_patch.errors import UserError
+
+    requested = Layout(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
+                       parallel.virtual_pipeline_model_parallel_size or 1, parallel.expert_model_parallel_size,
+                       data_parallel_size)
+    try:
+        check_resume_layout(flags.load, requested, distributed)
+    except UserError as error:
+        _refuse(str(error))
+
+
 def _environment(name: str, default: int) -> int:
     """torchrun's ``name`` (``distributed.env_int``), a wrong value refused in one line."""
     from megatron_patch.distributed import env_int
@@ -208,12 +224,13 @@ def _environment(name: str, default: int) -> int:
 
 
 def run_config(flags: argparse.Namespace, world_size: int | None, *, layout: bool = True, this_machine: bool = True,
-               tokens: bool = False) -> RunConfig:
+               launcher: bool = False) -> RunConfig:
     """The run of parsed ``flags`` on ``world_size`` processes (None: not known yet, an elastic world), refused in
     one line when anything is wrong: the flags' conflicts, the model against ``--load``'s record or the pretrained
     config.json, (``layout``) the layout against the model and the world, (``this_machine``) what this
-    machine lacks and (``tokens``: the launcher's, once per node, not once per rank) the data's token ids against
-    the tokenizer.
+    machine lacks and (``launcher``: the launcher's, once per node before any rank starts, not once per rank) the
+    data's token ids against the tokenizer and ``--load``'s optimizer state against the layout (the ranks' load
+    refuses the latter again, for runs the launcher did not start).
 
     Example::
 
@@ -221,13 +238,14 @@ def run_config(flags: argparse.Namespace, world_size: int | None, *, layout: boo
         # SystemExit: rapidformer: error: --num-attention-heads 12 is not divisible by --tensor-model-parallel-size 8...
     """
     memory = _memory_mode(flags)
+    distributed = flags.use_distributed_optimizer or memory in ("zero-1", "zero-2")
     positions = _check_pretrained_shape(flags)  # the flags as given, before --load or --model-name fill the others
     given = model_flag_values(flags)
     if positions is not None and "seq_length" not in given:
         given["seq_length"] = positions
     model = _loaded_model(flags) or ModelSpec(name=flags.model_name, family=flags.model_family,
                                               fields=tuple(given.items()))
-    _check_data_path(flags, tokens)
+    _check_data_path(flags, tokens=launcher)
     try:
         precision = precision_of(flags)
         notices, off = flag_notices(flags, precision)
@@ -245,13 +263,14 @@ def run_config(flags: argparse.Namespace, world_size: int | None, *, layout: boo
                 parallel.check_options(built)
             if this_machine:
                 parallel.check_backend(built)
+            if launcher and model.loaded is not None and not (flags.finetune or flags.no_load_optim):
+                _check_resume_layout(flags, parallel, data_parallel_size, distributed)
         return from_flags(
             RunConfig, values, local_rank=_environment("LOCAL_RANK", flags.local_rank or 0),
             rank=_environment("RANK", 0), world_size=world_size, model=model, parallel=parallel,
             training=from_flags(TrainingConfig, values, data_parallel_size=data_parallel_size,
                                 memory_optimization=memory,
-                                use_distributed_optimizer=flags.use_distributed_optimizer or memory in ("zero-1",
-                                                                                                        "zero-2")),
+                                use_distributed_optimizer=distributed),
             data=from_flags(DataConfig, values, seq_length=model.value("seq_length"),
                             dataset_path=flags.dataset_path or (flags.data_path[0] if flags.data_path else None),
                             dataset_name=flags.dataset_name or flags.data_name),

@@ -352,6 +352,13 @@ class CheckpointConfig:
     async_save: bool = flag(
         default=False, help="write megatron-core checkpoints in a background thread while training goes on; a save "
                             "becomes the latest only once every rank's files are complete")
+    dist_ckpt_optim_fully_reshardable: bool = flag(
+        default=False, help="save the distributed optimizer's state gathered per parameter, loadable at another "
+                            "TP/PP (slower to save); by default it is saved as Megatron-LM does, in its buckets, "
+                            "loadable at the saved TP/PP and any DP")
+    ckpt_fully_parallel_load: bool = flag(
+        default=False, help="the data-parallel replicas share the reading of the weights they all hold, each "
+                            "reading a part and sending it to the others")
     ckpt_format: str = flag(
         default="torch_dist", choices=["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"],
         help="megatron models are saved in torch_dist (megatron-core dist_checkpointing, loadable at any TP/PP); "

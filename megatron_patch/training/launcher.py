@@ -111,7 +111,7 @@ def launch_command(argv: list[str]) -> list[str]:
     nproc_per_node = processes_per_node(flags.nproc_per_node)
     nnodes = os.environ.get("NNODES", "1")
     # torchrun also takes an elastic MIN:MAX, which leaves the world size open until the nodes meet.
-    run_config(flags, nproc_per_node * int(nnodes) if nnodes.isdigit() else None, tokens=True)
+    run_config(flags, nproc_per_node * int(nnodes) if nnodes.isdigit() else None, launcher=True)
     return torchrun_command("megatron_patch.training.launcher", [_RANK_ENTRY, *_without(argv, "--nproc-per-node")],
                             nproc_per_node)
 

@@ -324,7 +324,13 @@ class _Trainer:
                     virtual_pipeline_model_parallel_size=self.config.parallel.virtual_pipeline_model_parallel_size,
                     expert_model_parallel_size=self.config.parallel.expert_model_parallel_size,
                     expert_tensor_parallel_size=self.config.parallel.expert_tensor_parallel_size,
-                    train_iters=training.train_iters)
+                    train_iters=training.train_iters, data_parallel_size=training.data_parallel_size,
+                    # What lays out the distributed optimizer's buckets, which its default checkpoint format keeps
+                    # (`megatron-patch checkpoint reshard` builds them again from these).
+                    use_distributed_optimizer=training.use_distributed_optimizer,
+                    overlap_grad_reduce=training.overlap_grad_reduce,
+                    accumulate_allreduce_grads_in_fp32=self.backend.grad_reduce_in_fp32,
+                    decoupled_lr=training.decoupled_lr, decoupled_min_lr=training.decoupled_min_lr)
 
     def _wait_for_saves(self) -> None:
         """Publish every asynchronous save still being written (a no-op without --async-save)."""

@@ -52,6 +52,9 @@ class Backend:
     loss_name: str
     """What the log calls the training loss: "classification loss" for a sequence classifier, else "lm loss" (set
     by ``compose``, which sees the model)."""
+    grad_reduce_in_fp32: bool = False
+    """Whether 16-bit gradients are reduced in fp32 (megatron-core's DDP buffers; set by the megatron backend's
+    ``compose``), which checkpoints record as Megatron-LM's ``accumulate_allreduce_grads_in_fp32``."""
 
     def __init__(self, config: RunConfig, device: torch.device, logger: logging.Logger):
         self.config = config

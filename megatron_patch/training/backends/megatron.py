@@ -115,9 +115,10 @@ class MegatronBackend(Backend):
         if training.onnx_runtime_training:
             for chunk in chunks:
                 compile_forward(chunk, training.compile_backend, self.logger)
+        self.grad_reduce_in_fp32 = fp16 or (bf16 and not training.grad_reduce_in_bf16)
         ddp_config = DistributedDataParallelConfig(
             use_distributed_optimizer=training.use_distributed_optimizer,
-            grad_reduce_in_fp32=fp16 or (bf16 and not training.grad_reduce_in_bf16),
+            grad_reduce_in_fp32=self.grad_reduce_in_fp32,
             overlap_grad_reduce=training.overlap_grad_reduce,
             overlap_param_gather=training.overlap_param_gather,
         )
@@ -212,8 +213,11 @@ class MegatronBackend(Backend):
                     chunk.enable_forward_pre_hook()
 
     def save(self, root: str, iteration: int, info, keep_last_k: int | None, async_queue, run_args: dict) -> str:
-        return save_megatron_checkpoint(root, iteration, self.model, self.optimizer, self.scheduler, info,
-                                        keep_last_k=keep_last_k, async_queue=async_queue, run_args=run_args)
+        return save_megatron_checkpoint(
+            root, iteration, self.model, self.optimizer, self.scheduler, info, keep_last_k=keep_last_k,
+            async_queue=async_queue, run_args=run_args,
+            fully_reshardable=self.config.checkpointing.dist_ckpt_optim_fully_reshardable)
 
     def load(self, root: str, **options) -> int:
-        return load_megatron_checkpoint(root, self.model, self.optimizer, self.scheduler, **options)
+        return load_megatron_checkpoint(root, self.model, self.optimizer, self.scheduler,
+                                        fully_parallel=self.config.checkpointing.ckpt_fully_parallel_load, **options)

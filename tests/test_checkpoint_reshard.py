@@ -1,0 +1,146 @@
+"""The distributed optimizer's checkpoint in Megatron-LM's default format (issue 39), through ``megatron-patch train``
+and ``megatron-patch checkpoint reshard`` as a user runs them.
+
+Saved ``dp_reshardable`` by default (``--dist-ckpt-optim-fully-reshardable`` writes the gathered per-parameter
+format, as our saves did before), a checkpoint resumes exactly at its own layout and at another data-parallel size; at
+another TP/PP the launcher refuses it in one line before any rank starts; ``checkpoint reshard`` rewrites it, and a
+resume from the result trains as a resume from a fully reshardable save of the same run (TP 2 -> 1, PP 1 -> 2, and
+fully reshardable at the saved layout). The reference is always another run of the trainer, never a copied number.
+
+Failed before: the default save was ``fully_reshardable``, ``--dist-ckpt-optim-fully-reshardable`` was an unknown
+flag and there was no ``checkpoint`` command.
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+# No dropout: a resume at another layout draws other masks (each rank's RNG is its own).
+TINY = ["--task", "pretraining", "--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads",
+        "2", "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
+        "--global-batch-size", "4", "--tokenizer-type", "NullTokenizer", "--vocab-size", "64", "--lr", "1e-3",
+        "--min-lr", "1e-4", "--log-interval", "1", "--use-distributed-optimizer", "--hidden-dropout", "0",
+        "--attention-dropout", "0", "--train-iters", "8"]
+TP2 = ["--tensor-model-parallel-size", "2"]
+
+
+def command(*args, nproc=None) -> tuple[int, str]:
+    nproc = [] if nproc is None else ["--nproc-per-node", str(nproc)]
+    result = subprocess.run([sys.executable, "-m", "megatron_patch.cli", *args[:1], *nproc, *args[1:]],
+                            capture_output=True, text=True, timeout=300)
+    return result.returncode, result.stdout + result.stderr
+
+
+def train(*flags, nproc=2) -> dict[int, str]:
+    """The lm loss logged at each iteration, as printed (so equal means bitwise equal to the printed digits)."""
+    status, log = command("train", *TINY, *flags, nproc=nproc)
+    assert status == 0, log[-3000:]
+    return {int(i): loss for i, loss in re.findall(r"iteration (\d+)/\d+ .*?lm loss: ([0-9.E+-]+)", log)}
+
+
+def sharding(checkpoint) -> str:
+    import torch
+
+    common = torch.load(os.path.join(checkpoint, "iter_0000004", "common.pt"), weights_only=False)
+    return common["content_metadata"]["distrib_optim_sharding_type"]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """At TP=2: the unbroken run's losses; a checkpoint at iteration 4 of the same run in the default format and one
+    with --dist-ckpt-optim-fully-reshardable."""
+    root = tmp_path_factory.mktemp("reshard")
+    unbroken = train(*TP2)
+    default, fully = str(root / "default"), str(root / "fully")
+    assert train(*TP2, "--exit-interval", "4", "--save", default) == {i: unbroken[i] for i in range(1, 5)}
+    train(*TP2, "--exit-interval", "4", "--save", fully, "--dist-ckpt-optim-fully-reshardable")
+    return root, unbroken, default, fully
+
+
+def test_the_default_format_is_megatron_lms_and_the_flag_writes_the_fully_reshardable_one(saved):
+    _, _, default, fully = saved
+    assert (sharding(default), sharding(fully)) == ("dp_reshardable", "fully_reshardable")
+
+
+def test_the_default_format_resumes_exactly_at_its_layout(saved):
+    _, unbroken, default, _ = saved
+    assert train(*TP2, "--load", default) == {i: unbroken[i] for i in range(5, 9)}
+
+
+def test_the_default_format_resumes_at_another_data_parallel_size(saved):
+    """TP=2 DP=1 saved, TP=2 DP=2 resumed: the same global batch over two ranks, equal to float rounding (the
+    reduction order) as the layout oracles; read by both data-parallel ranks, or shared between them
+    (--ckpt-fully-parallel-load, megatron-core's parallel load), the same state."""
+    _, unbroken, default, _ = saved
+    resumed = train(*TP2, "--load", default, nproc=4)
+    assert list(resumed) == [5, 6, 7, 8]
+    assert [float(loss) for loss in resumed.values()] == pytest.approx([float(unbroken[i]) for i in range(5, 9)],
+                                                                       rel=1e-5)
+    assert train(*TP2, "--load", default, "--ckpt-fully-parallel-load", nproc=4) == resumed
+
+
+@pytest.mark.parametrize("layout", [[], ["--pipeline-model-parallel-size", "2"]], ids=["tp1", "tp1-pp2"])
+def test_another_tensor_or_pipeline_layout_is_refused_before_launch_naming_the_ways_on(saved, layout):
+    _, _, default, _ = saved
+    status, log = command("train", *TINY, "--load", default, *layout, nproc=2)
+    assert status != 0
+    [line] = log.strip().splitlines()  # no rank started: the launcher's one line
+    pipeline = layout[1] if layout else "1"
+    assert line.startswith(f"rapidformer: error: --load {default}: ") and (
+        f"saved at TP=2 PP=1 VPP=1 DP=1, requested TP=1 PP={pipeline} VPP=1 DP={2 // int(pipeline)}; resume at TP=2 "
+        "PP=1 VPP=1, pass --no-load-optim to load the model alone with a new optimizer state, or reshard it first: "
+        f"megatron-patch checkpoint reshard --load-dir {default} --save-dir RESHARDED --target-tensor-parallel-size 1 "
+        f"--target-pipeline-parallel-size {pipeline}, then --load RESHARDED") in line, line
+    assert train("--load", default, *layout, "--no-load-optim")  # the first way on: the model alone
+
+
+@pytest.mark.parametrize("target, layout", [
+    (["--target-tensor-parallel-size", "1"], []),
+    (["--target-tensor-parallel-size", "1", "--target-pipeline-parallel-size", "2"],
+     ["--pipeline-model-parallel-size", "2"]),
+    ([], []),
+], ids=["tp2-to-tp1", "pp1-to-pp2", "fully-reshardable"])
+def test_a_resharded_checkpoint_resumes_as_a_fully_reshardable_save_of_the_run(saved, target, layout):
+    root, _, default, fully = saved
+    resharded = str(root / ("resharded-" + "-".join(target[1::2] or ["any"])))
+    status, log = command("checkpoint", "reshard", "--load-dir", default, "--save-dir", resharded, *target)
+    assert status == 0, log[-3000:]
+    assert f"written to {resharded} at " in log
+    assert sharding(resharded) == ("dp_reshardable" if target else "fully_reshardable")
+    assert not [name for name in os.listdir(root) if ".reshard-" in name]  # the intermediate one is gone
+    assert train("--load", resharded, *layout) == train("--load", fully, *layout)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--load-dir", "{root}/none", "--save-dir", "{root}/x"], "--load-dir {root}/none: no latest_checkpointed_iteration"),
+    (["--load-dir", "{default}", "--save-dir", "{default}"], "--save-dir {default} is --load-dir; give a new directory"),
+    (["--load-dir", "{default}", "--save-dir", "{fully}"], "--save-dir {fully} holds a checkpoint already"),
+    (["--load-dir", "{fully}", "--save-dir", "{root}/y"], "optimizer state is fully reshardable already"),
+    (["--load-dir", "{default}", "--save-dir", "{root}/z", "--target-tensor-parallel-size", "3"],
+     "--num-attention-heads 2 is not divisible by --tensor-model-parallel-size 3"),
+], ids=["no-checkpoint", "same-directory", "save-dir-taken", "already-fully-reshardable", "impossible-target"])
+def test_reshard_refuses_wrong_input_in_one_line(saved, args, message):
+    root, _, default, fully = saved
+    names = dict(root=root, default=default, fully=fully)
+    status, log = command("checkpoint", "reshard", *(arg.format(**names) for arg in args))
+    assert status == 1
+    [line] = log.strip().splitlines()
+    assert line.startswith("megatron-patch checkpoint: error: ") and message.format(**names) in line, line
+
+
+def test_reshard_names_a_damaged_checkpoint_in_one_line(saved, tmp_path):
+    from megatron_patch.compat import common_state_source
+
+    _, _, default, _ = saved
+    damaged = shutil.copytree(default, str(tmp_path / "damaged"))
+    common = common_state_source(os.path.join(damaged, "iter_0000004"))
+    os.remove(common)
+    status, log = command("checkpoint", "reshard", "--load-dir", damaged, "--save-dir", str(tmp_path / "out"))
+    assert status == 1
+    [line] = log.strip().splitlines()
+    assert line == (f"megatron-patch checkpoint: error: checkpoint {damaged}/iter_0000004 is incomplete: "
+                    f"{os.path.basename(common)} is missing"), line
