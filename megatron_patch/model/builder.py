@@ -23,7 +23,7 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.enums import AttnBackend
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from megatron_patch import compat
 from megatron_patch.model.bert import BertForSequenceClassification, BertModel
@@ -55,7 +55,8 @@ def to_transformer_config(model_config: ModelConfig, parallel_config: ParallelCo
     m, p = model_config, parallel_config
     activation_func, gated, fusable = _ACTIVATIONS[m.activation]
     interleaved = p.virtual_pipeline_model_parallel_size is not None
-    return TransformerConfig(
+    config_class, mla = (MLATransformerConfig, _mla_fields(m)) if m.multi_latent_attention else (TransformerConfig, {})
+    return config_class(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
         ffn_hidden_size=m.ffn_hidden_size,
@@ -94,6 +95,18 @@ def to_transformer_config(model_config: ModelConfig, parallel_config: ParallelCo
         attention_backend=AttnBackend[p.attention_backend],
         transformer_impl="transformer_engine" if p.use_transformer_engine else "local",
         **_moe_fields(m, p),
+        **mla,
+    )
+
+
+def _mla_fields(m: ModelConfig) -> dict:
+    """MLATransformerConfig's multi-latent attention and YaRN fields (megatron-core's names are ours)."""
+    return dict(
+        q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank, qk_head_dim=m.qk_head_dim,
+        qk_pos_emb_head_dim=m.qk_pos_emb_head_dim, v_head_dim=m.v_head_dim, rope_type=m.rope_type,
+        rotary_base=m.rotary_base, rotary_scaling_factor=m.rotary_scaling_factor, mscale=m.mscale,
+        mscale_all_dim=m.mscale_all_dim, original_max_position_embeddings=m.original_max_position_embeddings,
+        beta_fast=m.beta_fast, beta_slow=m.beta_slow,
     )
 
 
@@ -113,6 +126,13 @@ def _moe_fields(m: ModelConfig, p: ParallelConfig) -> dict:
         moe_expert_capacity_factor=m.moe_expert_capacity_factor,
         moe_pad_expert_input_to_capacity=m.moe_pad_expert_input_to_capacity,
         moe_token_drop_policy=m.moe_token_drop_policy,
+        moe_layer_freq=m.moe_layer_freq,
+        moe_router_score_function=m.moe_router_score_function,
+        moe_router_enable_expert_bias=m.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=m.moe_router_bias_update_rate,
+        moe_router_num_groups=m.moe_router_num_groups,
+        moe_router_group_topk=m.moe_router_group_topk,
+        moe_router_topk_scaling_factor=m.moe_router_topk_scaling_factor,
         moe_token_dispatcher_type=p.moe_token_dispatcher_type,
         moe_grouped_gemm=p.moe_grouped_gemm,
         expert_model_parallel_size=p.expert_model_parallel_size,
