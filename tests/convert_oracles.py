@@ -56,6 +56,23 @@ MOE_MODELS = {
                   "Qwen3MoeForCausalLM"),
 }
 
+# DeepSeek-V3 and -V2 (multi-latent attention): 3 layers, the first dense; 4 experts of width 32 and a shared one, 2
+# per token. V3: query rank 32, sigmoid routing from 1 of 2 groups with a random score-correction bias, weights x 2.5,
+# YaRN with mscale. V2 (Lite's shape): no query compression, softmax routing, top 2 not renormalised.
+_MLA = dict(num_hidden_layers=3, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+            num_attention_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+            n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
+            vocab_size=MOE_VOCAB, max_position_embeddings=32, initializer_range=0.2)
+DEEPSEEK_MODELS = {
+    "deepseek-v3": ("DeepseekV3Config", dict(
+        _MLA, q_lora_rank=32, n_group=2, topk_group=1, routed_scaling_factor=2.5, rope_parameters=dict(
+            rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=8, beta_fast=32.0,
+            beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)), "DeepseekV3ForCausalLM"),
+    "deepseek-v2": ("DeepseekV2Config", dict(_MLA, q_lora_rank=None, n_shared_experts=2, topk_method="greedy",
+                                             rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
+                    "DeepseekV2ForCausalLM"),
+}
+
 
 def make_hf_model(name: str, out_dir: str, seed: int = 0, **overrides) -> str:
     """A random model of kind ``name`` (its config fields changed by ``overrides``) saved with save_pretrained
@@ -63,13 +80,17 @@ def make_hf_model(name: str, out_dir: str, seed: int = 0, **overrides) -> str:
     import torch
     import transformers
 
-    config_class, kwargs, model_class = {**HF_MODELS, **MOE_MODELS}[name]
+    config_class, kwargs, model_class = {**HF_MODELS, **MOE_MODELS, **DEEPSEEK_MODELS}[name]
     torch.manual_seed(seed)
     model = getattr(transformers, model_class)(getattr(transformers, config_class)(**{**kwargs, **overrides}))
     with torch.no_grad():
         for pname, param in model.named_parameters():
             if pname.endswith("bias") or "norm" in pname.lower() or "ln_" in pname:
                 param.add_(0.1 * torch.randn_like(param))
+        # DeepSeek-V3's score-correction bias is a buffer: random, so that a router without it picks other experts.
+        for bname, buffer in model.named_buffers():
+            if bname.endswith("e_score_correction_bias"):
+                buffer.copy_(0.1 * torch.randn_like(buffer))
     model.save_pretrained(out_dir)
     return out_dir
 

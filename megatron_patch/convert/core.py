@@ -247,7 +247,9 @@ def _source(hf_dir: str, make_vocab_size_divisible_by: int = 128) -> _Source:
 _PAIRED_FIELDS = ("family", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
                   "ffn_hidden_size", "vocab_size", "normalization", "position_embedding_type", "activation",
                   "add_qkv_bias", "untie_embeddings_and_output_weights", "num_moe_experts", "moe_ffn_hidden_size",
-                  "moe_shared_expert_intermediate_size", "moe_shared_expert_gate")
+                  "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_layer_freq",
+                  "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+                  "v_head_dim")
 
 
 def check_pair(hf_dir: str, megatron_dir: str) -> tuple[CheckpointInfo, str]:
@@ -271,7 +273,8 @@ def check_pair(hf_dir: str, megatron_dir: str) -> tuple[CheckpointInfo, str]:
         pairs.append(("architecture", src.architecture, info.hf_architecture))
     # Every MLP of a MoE model is experts: no tensor has ffn_hidden_size's shape (Mixtral's config.json has only the
     # experts' width, which a model trained with a wider ffn_hidden_size exports as its intermediate_size).
-    all_experts = info.model_config.num_moe_experts is not None
+    m = info.model_config
+    all_experts = all(m.is_moe_layer(i) for i in range(m.num_layers))
     pairs += [(name, getattr(src.model_config, name), getattr(info.model_config, name)) for name in _PAIRED_FIELDS
               if not (all_experts and name == "ffn_hidden_size")]
     differing = [f"{name} {hf} vs {megatron}" for name, hf, megatron in pairs if hf != megatron]

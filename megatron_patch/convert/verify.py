@@ -47,6 +47,8 @@ _HF_OUTPUTS = {
     "MixtralForCausalLM": {"logits": "logits"},
     "Qwen2MoeForCausalLM": {"logits": "logits"},
     "Qwen3MoeForCausalLM": {"logits": "logits"},
+    "DeepseekV2ForCausalLM": {"logits": "logits"},
+    "DeepseekV3ForCausalLM": {"logits": "logits"},
     "BertForPreTraining": {"logits": "prediction_logits", "binary_logits": "seq_relationship_logits"},
     "BertForMaskedLM": {"logits": "logits"},
     "BertModel": {"hidden_states": "last_hidden_state"},
