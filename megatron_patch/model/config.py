@@ -17,6 +17,7 @@ and Megatron-LM's flags.
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 from typing import Callable, Literal
 
@@ -682,10 +683,10 @@ register_model_config("tiny-qwen3-moe")(lambda: _qwen3_moe(
     seq_length=32, max_position_embeddings=32, vocab_size=128, make_vocab_size_divisible_by=1, num_moe_experts=4,
     moe_ffn_hidden_size=32,
 ))
-# Three layers, the first dense; 4 experts in 2 groups, 2 per token from 1 group, a shared expert; query rank 32,
+# Four layers, the first dense; 4 experts in 2 groups, 2 per token from 1 group, a shared expert; query rank 32,
 # latent 32, heads of 16 + 8 (RoPE) channels, values 16; YaRN.
 register_model_config("tiny-deepseek-v3")(lambda: _deepseek(
-    "deepseek_v3", 1, num_layers=3, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, seq_length=32,
+    "deepseek_v3", 1, num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, seq_length=32,
     max_position_embeddings=32, vocab_size=128, make_vocab_size_divisible_by=1, num_moe_experts=4, moe_router_topk=2,
     moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=32, moe_router_num_groups=2, moe_router_group_topk=1,
     moe_router_topk_scaling_factor=2.5, q_lora_rank=32, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8,
@@ -699,6 +700,32 @@ register_model_config("tiny-bert")(lambda: _bert(2, 64, 4).replace(
 # ----------------------------------------------------------------------------------------------------------
 # Megatron-LM's model flags
 # ----------------------------------------------------------------------------------------------------------
+
+def moe_layer_freq(text: str) -> int | list[int]:
+    """``--moe-layer-freq``'s value as Megatron-LM reads it: every N-th layer, or a Python list expression of 0s
+    and 1s (evaluated from its syntax tree: list literals, ``*`` and ``+`` of integers, nothing else).
+
+    Example::
+
+        >>> moe_layer_freq("2"), moe_layer_freq("([0]*2+[1]*3)")
+        (2, [0, 0, 1, 1, 1])
+    """
+    def value(node):
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.List):
+            return [value(item) for item in node.elts]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mult, ast.Add)):
+            left, right = value(node.left), value(node.right)
+            return left * right if isinstance(node.op, ast.Mult) else left + right
+        raise ValueError(text)
+
+    try:
+        parsed = value(ast.parse(text.strip(), mode="eval").body)
+    except (SyntaxError, ValueError, TypeError):
+        raise argparse.ArgumentTypeError(f"{text!r} is neither an integer nor a list such as ([0]*3+[1]*58)") from None
+    return parsed
+
 
 # (flag, field, argparse keywords). Every flag defaults to None so that only what the user typed overrides
 # the named configuration.
@@ -731,6 +758,22 @@ _VALUE_FLAGS = [
     ("--moe-aux-loss-coeff", "moe_aux_loss_coeff", dict(type=float)),
     ("--moe-expert-capacity-factor", "moe_expert_capacity_factor", dict(type=float)),
     ("--moe-token-drop-policy", "moe_token_drop_policy", dict(choices=["probs", "position"])),
+    ("--moe-layer-freq", "moe_layer_freq", dict(type=moe_layer_freq, metavar="N|([0]*K+[1]*M)")),
+    ("--moe-router-score-function", "moe_router_score_function", dict(choices=["softmax", "sigmoid"])),
+    ("--moe-router-bias-update-rate", "moe_router_bias_update_rate", dict(type=float)),
+    ("--moe-router-num-groups", "moe_router_num_groups", dict(type=int)),
+    ("--moe-router-group-topk", "moe_router_group_topk", dict(type=int)),
+    ("--moe-router-topk-scaling-factor", "moe_router_topk_scaling_factor", dict(type=float)),
+    ("--q-lora-rank", "q_lora_rank", dict(type=int)),
+    ("--kv-lora-rank", "kv_lora_rank", dict(type=int)),
+    ("--qk-head-dim", "qk_head_dim", dict(type=int)),
+    ("--qk-pos-emb-head-dim", "qk_pos_emb_head_dim", dict(type=int)),
+    ("--v-head-dim", "v_head_dim", dict(type=int)),
+    ("--rope-type", "rope_type", dict(choices=["rope", "yarn"])),
+    ("--rotary-scaling-factor", "rotary_scaling_factor", dict(type=float)),
+    ("--mscale", "mscale", dict(type=float)),
+    ("--mscale-all-dim", "mscale_all_dim", dict(type=float)),
+    ("--original-max-position-embeddings", "original_max_position_embeddings", dict(type=int)),
 ]
 # (flag, field, value it sets)
 _SWITCH_FLAGS = [
@@ -746,6 +789,8 @@ _SWITCH_FLAGS = [
     ("--moe-shared-expert-gate", "moe_shared_expert_gate", True),
     ("--moe-router-pre-softmax", "moe_router_pre_softmax", True),
     ("--moe-pad-expert-input-to-capacity", "moe_pad_expert_input_to_capacity", True),
+    ("--moe-router-enable-expert-bias", "moe_router_enable_expert_bias", True),
+    ("--multi-latent-attention", "multi_latent_attention", True),
 ]
 
 

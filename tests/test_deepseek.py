@@ -1,0 +1,150 @@
+"""DeepSeek-V3 and DeepSeek-V2 (issue 41), tiny random models built from transformers' config classes: multi-latent
+attention (with and without the query's compression, YaRN with mscale), a dense first layer, shared experts, sigmoid
+routing with a score-correction bias from 1 of 2 expert groups (V3) or the softmax's top 2 as they are (V2).
+megatron-core's forward equals transformers' at EP=2, TP=2 x EP=2 and PP=2; every tensor comes back bit for bit,
+also from a checkpoint re-saved by the PP=2 ranks; megatron-core's router picks the experts, and gives them the
+weights, that transformers' router does; what megatron-core scores otherwise is refused by name.
+
+    python -m pytest -q -p no:cacheprovider tests/test_deepseek.py
+"""
+
+import pytest
+
+from megatron_patch.convert.families import UnsupportedCheckpoint, family_for
+from megatron_patch.model.config import get_model_config
+from megatron_patch.testing import run_on_ranks
+from tests.convert_oracles import DEEPSEEK_MODELS, assert_bit_exact, cli, make_hf_model, verify_each
+
+LAYOUTS = [(1, 1, 2), (2, 1, 2), (1, 2, 1)]  # (TP, PP, EP) on 4 ranks; the last re-saves the checkpoint
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """Both models converted to torch_dist by the CLI (verified by the test below, at every layout in one start of
+    the ranks)."""
+    root = tmp_path_factory.mktemp("convert-deepseek")
+    dirs = {}
+    for name in DEEPSEEK_MODELS:
+        hf, dist = make_hf_model(name, str(root / f"{name}-hf")), str(root / f"{name}-dist")
+        argv = ["hf-to-megatron", "--hf-dir", hf, "--save-dir", dist, "--no-verify", "--no-progress"]
+        assert run_on_ranks(cli, 1, args=(argv,), timeout=300) == [0], f"{name}: conversion failed"
+        dirs[name] = (hf, dist, root)
+    return dirs
+
+
+def test_forward_matches_transformers_with_expert_tensor_and_pipeline_parallelism(converted):
+    jobs = [(hf, dist, LAYOUTS, str(root / f"{name}-resaved")) for name, (hf, dist, root) in converted.items()]
+    results = run_on_ranks(verify_each, 4, args=(jobs,), timeout=400)[0]
+    failures = [f"{name} TP{tp}xPP{pp}xEP{ep}: {c.line()}"
+                for name, by_layout in zip(converted, results) for (tp, pp, ep), comparisons in by_layout.items()
+                for c in comparisons if not (c.passed and c.max_rel_diff <= 1e-4)]
+    assert [set(r) for r in results] == [set(LAYOUTS)] * len(converted)
+    assert not failures, "\n".join(failures)
+
+
+def test_round_trip_is_bit_exact_from_the_conversion_and_from_a_checkpoint_saved_by_pipeline_ranks(converted):
+    for name, (hf, dist, root) in converted.items():
+        resaved = str(root / f"{name}-resaved")
+        if not (root / f"{name}-resaved").exists():
+            run_on_ranks(verify_each, 4, args=([(hf, dist, LAYOUTS[-1:], resaved)],), timeout=300)
+        for source in (dist, resaved):
+            out = f"{source}-exported"
+            assert run_on_ranks(cli, 1, args=(["megatron-to-hf", "--load-dir", source, "--save-dir", out,
+                                               "--no-progress", "--overwrite"],), timeout=120) == [0]
+            assert_bit_exact(hf, out)
+
+
+def route_both(rank, world_size, hf_dir, layer, tokens):
+    """transformers' and megatron-core's routing of ``tokens`` random hidden states through layer ``layer``'s
+    router, the same weights and score-correction bias in both; megatron-core's again with its bias zeroed."""
+    import json
+    import os
+
+    import torch
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.moe.router import TopKRouter
+    from transformers import AutoModelForCausalLM
+
+    from megatron_patch import compat
+    from megatron_patch.distributed import initialize_distributed
+    from megatron_patch.model.builder import to_transformer_config
+    from megatron_patch.model.parallel import ParallelConfig
+
+    compat.apply()
+    initialize_distributed(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, seed=1)
+    hf_config = json.load(open(os.path.join(hf_dir, "config.json")))
+    model_config = family_for(hf_config).config_from_hf(hf_config)
+    gate = AutoModelForCausalLM.from_pretrained(hf_dir).model.layers[layer].mlp.gate.eval()
+    router = TopKRouter(to_transformer_config(model_config, ParallelConfig()),
+                        ProcessGroupCollection.use_mpu_process_groups()).eval()
+    hidden = torch.randn(tokens, model_config.hidden_size, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        router.weight.copy_(gate.weight)
+        if router.expert_bias is not None:
+            router.expert_bias.copy_(gate.e_score_correction_bias)
+        _, hf_weights, hf_experts = gate(hidden)
+        probs, routing_map = router(hidden[:, None, :])
+        unbiased = None
+        if router.expert_bias is not None:
+            router.expert_bias.zero_()
+            unbiased = router(hidden[:, None, :])[1]
+    return dict(hf_experts=hf_experts.sort(dim=-1).values, hf_weights=hf_weights.gather(1, hf_experts.argsort(-1)),
+                experts=routing_map.nonzero()[:, 1].view(tokens, -1), probs=probs, unbiased=unbiased)
+
+
+@pytest.mark.parametrize("name", list(DEEPSEEK_MODELS))
+def test_megatron_core_routes_each_token_to_the_experts_transformers_picks(tmp_path, name):
+    hf = make_hf_model(name, str(tmp_path / "hf"))
+    [routes] = run_on_ranks(route_both, 1, args=(hf, 1, 256), timeout=120)
+    assert (routes["experts"] == routes["hf_experts"]).all()
+    chosen = routes["probs"].gather(1, routes["experts"])
+    assert (routes["probs"] != 0).sum().item() == chosen.numel()
+    torch_close = (chosen - routes["hf_weights"]).abs().max().item()
+    assert torch_close < 1e-6, torch_close
+    if routes["unbiased"] is not None:
+        # The bias decides: without it some tokens go elsewhere, so a router ignoring it fails the first assertion.
+        assert (routes["unbiased"].nonzero()[:, 1].view(256, -1) != routes["hf_experts"]).any()
+
+
+_V3 = dict(DEEPSEEK_MODELS["deepseek-v3"][1], model_type="deepseek_v3")
+_V2 = dict(DEEPSEEK_MODELS["deepseek-v2"][1], model_type="deepseek_v2")
+
+
+@pytest.mark.parametrize("config,message", [
+    (dict(_V3, norm_topk_prob=False), "norm_topk_prob=false"),
+    (dict(_V3, n_group=2, topk_group=2), "num_experts_per_tok=2, topk_group=2"),
+    (dict(_V3, topk_method="greedy"), "topk_method='greedy'"),
+    (dict(_V3, rope_parameters=dict(_V3["rope_parameters"], attention_factor=0.5)), "attention_factor"),
+    (dict(_V3, rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0)), "'linear'"),
+    (dict(_V3, first_k_dense_replace=4), "first_k_dense_replace=4"),
+    (dict(_V2, topk_method="group_limited_greedy", n_group=2, topk_group=1), "num_experts_per_tok=2, topk_group=1"),
+    (dict(_V2, attention_bias=True), "attention_bias=True"),
+])
+def test_hugging_face_options_megatron_core_cannot_compute_are_refused_by_name(config, message):
+    with pytest.raises(UnsupportedCheckpoint, match=message):
+        family_for(config).config_from_hf(config)
+
+
+@pytest.mark.parametrize("model_type,changes,message", [
+    ("deepseek_v3", dict(moe_router_score_function="softmax", moe_router_enable_expert_bias=False),
+     "deepseek_v3 routes by sigmoid"),
+    ("deepseek_v2", {}, "deepseek_v2 takes the top k of a softmax"),
+    ("deepseek_v3", dict(moe_layer_freq=[1, 0, 1, 1]), "first_k_dense_replace layers are dense"),
+    ("deepseek_v3", dict(moe_shared_expert_intermediate_size=48), "not a multiple of --moe-ffn-hidden-size 32"),
+    ("deepseek_v3", dict(multi_latent_attention=False, q_lora_rank=None, rope_type="rope"),
+     "multi-latent attention with experts"),
+])
+def test_export_refuses_what_the_model_type_cannot_express(model_type, changes, message):
+    config = get_model_config("tiny-deepseek-v3", **changes)
+    with pytest.raises(UnsupportedCheckpoint, match=message):
+        family_for({"model_type": model_type}).config_to_hf(config)
+
+
+def test_named_deepseek_v3_reads_back_from_its_own_config_json():
+    """deepseek-v3's fields written as DeepSeek-V3's config.json and read back give the same model."""
+    model_config = get_model_config("deepseek-v3")
+    family = family_for({"model_type": "deepseek_v3"})
+    hf = {**family.config_to_hf(model_config), "model_type": "deepseek_v3"}
+    assert (hf["first_k_dense_replace"], hf["n_group"], hf["topk_group"], hf["n_shared_experts"]) == (3, 8, 4, 1)
+    read = family.config_from_hf(hf).replace(seq_length=model_config.seq_length)
+    assert read == model_config
