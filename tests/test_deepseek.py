@@ -148,3 +148,43 @@ def test_named_deepseek_v3_reads_back_from_its_own_config_json():
     assert (hf["first_k_dense_replace"], hf["n_group"], hf["topk_group"], hf["n_shared_experts"]) == (3, 8, 4, 1)
     read = family.config_from_hf(hf).replace(seq_length=model_config.seq_length)
     assert read == model_config
+
+
+def built_parameters(rank, world_size, names_and_changes):
+    """The parameters of megatron-core's model of each ``(name, changes)`` at TP=1, PP=1, EP=1 (on the meta device)."""
+    from megatron_patch.convert.core import build_reference_model
+
+    return [sum(p.numel() for p in build_reference_model(get_model_config(name, **changes), 128, meta=True)
+                .parameters()) for name, changes in names_and_changes]
+
+
+def test_parameter_count_is_that_of_the_model_megatron_core_builds():
+    """With and without the query's compression; the dense first layer counted with its own MLP width."""
+    from megatron_patch.model.flops import num_parameters
+
+    models = [("tiny-deepseek-v3", {}), ("tiny-deepseek-v3", dict(q_lora_rank=None, moe_layer_freq=[0, 0, 1, 1]))]
+    [built] = run_on_ranks(built_parameters, 1, args=(models,), timeout=120)
+    assert built == [num_parameters(get_model_config(name, **changes), 128) for name, changes in models]
+
+
+# The published sizes in billions, with the digits they are published to: DeepSeek-V3 671B total, 37B activated per
+# token (arXiv:2412.19437); DeepSeek-V2-Lite 15.7B, 2.4B (its model card); Moonlight-16B-A3B 16B, 3B; Kimi K2 1T, 32B
+# (their model cards). DeepSeek's activated count leaves out the embedding (a token reads its row, nothing is
+# multiplied). Each count rounds to the published figure, except V2-Lite's activated 2.45B (2.5B, not 2.4B).
+PUBLISHED = {"deepseek-v3": ((671, 0), (37, 0)), "deepseek-v2-lite": ((15.7, 1), (2.4, 1)),
+             "moonlight-16b-a3b": ((16, 0), (3, 0)), "kimi-k2": ((1000, -2), (32, 0))}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_dry_run_counts_total_and_active_parameters_as_published(name):
+    from megatron_patch.training.plan import build_plan
+
+    plan = build_plan(["--model-name", name, "--nproc-per-node", "8", "--bf16", "--expert-model-parallel-size", "8",
+                       "--global-batch-size", "8", "--use-distributed-optimizer"])
+    [line] = [line for line in plan.render().splitlines() if line.startswith("parameters: ")]
+    counts = [int(word.replace(",", "")) / 1e9 for word in line.split() if word[0].isdigit()]
+    rounded = [round(count, digits) for count, (_, digits) in zip(counts, PUBLISHED[name])]
+    if name == "deepseek-v2-lite":
+        assert abs(counts[1] - 2.4) < 0.06, line
+        rounded[1] = 2.4
+    assert rounded == [published for published, _ in PUBLISHED[name]], line

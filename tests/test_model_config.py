@@ -84,6 +84,14 @@ def _hf_parameters(config) -> int:
         model_class, hf_config = transformers.GPT2Model, transformers.GPT2Config(
             vocab_size=config.vocab_size, n_positions=config.max_positions, n_embd=config.hidden_size,
             n_layer=config.num_layers, n_head=config.num_attention_heads, n_inner=config.ffn_hidden_size, **special)
+    elif config.multi_latent_attention:
+        from megatron_patch.convert.families import family_for
+
+        # DeepSeek's own config.json fields of this config (the converter's writer), in its own class.
+        v3 = config.moe_router_score_function == "sigmoid"
+        model_class = transformers.DeepseekV3ForCausalLM if v3 else transformers.DeepseekV2ForCausalLM
+        fields = family_for({"model_type": "deepseek_v3" if v3 else "deepseek_v2"}).config_to_hf(config)
+        hf_config = (transformers.DeepseekV3Config if v3 else transformers.DeepseekV2Config)(**{**fields, **common})
     elif config.num_moe_experts:
         experts = dict(num_experts_per_tok=config.moe_router_topk, moe_intermediate_size=config.moe_ffn_hidden_size)
         if config.moe_shared_expert_intermediate_size:
