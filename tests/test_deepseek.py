@@ -188,3 +188,38 @@ def test_dry_run_counts_total_and_active_parameters_as_published(name):
         assert abs(counts[1] - 2.4) < 0.06, line
         rounded[1] = 2.4
     assert rounded == [published for published, _ in PUBLISHED[name]], line
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    from seed_scripts.assets import rapidformer_assets
+
+    return rapidformer_assets(tmp_path_factory)
+
+
+def _losses_of(rank, world_size, argv):
+    from megatron_patch.training.engine import Engine
+    from megatron_patch.training.tasks import MegatronGPTPretrainer
+
+    log = MegatronGPTPretrainer(engine=Engine(argv)).train()
+    return [loss for _, loss in log.train_losses]
+
+
+def test_ep2_trains_as_one_rank_with_the_expert_bias_updated_from_every_rank_s_tokens(assets, tmp_path):
+    """tiny-deepseek-v3 (sigmoid routing from groups, a dense first layer, shared experts) from one checkpoint, the
+    same 4 global batches at EP=1 on one rank and at EP=2 on two: the same losses. The expert bias moves by 0.2 a
+    step (megatron-core's finalize_model_grads, from the tokens each expert got on all ranks); a run whose bias
+    stays put has other losses, so a bias updated from one rank's tokens only would show."""
+    save = str(tmp_path / "ckpt")
+    argv = ["--seq-length", "32", "--tokenizer-type", "GPT2BPETokenizer",
+            "--vocab-file", assets.gpt_options["vocab_file"], "--merge-file", assets.gpt_options["merge_file"],
+            "--data-path", assets.gpt_prefix, "--split", "98,2,0", "--micro-batch-size", "4",
+            "--global-batch-size", "8", "--lr", "1e-2", "--lr-decay-style", "constant"]
+    run_on_ranks(_losses_of, 1, args=(argv + ["--model-name", "tiny-deepseek-v3", "--moe-router-bias-update-rate",
+                                              "0.2", "--train-iters", "1", "--save", save],), timeout=300)
+    resume = argv + ["--train-iters", "5", "--load", save, "--no-load-optim"]
+    [single] = run_on_ranks(_losses_of, 1, args=(resume,), timeout=300)
+    [fixed_bias] = run_on_ranks(_losses_of, 1, args=(resume + ["--moe-router-bias-update-rate", "0"],), timeout=300)
+    parallel = run_on_ranks(_losses_of, 2, args=(resume + ["--expert-model-parallel-size", "2"],), timeout=300)
+    assert len(single) == 4 and single != pytest.approx(fixed_bias, rel=1e-4)
+    assert parallel[-1] == pytest.approx(single, rel=1e-5)
