@@ -223,3 +223,52 @@ def test_ep2_trains_as_one_rank_with_the_expert_bias_updated_from_every_rank_s_t
     parallel = run_on_ranks(_losses_of, 2, args=(resume + ["--expert-model-parallel-size", "2"],), timeout=300)
     assert len(single) == 4 and single != pytest.approx(fixed_bias, rel=1e-4)
     assert parallel[-1] == pytest.approx(single, rel=1e-5)
+
+
+def test_a_sigkilled_ep2_run_resumes_exactly(assets, tmp_path):
+    """examples/gpt/run_pretrain_gpt.sh with tiny-deepseek-v3 at EP=2 on 2 CPU processes, 8 iterations, a checkpoint
+    every 3 (the expert bias with the weights): SIGKILLed in its process group once past iteration 4, the same command
+    again resumes from iteration 3's checkpoint and repeats the unbroken run's records bitwise."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from test_reliability import _last_iteration, _records
+    from test_run_scripts import GPT
+
+    def start(out):
+        flags = ["--cpu", "--nproc-per-node", "2", "--model-size", "tiny-deepseek-v3", "--ep", "2", "--seq-length",
+                 "32", "--data-path", assets.gpt_prefix, "--vocab-file", assets.gpt_options["vocab_file"],
+                 "--merge-file", assets.gpt_options["merge_file"], "--micro-batch-size", "4", "--global-batch-size",
+                 "8", "--train-iters", "8", "--lr", "3e-3", "--save-interval", "3", "--output-dir", str(out), "--",
+                 "--log-interval", "1", "--split", "98,2,0", "--moe-router-bias-update-rate", "0.05"]
+        env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK")}
+        return subprocess.Popen(["bash", GPT, *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True, env={**env, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"})
+
+    unbroken = start(tmp_path / "unbroken")
+    output = unbroken.communicate(timeout=300)[0]
+    assert unbroken.returncode == 0, output[-5000:]
+    killed_dir = tmp_path / "killed"
+    killed = start(killed_dir)
+    try:
+        deadline = time.monotonic() + 300
+        while _last_iteration(killed_dir / "logs") < 5:
+            assert killed.poll() is None and time.monotonic() < deadline, killed.communicate()[0][-5000:]
+            time.sleep(0.05)
+    finally:
+        os.killpg(killed.pid, signal.SIGKILL)
+        killed.communicate(timeout=60)
+    resumed = start(killed_dir)
+    output = resumed.communicate(timeout=300)[0]
+    assert resumed.returncode == 0, output[-5000:]
+    reference = {r["iteration"]: r for r in _records(tmp_path / "unbroken" / "logs")}
+    records = _records(killed_dir / "logs")
+    iterations = [r["iteration"] for r in records]
+    [restart] = [i for i in range(1, len(iterations)) if iterations[i] <= iterations[i - 1]]
+    # The second start went on from a checkpoint (iteration 3 or 6), not from the beginning.
+    assert iterations[restart] - 1 in (3, 6) and iterations[:restart] == list(range(1, iterations[restart - 1] + 1))
+    assert sorted(reference) == list(range(1, 9)) and iterations[restart:] == list(range(iterations[restart], 9))
+    assert [r for r in records if r != reference[r["iteration"]]] == []
