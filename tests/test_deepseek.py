@@ -205,30 +205,43 @@ def _losses_of(rank, world_size, argv):
     return [loss for _, loss in log.train_losses]
 
 
-def test_ep2_trains_as_one_rank_with_the_expert_bias_updated_from_every_rank_s_tokens(assets, tmp_path):
-    """tiny-deepseek-v3 (sigmoid routing from groups, a dense first layer, shared experts) from one checkpoint, the
-    same 4 global batches at EP=1 on one rank and at EP=2 on two: the same losses. The expert bias moves by 0.2 a
-    step (megatron-core's finalize_model_grads, from the tokens each expert got on all ranks); a run whose bias
-    stays put has other losses, so a bias updated from one rank's tokens only would show."""
+def test_ep2_trains_as_one_rank_with_the_expert_bias_and_multi_token_prediction(assets, tmp_path):
+    """tiny-deepseek-v3 (sigmoid routing from groups, a dense first layer, shared experts) with one multi-token
+    prediction module, from one checkpoint, the same 4 global batches at EP=1 on one rank and at EP=2 on two: the
+    same LM and MTP losses, both logged per iteration. The expert bias moves by 0.2 a step (megatron-core's
+    finalize_model_grads, from the tokens each expert got on all ranks); a run whose bias stays put has other losses,
+    so a bias updated from one rank's tokens only would show."""
+    import json
+
     save = str(tmp_path / "ckpt")
     argv = ["--seq-length", "32", "--tokenizer-type", "GPT2BPETokenizer",
             "--vocab-file", assets.gpt_options["vocab_file"], "--merge-file", assets.gpt_options["merge_file"],
             "--data-path", assets.gpt_prefix, "--split", "98,2,0", "--micro-batch-size", "4",
             "--global-batch-size", "8", "--lr", "1e-2", "--lr-decay-style", "constant"]
     run_on_ranks(_losses_of, 1, args=(argv + ["--model-name", "tiny-deepseek-v3", "--moe-router-bias-update-rate",
-                                              "0.2", "--train-iters", "1", "--save", save],), timeout=300)
-    resume = argv + ["--train-iters", "5", "--load", save, "--no-load-optim"]
-    [single] = run_on_ranks(_losses_of, 1, args=(resume,), timeout=300)
-    [fixed_bias] = run_on_ranks(_losses_of, 1, args=(resume + ["--moe-router-bias-update-rate", "0"],), timeout=300)
-    parallel = run_on_ranks(_losses_of, 2, args=(resume + ["--expert-model-parallel-size", "2"],), timeout=300)
-    assert len(single) == 4 and single != pytest.approx(fixed_bias, rel=1e-4)
-    assert parallel[-1] == pytest.approx(single, rel=1e-5)
+                                              "0.2", "--mtp-num-layers", "1", "--train-iters", "1", "--save", save],),
+                 timeout=300)
+
+    def records(name, *extra, ranks=1):
+        resume = argv + ["--train-iters", "5", "--load", save, "--no-load-optim", "--log-dir", str(tmp_path / name)]
+        run_on_ranks(_losses_of, ranks, args=(resume + list(extra),), timeout=300)
+        with open(tmp_path / name / "iterations.jsonl") as f:
+            return [value for r in map(json.loads, f) for value in (r["loss"], r["mtp_1 loss"])]
+
+    single, parallel = records("ep1"), records("ep2", "--expert-model-parallel-size", "2", ranks=2)
+    fixed_bias = records("fixed-bias", "--moe-router-bias-update-rate", "0")
+    assert len(single) == 2 * 4 and min(single) > 0  # (LM loss, MTP loss) of each iteration
+    assert single[::2] != pytest.approx(fixed_bias[::2], rel=1e-4)
+    assert parallel == pytest.approx(single, rel=1e-5)
 
 
 def test_a_sigkilled_ep2_run_resumes_exactly(assets, tmp_path):
-    """examples/gpt/run_pretrain_gpt.sh with tiny-deepseek-v3 at EP=2 on 2 CPU processes, 8 iterations, a checkpoint
-    every 3 (the expert bias with the weights): SIGKILLed in its process group once past iteration 4, the same command
-    again resumes from iteration 3's checkpoint and repeats the unbroken run's records bitwise."""
+    """examples/gpt/run_pretrain_gpt.sh with tiny-deepseek-v3 and a multi-token prediction module at EP=2 on 2 CPU
+    processes, 8 iterations, a checkpoint every 3 (the expert bias with the weights): SIGKILLed in its process group
+    once past iteration 4, the same command again resumes from its last checkpoint and repeats the unbroken run's
+    records (LM and MTP losses, grad norms) bitwise. The log has the MTP loss beside the LM loss."""
+    import re
+
     import os
     import signal
     import subprocess
@@ -243,7 +256,8 @@ def test_a_sigkilled_ep2_run_resumes_exactly(assets, tmp_path):
                  "32", "--data-path", assets.gpt_prefix, "--vocab-file", assets.gpt_options["vocab_file"],
                  "--merge-file", assets.gpt_options["merge_file"], "--micro-batch-size", "4", "--global-batch-size",
                  "8", "--train-iters", "8", "--lr", "3e-3", "--save-interval", "3", "--output-dir", str(out), "--",
-                 "--log-interval", "1", "--split", "98,2,0", "--moe-router-bias-update-rate", "0.05"]
+                 "--log-interval", "1", "--split", "98,2,0", "--moe-router-bias-update-rate", "0.05",
+                 "--mtp-num-layers", "1"]
         env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK")}
         return subprocess.Popen(["bash", GPT, *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True, env={**env, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"})
@@ -251,6 +265,8 @@ def test_a_sigkilled_ep2_run_resumes_exactly(assets, tmp_path):
     unbroken = start(tmp_path / "unbroken")
     output = unbroken.communicate(timeout=300)[0]
     assert unbroken.returncode == 0, output[-5000:]
+    log = (tmp_path / "unbroken" / "logs" / "pretrain_gpt_node0.log").read_text()
+    assert len(re.findall(r"\| lm loss: [0-9.E+-]+ \| mtp_1 loss: [0-9.E+-]+ \|", log)) == 8, log[-3000:]
     killed_dir = tmp_path / "killed"
     killed = start(killed_dir)
     try:

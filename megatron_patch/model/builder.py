@@ -29,7 +29,7 @@ from megatron_patch import compat
 from megatron_patch.model.bert import BertForSequenceClassification, BertModel
 from megatron_patch.model.config import ModelConfig
 from megatron_patch.model.parallel import ParallelConfig
-from megatron_patch.model.specs import block_spec, norm_module
+from megatron_patch.model.specs import block_spec, mtp_block_spec, norm_module
 # One padding rule for tokenizer, model and converter, or checkpoint shapes stop matching.
 from megatron_patch.tokenizer.registry import padded_vocab_size  # noqa: F401  (re-exported)
 
@@ -96,6 +96,8 @@ def to_transformer_config(model_config: ModelConfig, parallel_config: ParallelCo
         transformer_impl="transformer_engine" if p.use_transformer_engine else "local",
         **_moe_fields(m, p),
         **mla,
+        mtp_num_layers=m.mtp_num_layers,
+        mtp_loss_scaling_factor=m.mtp_loss_scaling_factor,
     )
 
 
@@ -182,6 +184,7 @@ def _gpt(m: ModelConfig, config: TransformerConfig, p: ParallelConfig, vocab: in
     return GPTModel(
         config=config,
         transformer_layer_spec=block_spec(m, config, p, stage["vp_stage"]),
+        mtp_block_spec=mtp_block_spec(m, config, p, stage["vp_stage"]),
         vocab_size=vocab,
         max_sequence_length=m.max_positions,
         share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,

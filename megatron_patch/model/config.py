@@ -163,6 +163,13 @@ class ModelConfig:
     """YaRN's fast boundary of the frequency ramp (``--beta-fast``)."""
     beta_slow: float = 1.0
     """YaRN's slow boundary of the frequency ramp (``--beta-slow``)."""
+    mtp_num_layers: int | None = None
+    """Multi-token prediction modules after the last layer (``--mtp-num-layers``; DeepSeek-V3's 1,
+    ``num_nextn_predict_layers``): module k predicts the token k + 1 ahead from the previous module's hidden state
+    and that token's embedding, sharing the embedding and output layer (arXiv:2412.19437 2.2);
+    megatron-core's ``MultiTokenPredictionBlock``, built on the last pipeline stage."""
+    mtp_loss_scaling_factor: float = 0.1
+    """Weight of the multi-token prediction losses' mean in the training loss (``--mtp-loss-scaling-factor``)."""
     bert_layernorm_style: Literal["pre", "post"] = "pre"
     """"pre": Megatron's BERT (norm before attention/MLP, final norm). "post": original BERT as in Hugging Face
     ``BertModel`` (norm after each residual add, a norm on the embeddings, no final norm). Real BERT checkpoints
@@ -234,6 +241,7 @@ class ModelConfig:
             raise ValueError(f"--rope-scaling-factor must be positive, got {self.rope_scaling_factor}")
         self._validate_moe()
         self._validate_mla()
+        self._validate_mtp()
 
     def _validate_moe(self) -> None:
         moe_only = {"moe_ffn_hidden_size": self.moe_ffn_hidden_size,
@@ -279,6 +287,13 @@ class ModelConfig:
         if self.moe_router_score_function == "sigmoid" and self.moe_router_pre_softmax:
             raise ValueError("--moe-router-pre-softmax is a softmax option; drop it with --moe-router-score-function "
                              "sigmoid")
+
+    def _validate_mtp(self) -> None:
+        if self.mtp_num_layers is None:
+            return
+        if self.family != "gpt" or self.mtp_num_layers < 1:
+            raise ValueError(f"--mtp-num-layers {self.mtp_num_layers}: multi-token prediction needs at least one "
+                             "module and a GPT model")
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether layer ``layer`` (0-based) has experts, per ``moe_layer_freq`` (megatron-core's rule).
@@ -774,6 +789,8 @@ _VALUE_FLAGS = [
     ("--mscale", "mscale", dict(type=float)),
     ("--mscale-all-dim", "mscale_all_dim", dict(type=float)),
     ("--original-max-position-embeddings", "original_max_position_embeddings", dict(type=int)),
+    ("--mtp-num-layers", "mtp_num_layers", dict(type=int)),
+    ("--mtp-loss-scaling-factor", "mtp_loss_scaling_factor", dict(type=float)),
 ]
 # (flag, field, value it sets)
 _SWITCH_FLAGS = [

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec_for_backend
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
@@ -24,9 +25,10 @@ from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
-from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer, TransformerLayerSubmodules, get_transformer_layer_offset,
+)
 
 from megatron_patch.compat import dense_mlp_submodule
 from megatron_patch.model.attention import SDPAttention
@@ -173,3 +175,26 @@ def block_spec(
         layer_specs=[layer_spec(model_config, parallel_config, offset + i) for i in range(num_layers)],
         layer_norm=None if post_ln else norm_module(model_config, parallel_config),
     )
+
+
+def mtp_block_spec(
+    model_config: ModelConfig,
+    transformer_config: TransformerConfig,
+    parallel_config: ParallelConfig | None = None,
+    vp_stage: int | None = None,
+):
+    """The multi-token prediction modules of this pipeline rank's chunk ``vp_stage`` (megatron-core builds them all
+    on the last stage), each around a layer of the model's last layer's kind; None without them or elsewhere.
+
+    Example::
+
+        >>> from megatron_patch.model.config import get_model_config
+        >>> mtp_block_spec(get_model_config("tiny-llama"), None) is None
+        True
+    """
+    if not model_config.mtp_num_layers:
+        return None
+    # The last layer's spec, whichever stage this is (megatron-core takes block.layer_specs[-1]).
+    last = TransformerBlockSubmodules(layer_specs=[layer_spec(model_config, parallel_config,
+                                                              model_config.num_layers - 1)])
+    return get_gpt_mtp_block_spec_for_backend(transformer_config, last, backend(parallel_config), vp_stage=vp_stage)

@@ -70,7 +70,6 @@ _MEGATRON_FSDP = ("Megatron FSDP is not used here; --zero-3-memory-optimization 
                   "(plain/HF models), --use-distributed-optimizer shards optimizer state (megatron models)")
 _ROUTER = ("this router option of megatron-core's MoE layer is not exposed here; the router is top-k by softmax or "
            "sigmoid (--moe-router-score-function), in the parameters' precision")
-_MTP = "multi-token prediction is not built here"
 _WINDOW = "sliding-window attention is not built here"
 _GPT_OSS = "gpt-oss's attention and activation variants are not built here"
 _PMP_DATA = ("Pai-Megatron-Patch's dataset switch: give Megatron .bin/.idx prefixes with --data-path (--mock-data "
@@ -99,7 +98,6 @@ REFUSED_FLAGS = {
     "--moe-layer-recompute": "give --recompute-granularity full (MoE layers are recomputed with the rest)",
     "--enable-shared-expert": "Pai-Megatron-Patch's switch: give --moe-shared-expert-intermediate-size N",
     "--shared-moe-ffn-hidden-size": "Pai-Megatron-Patch's name: give --moe-shared-expert-intermediate-size N",
-    **dict.fromkeys(["--mtp-num-layers", "--mtp-loss-scaling-factor"], _MTP),
     **dict.fromkeys(["--window-size", "--window-attn-skip-freq", "--sliding-window"], _WINDOW),
     **dict.fromkeys(["--enable-gpt-oss", "--softmax-type", "--quick-geglu", "--glu-linear-offset",
                      "--activation-func-clamp-value"], _GPT_OSS),
