@@ -271,3 +271,29 @@ def hf_reference(rank, world_size, original_dir, exported_dir, sequences, padded
     logits = torch.nn.functional.pad(logits, (0, padded_vocab - logits.shape[-1]))
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).item()
     return {"loss": loss, "tokens": hf_greedy(rank, world_size, exported_dir, prompt, new_tokens)}
+
+
+def add_mtp_layer(hf_dir: str, seed: int = 1) -> None:
+    """Give a DeepSeek-V3 directory what the published checkpoint has and transformers does not save: a multi-token
+    prediction layer after the last (random weights of the last layer's shapes, its norms and projection of
+    [embedding; hidden]; copies of the embedding and output matrices), in a safetensors file of its own."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        last = json.load(f)["num_hidden_layers"]
+    source = hf_tensors(hf_dir)
+    generator = torch.Generator().manual_seed(seed)
+    prefix, mtp = f"model.layers.{last - 1}.", f"model.layers.{last}."
+    tensors = {mtp + name[len(prefix):]: 0.2 * torch.randn(t.shape, generator=generator)
+               for name, t in source.items() if name.startswith(prefix)}
+    hidden = source["model.norm.weight"].shape[0]
+    tensors.update({mtp + "enorm.weight": 1 + 0.1 * torch.randn(hidden, generator=generator),
+                    mtp + "hnorm.weight": 1 + 0.1 * torch.randn(hidden, generator=generator),
+                    mtp + "eh_proj.weight": 0.2 * torch.randn(hidden, 2 * hidden, generator=generator),
+                    mtp + "shared_head.norm.weight": 1 + 0.1 * torch.randn(hidden, generator=generator),
+                    mtp + "shared_head.head.weight": source["lm_head.weight"].clone(),
+                    mtp + "embed_tokens.weight": source["model.embed_tokens.weight"].clone()})
+    save_file(tensors, os.path.join(hf_dir, "model-mtp.safetensors"), metadata={"format": "pt"})

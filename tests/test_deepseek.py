@@ -13,7 +13,9 @@ import pytest
 from megatron_patch.convert.families import UnsupportedCheckpoint, family_for
 from megatron_patch.model.config import get_model_config
 from megatron_patch.testing import run_on_ranks
-from tests.convert_oracles import DEEPSEEK_MODELS, assert_bit_exact, cli, make_hf_model, verify_each
+from tests.convert_oracles import (
+    DEEPSEEK_MODELS, add_mtp_layer, assert_bit_exact, cli, hf_tensors, make_hf_model, verify_each,
+)
 
 LAYOUTS = [(1, 1, 2), (2, 1, 2), (1, 2, 1)]  # (TP, PP, EP) on 4 ranks; the last re-saves the checkpoint
 
@@ -52,6 +54,37 @@ def test_round_trip_is_bit_exact_from_the_conversion_and_from_a_checkpoint_saved
             assert run_on_ranks(cli, 1, args=(["megatron-to-hf", "--load-dir", source, "--save-dir", out,
                                                "--no-progress", "--overwrite"],), timeout=120) == [0]
             assert_bit_exact(hf, out)
+
+
+def test_multi_token_prediction_layers_are_kept_both_ways(tmp_path):
+    """A DeepSeek-V3 directory with its multi-token prediction layer (as the published checkpoint has it, which
+    transformers ignores): converted at EP=2 with the main model verified against transformers, the layer becomes
+    megatron-core's MTP module and comes back bit for bit, its copies of the embedding and output matrices too."""
+    hf, dist, out = str(tmp_path / "hf"), str(tmp_path / "dist"), str(tmp_path / "out")
+    add_mtp_layer(make_hf_model("deepseek-v3", hf))
+    assert run_on_ranks(cli, 1, args=(["hf-to-megatron", "--hf-dir", hf, "--save-dir", dist,
+                                       "--target-expert-model-parallel-size", "2", "--no-progress"],),
+                        timeout=300) == [0]
+    assert run_on_ranks(cli, 1, args=(["megatron-to-hf", "--load-dir", dist, "--save-dir", out, "--no-progress"],),
+                        timeout=120) == [0]
+    assert_bit_exact(hf, out)
+    assert any(name.startswith("model.layers.4.") for name in hf_tensors(out))
+
+
+def test_a_multi_token_prediction_layer_whose_embedding_copy_differs_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from megatron_patch.convert.core import ConversionError, hf_to_megatron
+
+    hf = str(tmp_path / "hf")
+    add_mtp_layer(make_hf_model("deepseek-v3", hf))
+    mtp = load_file(f"{hf}/model-mtp.safetensors")
+    mtp["model.layers.4.embed_tokens.weight"][0, 0] += 1
+    save_file(mtp, f"{hf}/model-mtp.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConversionError, match="model.layers.4.embed_tokens.weight differs from "
+                                              "model.embed_tokens.weight"):
+        hf_to_megatron(hf, str(tmp_path / "dist"), progress=False)
+    assert not (tmp_path / "dist").exists()
 
 
 def route_both(rank, world_size, hf_dir, layer, tokens):

@@ -71,6 +71,9 @@ class Family:
     config_to_hf: Callable[[ModelConfig], dict]
     table: Callable[[ModelConfig, str], Table]
     architectures: tuple[str, ...]
+    held_by_files: Callable[[ModelConfig, list[str]], ModelConfig] | None = None
+    """The config changed by what the weight files hold, for layers config.json announces but checkpoints may lack
+    (DeepSeek-V3's multi-token prediction layers: the published checkpoint has them, transformers saves none)."""
     recognises: Callable[[ModelConfig], bool] | None = None
     """Whether a model that records no Hugging Face config (trained from scratch, or saved by Megatron-LM) is this
     model type; None for a type only ``--model-type`` picks (a Mistral model without its window is a LLaMA one)."""
@@ -580,8 +583,20 @@ def _deepseek_config(c: dict, **router) -> ModelConfig:
         if c.get("n_shared_experts") else None,
         moe_layer_freq=[0] * dense + [1] * (layers - dense), moe_aux_loss_coeff=0.0,
         moe_router_load_balancing_type="none", moe_router_topk_scaling_factor=None if scaling == 1.0 else scaling,
-        **router,
+        mtp_num_layers=c.get("num_nextn_predict_layers") or None, **router,
     )
+
+
+def _mtp_in_files(m: ModelConfig, names: list[str]) -> ModelConfig:
+    """DeepSeek keeps its multi-token prediction modules as layers num_hidden_layers, ...: without them in the files
+    (transformers ignores them and saves none) the model has none."""
+    held = {int(name.split(".")[2]) for name in names if name.startswith("model.layers.")} - set(range(m.num_layers))
+    if not held:
+        return m.replace(mtp_num_layers=None)
+    if held != set(range(m.num_layers, m.num_layers + (m.mtp_num_layers or 0))):
+        raise UnsupportedCheckpoint(f"the files hold layers {sorted(held)} after the {m.num_layers} of config.json, "
+                                    f"which announces num_nextn_predict_layers={m.mtp_num_layers}")
+    return m
 
 
 def _groups(c: dict, per_group_score: str, k_per_group: int) -> dict:
@@ -652,6 +667,7 @@ def _deepseek_hf(m: ModelConfig, model_type: str) -> dict:
         moe_intermediate_size=m.moe_ffn_hidden_size, n_shared_experts=shared // m.moe_ffn_hidden_size,
         first_k_dense_replace=_first_k_dense(m), routed_scaling_factor=m.moe_router_topk_scaling_factor or 1.0,
         n_group=m.moe_router_num_groups or 1, topk_group=m.moe_router_group_topk or 1,
+        num_nextn_predict_layers=m.mtp_num_layers or 0,
     )
 
 
@@ -682,12 +698,31 @@ def _deepseek_v2_hf(m: ModelConfig) -> dict:
 
 def _deepseek_table(m: ModelConfig, architecture: str) -> Table:
     """Rules per layer (dense and MoE layers differ): MLA, then a dense MLP or the router (with DeepSeek-V3's
-    score-correction bias, megatron-core's ``expert_bias``), the experts and the shared experts."""
+    score-correction bias, megatron-core's ``expert_bias``), the experts and the shared experts. The multi-token
+    prediction modules are layers num_layers, ... on disk: a layer of the same kind, its two input norms, the
+    projection of [embedding; hidden], the norm before the output layer and copies of the embedding and output
+    matrices, which megatron-core's modules share with the model."""
+    mtp = range(m.num_layers, m.num_layers + (m.mtp_num_layers or 0))
+    embedding = ("model.embed_tokens.weight", *(f"model.layers.{i}.embed_tokens.weight" for i in mtp))
     head, ignored = _output_layer(m)
-    rules = [rule("model.embed_tokens.weight", "embedding.word_embeddings.weight", "pad_vocab"),
+    if mtp and not m.untie_embeddings_and_output_weights:
+        raise UnsupportedCheckpoint("DeepSeek's multi-token prediction layers keep an output matrix of their own; "
+                                    "the model ties its embeddings (tie_word_embeddings true)")
+    copies = ("shared_copy",) * len(mtp)
+    rules = [rule(embedding, "embedding.word_embeddings.weight", *copies, "pad_vocab"),
              rule("model.norm.weight", "decoder.final_layernorm.weight")]
-    for i in range(m.num_layers):
+    if mtp:
+        head = (rule(("lm_head.weight", *(f"model.layers.{i}.shared_head.head.weight" for i in mtp)),
+                     "output_layer.weight", *copies, "pad_vocab"),)
+    for k, i in enumerate(mtp):
+        hf, mc = f"model.layers.{i}.", f"mtp.layers.{k}."
+        rules += [rule(hf + a, mc + b) for a, b in (("enorm.weight", "enorm.weight"), ("hnorm.weight", "hnorm.weight"),
+                                                    ("eh_proj.weight", "eh_proj.weight"),
+                                                    ("shared_head.norm.weight", "final_layernorm.weight"))]
+    for i in [*range(m.num_layers), *mtp]:
         hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
+        if i >= m.num_layers:
+            mc = f"mtp.layers.{i - m.num_layers}.transformer_layer."
         pairs = [("input_layernorm.weight", "input_layernorm.weight"),
                  ("post_attention_layernorm.weight", "pre_mlp_layernorm.weight"),
                  ("self_attn.kv_a_proj_with_mqa.weight", "self_attention.linear_kv_down_proj.weight"),
@@ -701,7 +736,7 @@ def _deepseek_table(m: ModelConfig, architecture: str) -> Table:
                       ("self_attn.q_a_layernorm.weight", "self_attention.q_layernorm.weight"),
                       ("self_attn.q_b_proj.weight", "self_attention.linear_q_up_proj.weight")]
         rules += [rule(hf + a, mc + b) for a, b in pairs]
-        if not m.is_moe_layer(i):
+        if not m.is_moe_layer(min(i, m.num_layers - 1)):  # a multi-token prediction layer is of the last's kind
             rules += _swiglu_mlp(hf + "mlp.", mc + "mlp.")
             continue
         rules.append(rule(hf + "mlp.gate.weight", mc + "mlp.router.weight"))
@@ -715,7 +750,7 @@ def _deepseek_table(m: ModelConfig, architecture: str) -> Table:
 
 
 register_family(Family("deepseek_v3", _deepseek_v3_from_hf, _deepseek_v3_hf, _deepseek_table,
-                       ("DeepseekV3ForCausalLM",)))
+                       ("DeepseekV3ForCausalLM",), held_by_files=_mtp_in_files))
 register_family(Family("deepseek_v2", _deepseek_v2_from_hf, _deepseek_v2_hf, _deepseek_table,
                        ("DeepseekV2ForCausalLM",)))
 
