@@ -71,6 +71,14 @@ DEEPSEEK_MODELS = {
     "deepseek-v2": ("DeepseekV2Config", dict(_MLA, q_lora_rank=None, n_shared_experts=2, topk_method="greedy",
                                              rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
                     "DeepseekV2ForCausalLM"),
+    # GLM-4.5's attention: GQA with q/k/v biases, per-head q/k norms, RoPE on half of each 32-channel head.
+    "glm4-moe": ("Glm4MoeConfig", dict(
+        num_hidden_layers=4, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+        first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, attention_bias=True,
+        use_qk_norm=True, vocab_size=MOE_VOCAB, max_position_embeddings=32, initializer_range=0.2,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)),
+        "Glm4MoeForCausalLM"),
 }
 
 

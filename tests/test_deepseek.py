@@ -1,6 +1,7 @@
-"""DeepSeek-V3 and DeepSeek-V2 (issue 41), tiny random models built from transformers' config classes: multi-latent
-attention (with and without the query's compression, YaRN with mscale), a dense first layer, shared experts, sigmoid
-routing with a score-correction bias from 1 of 2 expert groups (V3) or the softmax's top 2 as they are (V2).
+"""DeepSeek-V3, DeepSeek-V2 and GLM-4.5 (issue 41), tiny random models built from transformers' config classes:
+multi-latent attention (with and without the query's compression, YaRN with mscale) or GLM's grouped-query attention
+(q/k/v biases, q/k norms, RoPE on half of each head), a dense first layer, shared experts, sigmoid routing with a
+score-correction bias from 1 of 2 expert groups (V3, GLM) or the softmax's top 2 as they are (V2).
 megatron-core's forward equals transformers' at EP=2, TP=2 x EP=2 and PP=2; every tensor comes back bit for bit,
 also from a checkpoint re-saved by the PP=2 ranks; megatron-core's router picks the experts, and gives them the
 weights, that transformers' router does; what megatron-core scores otherwise is refused by name.
@@ -141,6 +142,7 @@ def test_megatron_core_routes_each_token_to_the_experts_transformers_picks(tmp_p
 
 _V3 = dict(DEEPSEEK_MODELS["deepseek-v3"][1], model_type="deepseek_v3")
 _V2 = dict(DEEPSEEK_MODELS["deepseek-v2"][1], model_type="deepseek_v2")
+_GLM = dict(DEEPSEEK_MODELS["glm4-moe"][1], model_type="glm4_moe")
 
 
 @pytest.mark.parametrize("config,message", [
@@ -152,6 +154,8 @@ _V2 = dict(DEEPSEEK_MODELS["deepseek-v2"][1], model_type="deepseek_v2")
     (dict(_V3, first_k_dense_replace=4), "first_k_dense_replace=4"),
     (dict(_V2, topk_method="group_limited_greedy", n_group=2, topk_group=1), "num_experts_per_tok=2, topk_group=1"),
     (dict(_V2, attention_bias=True), "attention_bias=True"),
+    (dict(_GLM, norm_topk_prob=False), "norm_topk_prob=false"),
+    (dict(_GLM, n_group=2, topk_group=2), "num_experts_per_tok=2, topk_group=2"),
 ])
 def test_hugging_face_options_megatron_core_cannot_compute_are_refused_by_name(config, message):
     with pytest.raises(UnsupportedCheckpoint, match=message):
@@ -166,6 +170,7 @@ def test_hugging_face_options_megatron_core_cannot_compute_are_refused_by_name(c
     ("deepseek_v3", dict(moe_shared_expert_intermediate_size=48), "not a multiple of --moe-ffn-hidden-size 32"),
     ("deepseek_v3", dict(multi_latent_attention=False, q_lora_rank=None, rope_type="rope"),
      "multi-latent attention with experts"),
+    ("glm4_moe", {}, "glm4_moe is grouped-query attention"),
 ])
 def test_export_refuses_what_the_model_type_cannot_express(model_type, changes, message):
     config = get_model_config("tiny-deepseek-v3", **changes)

@@ -274,7 +274,8 @@ def _llama_config(c: dict, **fields) -> ModelConfig:
     _require(c, "hidden_act", ["silu"], "silu")
     return model_of_type(
         c["model_type"], **hf_sizes(c), **_rope_fields(c),
-        rotary_percent=(c.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0),
+        rotary_percent=(c.get("rope_parameters") or {}).get("partial_rotary_factor",
+                                                            c.get("partial_rotary_factor", 1.0)),
         layernorm_epsilon=c.get("rms_norm_eps", 1e-6),
         untie_embeddings_and_output_weights=not c.get("tie_word_embeddings", False), hidden_dropout=0.0,
         attention_dropout=c.get("attention_dropout", 0.0), **fields,
@@ -567,23 +568,31 @@ def _deepseek_config(c: dict, **router) -> ModelConfig:
     _require(c, "mlp_bias", [False], False)
     # MLA has a key and value per head of its own widths; transformers' num_key_value_heads and head_dim are unused.
     sizes = {**hf_sizes(c), "kv_channels": None, "num_query_groups": None}
-    layers, dense = c["num_hidden_layers"], c.get("first_k_dense_replace", 0)
-    if not 0 <= dense < layers:
-        raise UnsupportedCheckpoint(f"config.json has first_k_dense_replace={dense}: a model of {layers} layers "
-                                    "needs at least one with experts to convert as a mixture of experts")
-    scaling = c.get("routed_scaling_factor", 1.0)
     return model_of_type(
         c["model_type"], **sizes, **_mla_rope_fields(c), layernorm_epsilon=c.get("rms_norm_eps", 1e-6),
         untie_embeddings_and_output_weights=not c.get("tie_word_embeddings", False), hidden_dropout=0.0,
         attention_dropout=c.get("attention_dropout", 0.0), q_lora_rank=c.get("q_lora_rank"),
         kv_lora_rank=c["kv_lora_rank"], qk_head_dim=c["qk_nope_head_dim"], qk_pos_emb_head_dim=c["qk_rope_head_dim"],
-        v_head_dim=c["v_head_dim"], num_moe_experts=c["n_routed_experts"], moe_router_topk=c["num_experts_per_tok"],
+        v_head_dim=c["v_head_dim"], **_deepseek_moe_fields(c), **router,
+    )
+
+
+def _deepseek_moe_fields(c: dict) -> dict:
+    """The experts of DeepSeek's MoE (also GLM-4.5's): dense first layers, shared experts, the scaling of the
+    routed weights, multi-token prediction layers (GLM's transformers config calls them num_mtp_layers)."""
+    layers, dense = c["num_hidden_layers"], c.get("first_k_dense_replace", 0)
+    if not 0 <= dense < layers:
+        raise UnsupportedCheckpoint(f"config.json has first_k_dense_replace={dense}: a model of {layers} layers "
+                                    "needs at least one with experts to convert as a mixture of experts")
+    scaling = c.get("routed_scaling_factor", 1.0)
+    return dict(
+        num_moe_experts=c["n_routed_experts"], moe_router_topk=c["num_experts_per_tok"],
         moe_ffn_hidden_size=c["moe_intermediate_size"],
         moe_shared_expert_intermediate_size=c["moe_intermediate_size"] * c["n_shared_experts"]
         if c.get("n_shared_experts") else None,
         moe_layer_freq=[0] * dense + [1] * (layers - dense), moe_aux_loss_coeff=0.0,
         moe_router_load_balancing_type="none", moe_router_topk_scaling_factor=None if scaling == 1.0 else scaling,
-        mtp_num_layers=c.get("num_nextn_predict_layers") or None, **router,
+        mtp_num_layers=c.get("num_nextn_predict_layers", c.get("num_mtp_layers")) or None,
     )
 
 
@@ -647,11 +656,6 @@ def _deepseek_hf(m: ModelConfig, model_type: str) -> dict:
     if not m.qk_layernorm:
         raise UnsupportedCheckpoint(f"{model_type} normalises the query and key/value latents; the model was built "
                                     "without --qk-layernorm")
-    shared = m.moe_shared_expert_intermediate_size or 0
-    if shared % m.moe_ffn_hidden_size or m.moe_shared_expert_gate:
-        raise UnsupportedCheckpoint(f"{model_type}'s shared experts are n_shared_experts x moe_intermediate_size "
-                                    "wide and ungated; the model's --moe-shared-expert-intermediate-size "
-                                    f"{shared} is not a multiple of --moe-ffn-hidden-size {m.moe_ffn_hidden_size}")
     rope = {"rope_theta": float(m.rotary_base), "rope_type": m.rope_type.replace("rope", "default")}
     if m.rope_type == "yarn":
         rope.update(factor=m.rotary_scaling_factor, original_max_position_embeddings=m.original_max_position_embeddings,
@@ -663,7 +667,19 @@ def _deepseek_hf(m: ModelConfig, model_type: str) -> dict:
         rope_parameters=rope, vocab_size=m.vocab_size, tie_word_embeddings=not m.untie_embeddings_and_output_weights,
         attention_dropout=m.attention_dropout, attention_bias=False, q_lora_rank=m.q_lora_rank,
         kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_head_dim, qk_rope_head_dim=m.qk_pos_emb_head_dim,
-        v_head_dim=m.v_head_dim, n_routed_experts=m.num_moe_experts, num_experts_per_tok=m.moe_router_topk,
+        v_head_dim=m.v_head_dim, **_deepseek_moe_hf(m, model_type),
+    )
+
+
+def _deepseek_moe_hf(m: ModelConfig, model_type: str) -> dict:
+    """config.json's fields of :func:`_deepseek_moe_fields`."""
+    shared = m.moe_shared_expert_intermediate_size or 0
+    if shared % m.moe_ffn_hidden_size or m.moe_shared_expert_gate:
+        raise UnsupportedCheckpoint(f"{model_type}'s shared experts are n_shared_experts x moe_intermediate_size "
+                                    "wide and ungated; the model's --moe-shared-expert-intermediate-size "
+                                    f"{shared} is not a multiple of --moe-ffn-hidden-size {m.moe_ffn_hidden_size}")
+    return dict(
+        n_routed_experts=m.num_moe_experts, num_experts_per_tok=m.moe_router_topk,
         moe_intermediate_size=m.moe_ffn_hidden_size, n_shared_experts=shared // m.moe_ffn_hidden_size,
         first_k_dense_replace=_first_k_dense(m), routed_scaling_factor=m.moe_router_topk_scaling_factor or 1.0,
         n_group=m.moe_router_num_groups or 1, topk_group=m.moe_router_group_topk or 1,
@@ -671,16 +687,22 @@ def _deepseek_hf(m: ModelConfig, model_type: str) -> dict:
     )
 
 
-def _deepseek_v3_hf(m: ModelConfig) -> dict:
+def _require_biased_sigmoid(m: ModelConfig, model_type: str) -> None:
+    """DeepSeek-V3's router (also GLM-4.5's): sigmoid scores, a score-correction bias, groups scored by their two
+    best experts."""
     if m.moe_router_score_function != "sigmoid" or not m.moe_router_enable_expert_bias:
-        raise UnsupportedCheckpoint("deepseek_v3 routes by sigmoid with a score-correction bias; the model has "
+        raise UnsupportedCheckpoint(f"{model_type} routes by sigmoid with a score-correction bias; the model has "
                                     f"--moe-router-score-function {m.moe_router_score_function} and "
                                     f"--moe-router-enable-expert-bias {m.moe_router_enable_expert_bias}; pass "
                                     "--model-type deepseek_v2 for softmax routing")
     if m.moe_router_num_groups and m.moe_router_topk // m.moe_router_group_topk != 2:
-        raise UnsupportedCheckpoint(f"deepseek_v3 scores an expert group by its two best experts; the model's "
+        raise UnsupportedCheckpoint(f"{model_type} scores an expert group by its two best experts; the model's "
                                     f"--moe-router-topk / --moe-router-group-topk is "
                                     f"{m.moe_router_topk // m.moe_router_group_topk}")
+
+
+def _deepseek_v3_hf(m: ModelConfig) -> dict:
+    _require_biased_sigmoid(m, "deepseek_v3")
     return {**_deepseek_hf(m, "deepseek_v3"), "norm_topk_prob": True, "topk_method": "noaux_tc",
             "rope_interleave": True}
 
@@ -694,6 +716,27 @@ def _deepseek_v2_hf(m: ModelConfig) -> dict:
                                     "--moe-router-topk must equal --moe-router-group-topk")
     return {**_deepseek_hf(m, "deepseek_v2"), "norm_topk_prob": False,
             "topk_method": "group_limited_greedy" if m.moe_router_num_groups else "greedy"}
+
+
+def _deepseek_attention(m: ModelConfig, hf: str, mc: str) -> list[Rule]:
+    """One layer's attention projections (and norms): multi-latent attention's (DeepSeek), or q, k and v fused
+    into megatron-core's linear_qkv with their biases and per-head norms as the model has them (GLM-4.5)."""
+    if not m.multi_latent_attention:
+        qkv = [rule(tuple(f"{hf}self_attn.{p}_proj.{w}" for p in "qkv"), f"{mc}self_attention.linear_qkv.{w}",
+                    "fuse_qkv") for w in ("weight", "bias")[:1 + m.add_qkv_bias]]
+        norms = [rule(f"{hf}self_attn.{p}_norm.weight", f"{mc}self_attention.{p}_layernorm.weight")
+                 for p in "qk"] if m.qk_layernorm else []
+        return qkv + norms
+    pairs = [("self_attn.kv_a_proj_with_mqa.weight", "self_attention.linear_kv_down_proj.weight"),
+             ("self_attn.kv_a_layernorm.weight", "self_attention.kv_layernorm.weight"),
+             ("self_attn.kv_b_proj.weight", "self_attention.linear_kv_up_proj.weight")]
+    if m.q_lora_rank is None:
+        pairs.append(("self_attn.q_proj.weight", "self_attention.linear_q_proj.weight"))
+    else:
+        pairs += [("self_attn.q_a_proj.weight", "self_attention.linear_q_down_proj.weight"),
+                  ("self_attn.q_a_layernorm.weight", "self_attention.q_layernorm.weight"),
+                  ("self_attn.q_b_proj.weight", "self_attention.linear_q_up_proj.weight")]
+    return [rule(hf + a, mc + b) for a, b in pairs]
 
 
 def _deepseek_table(m: ModelConfig, architecture: str) -> Table:
@@ -725,17 +768,8 @@ def _deepseek_table(m: ModelConfig, architecture: str) -> Table:
             mc = f"mtp.layers.{i - m.num_layers}.transformer_layer."
         pairs = [("input_layernorm.weight", "input_layernorm.weight"),
                  ("post_attention_layernorm.weight", "pre_mlp_layernorm.weight"),
-                 ("self_attn.kv_a_proj_with_mqa.weight", "self_attention.linear_kv_down_proj.weight"),
-                 ("self_attn.kv_a_layernorm.weight", "self_attention.kv_layernorm.weight"),
-                 ("self_attn.kv_b_proj.weight", "self_attention.linear_kv_up_proj.weight"),
                  ("self_attn.o_proj.weight", "self_attention.linear_proj.weight")]
-        if m.q_lora_rank is None:
-            pairs.append(("self_attn.q_proj.weight", "self_attention.linear_q_proj.weight"))
-        else:
-            pairs += [("self_attn.q_a_proj.weight", "self_attention.linear_q_down_proj.weight"),
-                      ("self_attn.q_a_layernorm.weight", "self_attention.q_layernorm.weight"),
-                      ("self_attn.q_b_proj.weight", "self_attention.linear_q_up_proj.weight")]
-        rules += [rule(hf + a, mc + b) for a, b in pairs]
+        rules += [rule(hf + a, mc + b) for a, b in pairs] + _deepseek_attention(m, hf, mc)
         if not m.is_moe_layer(min(i, m.num_layers - 1)):  # a multi-token prediction layer is of the last's kind
             rules += _swiglu_mlp(hf + "mlp.", mc + "mlp.")
             continue
@@ -753,6 +787,35 @@ register_family(Family("deepseek_v3", _deepseek_v3_from_hf, _deepseek_v3_hf, _de
                        ("DeepseekV3ForCausalLM",), held_by_files=_mtp_in_files))
 register_family(Family("deepseek_v2", _deepseek_v2_from_hf, _deepseek_v2_hf, _deepseek_table,
                        ("DeepseekV2ForCausalLM",)))
+
+
+# GLM-4.5 (glm4_moe): DeepSeek-V3's MoE (dense first layers, shared experts, the biased sigmoid router) under
+# grouped-query attention with q/k/v biases, optional per-head q/k norms (use_qk_norm) and RoPE over the first half
+# of each head's channels (partial_rotary_factor, megatron-core's rotary_percent: both rotate that part by halves).
+
+def _glm4_moe_from_hf(c: dict) -> ModelConfig:
+    if not c.get("norm_topk_prob", True):
+        raise UnsupportedCheckpoint("config.json has norm_topk_prob=false: megatron-core's sigmoid router always "
+                                    "renormalises the chosen scores; only norm_topk_prob=true converts")
+    # transformers' Glm4MoeConfig rotates half of each head where config.json says nothing.
+    half = (c.get("rope_parameters") or {}).get("partial_rotary_factor", c.get("partial_rotary_factor", 0.5))
+    return _llama_config({**c, "partial_rotary_factor": half}, add_qkv_bias=c.get("attention_bias", False),
+                         qk_layernorm=c.get("use_qk_norm", False), **_deepseek_moe_fields(c),
+                         **_groups(c, "two best scores", 2))
+
+
+def _glm4_moe_hf(m: ModelConfig) -> dict:
+    if m.multi_latent_attention or m.num_moe_experts is None or m.add_bias_linear:
+        raise UnsupportedCheckpoint("glm4_moe is grouped-query attention (biases on q, k, v only) with experts; the "
+                                    f"model has --multi-latent-attention {m.multi_latent_attention}, --num-experts "
+                                    f"{m.num_moe_experts} and biases on every linear layer: {m.add_bias_linear}")
+    _require_biased_sigmoid(m, "glm4_moe")
+    return {**_attention_hf(m), **_deepseek_moe_hf(m, "glm4_moe"), "attention_bias": m.add_qkv_bias,
+            "use_qk_norm": m.qk_layernorm, "norm_topk_prob": True}
+
+
+register_family(Family("glm4_moe", _glm4_moe_from_hf, _glm4_moe_hf, _deepseek_table, ("Glm4MoeForCausalLM",),
+                       held_by_files=_mtp_in_files))
 
 
 # ----------------------------------------------------------------------------------------------------------

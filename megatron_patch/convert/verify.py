@@ -49,6 +49,7 @@ _HF_OUTPUTS = {
     "Qwen3MoeForCausalLM": {"logits": "logits"},
     "DeepseekV2ForCausalLM": {"logits": "logits"},
     "DeepseekV3ForCausalLM": {"logits": "logits"},
+    "Glm4MoeForCausalLM": {"logits": "logits"},
     "BertForPreTraining": {"logits": "prediction_logits", "binary_logits": "seq_relationship_logits"},
     "BertForMaskedLM": {"logits": "logits"},
     "BertModel": {"hidden_states": "last_hidden_state"},

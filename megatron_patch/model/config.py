@@ -414,6 +414,9 @@ MODEL_TYPES: dict[str, dict] = {
     "deepseek_v2": {**_LLAMA, "qk_layernorm": True, "multi_latent_attention": True},
     "deepseek_v3": {**_LLAMA, "qk_layernorm": True, "multi_latent_attention": True,
                     "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True},
+    # GLM-4.5: DeepSeek-V3's experts and router under grouped-query attention with q/k/v biases and half-RoPE.
+    "glm4_moe": {**_LLAMA, "add_qkv_bias": True, "moe_router_score_function": "sigmoid",
+                 "moe_router_enable_expert_bias": True},
     # Google's BERT: post-LN, erf-GeLU, learned positions.
     "bert": dict(family="bert", position_embedding_type="learned_absolute", normalization="LayerNorm",
                  activation="gelu", add_bias_linear=True, bert_layernorm_style="post"),
@@ -663,6 +666,22 @@ register_model_config("kimi-k2")(lambda: _deepseek(
     seq_length=4096, max_position_embeddings=131072, vocab_size=163840, rotary_base=50000, num_moe_experts=384,
     moe_router_topk=8, moe_ffn_hidden_size=2048, moe_shared_expert_intermediate_size=2048,
     moe_router_topk_scaling_factor=2.827, q_lora_rank=1536, kv_lora_rank=512, **_yarn(32.0, 1.0, 1.0),
+))
+# zai-org/GLM-4.5 (model_type glm4_moe): 160 experts of 1536 and one shared, 8 per token by biased sigmoid,
+# weights x 2.5; 96 heads of 128 in 8 KV groups with q/k/v biases and q/k norms, RoPE on half of each head; one
+# multi-token prediction layer. GLM-4.5-Air: 128 experts of 1408, one dense layer, no q/k norms, weights x 1.
+register_model_config("glm-4.5")(lambda: _deepseek(
+    "glm4_moe", 3, num_layers=92, hidden_size=5120, ffn_hidden_size=12288, num_attention_heads=96,
+    num_query_groups=8, kv_channels=128, seq_length=4096, max_position_embeddings=131072, vocab_size=151552,
+    rotary_base=1000000, rotary_percent=0.5, qk_layernorm=True, layernorm_epsilon=1e-5, num_moe_experts=160,
+    moe_router_topk=8, moe_ffn_hidden_size=1536, moe_shared_expert_intermediate_size=1536,
+    moe_router_topk_scaling_factor=2.5, mtp_num_layers=1,
+))
+register_model_config("glm-4.5-air")(lambda: _deepseek(
+    "glm4_moe", 1, num_layers=46, hidden_size=4096, ffn_hidden_size=10944, num_attention_heads=96,
+    num_query_groups=8, kv_channels=128, seq_length=4096, max_position_embeddings=131072, vocab_size=151552,
+    rotary_base=1000000, rotary_percent=0.5, layernorm_epsilon=1e-5, num_moe_experts=128, moe_router_topk=8,
+    moe_ffn_hidden_size=1408, moe_shared_expert_intermediate_size=1408, mtp_num_layers=1,
 ))
 register_model_config("bert-base")(lambda: _bert(12, 768, 12))
 register_model_config("bert-large")(lambda: _bert(24, 1024, 16))

@@ -115,6 +115,20 @@ def layer_parameters(m: ModelConfig, layer: int = 0, active: bool = False) -> in
     return _attention_parameters(m) + mlp + 2 * _norm_parameters(m)
 
 
+def mtp_parameters(m: ModelConfig) -> int:
+    """One multi-token prediction module: a layer of the last layer's kind, the norms of its two inputs, their
+    projection from [embedding; hidden] and its final norm (embedding and output layer are the model's).
+
+    Example::
+
+        >>> from megatron_patch.model.config import get_model_config
+        >>> m = get_model_config("tiny-deepseek-v3")
+        >>> mtp_parameters(m) - layer_parameters(m, m.num_layers - 1)        # 2 x 64 x 64 + three norms of 64
+        8384
+    """
+    return layer_parameters(m, m.num_layers - 1) + 2 * m.hidden_size * m.hidden_size + 3 * _norm_parameters(m)
+
+
 def num_parameters(model_config: ModelConfig, padded_vocab_size: int, active: bool = False) -> int:
     """Parameters of the whole model as ``build_model_chunks`` builds it (all TP/PP shards together, tied
     embeddings counted once); ``active``: those one token's forward multiplies with, as DeepSeek counts its
@@ -135,6 +149,8 @@ def num_parameters(model_config: ModelConfig, padded_vocab_size: int, active: bo
     embedding += m.num_tokentypes * h
     # Pre-LN models end with a final norm; post-LN BERT has its norm on the embeddings instead.
     layers = sum(layer_parameters(m, layer, active) for layer in range(m.num_layers))
+    if not active:  # multi-token prediction trains the model; a token's prediction does not pass through it
+        layers += (m.mtp_num_layers or 0) * mtp_parameters(m)
     total = (0 if active else embedding) + layers + _norm_parameters(m)
     if m.untie_embeddings_and_output_weights or active:
         total += vocab * h

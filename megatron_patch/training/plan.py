@@ -31,7 +31,7 @@ import os
 import sys
 
 from megatron_patch.model import ModelConfig, num_parameters
-from megatron_patch.model.flops import expert_parameters, layer_parameters
+from megatron_patch.model.flops import expert_parameters, layer_parameters, mtp_parameters
 from megatron_patch.tokenizer.registry import build_tokenizer
 from megatron_patch.training.arguments import parse_flags, run_config
 from megatron_patch.training.launcher import processes_per_node
@@ -226,13 +226,15 @@ def _stages(model: ModelConfig, vocab: int, pp: int, vpp: int, stage_ranks: list
                                                     "learned_absolute" else 0)
     output = vocab * h if m.untie_embeddings_and_output_weights or pp > 1 else 0
     # Final norm (and BERT's LM and binary heads): what the whole model has beyond layers, embedding and output.
+    mtp = m.mtp_num_layers or 0  # megatron-core builds multi-token prediction on the last stage
     head = num_parameters(m, vocab) - sum(layer_parameters(m, i) for i in range(m.num_layers)) - embedding - (
-        vocab * h if m.untie_embeddings_and_output_weights else 0)
+        vocab * h if m.untie_embeddings_and_output_weights else 0) - mtp * mtp_parameters(m)
     chunk = m.num_layers // (pp * vpp)
     stages = []
     for s in range(pp):
         layers = [c * chunk + i for c in range(s, pp * vpp, pp) for i in range(chunk)]
         extras, parameters = [], sum(layer_parameters(m, i) for i in layers)
+        experts = sum(expert_parameters(m, i) for i in layers)
         if s == 0:
             extras.append("embedding")
             parameters += embedding
@@ -243,8 +245,12 @@ def _stages(model: ModelConfig, vocab: int, pp: int, vpp: int, stage_ranks: list
                 extras.append("output layer" if m.untie_embeddings_and_output_weights else
                               "output layer (a copy of the tied embedding)")
                 parameters += output
+            if mtp:
+                extras.append(f"{mtp} multi-token prediction module(s)")
+                parameters += mtp * mtp_parameters(m)
+                experts += mtp * expert_parameters(m, m.num_layers - 1)
         stages.append(Stage(ranks=sorted(stage_ranks[s]), layers=layers, extras=extras, parameters=parameters,
-                            expert_parameters=sum(expert_parameters(m, i) for i in layers)))
+                            expert_parameters=experts))
     return stages
 
 
