@@ -71,12 +71,12 @@ class Family:
     config_to_hf: Callable[[ModelConfig], dict]
     table: Callable[[ModelConfig, str], Table]
     architectures: tuple[str, ...]
-    held_by_files: Callable[[ModelConfig, list[str]], ModelConfig] | None = None
-    """The config changed by what the weight files hold, for layers config.json announces but checkpoints may lack
-    (DeepSeek-V3's multi-token prediction layers: the published checkpoint has them, transformers saves none)."""
     recognises: Callable[[ModelConfig], bool] | None = None
     """Whether a model that records no Hugging Face config (trained from scratch, or saved by Megatron-LM) is this
     model type; None for a type only ``--model-type`` picks (a Mistral model without its window is a LLaMA one)."""
+    held_by_files: Callable[[ModelConfig, list[str]], ModelConfig] | None = None
+    """The config changed by what the weight files hold, for layers config.json announces but checkpoints may lack
+    (DeepSeek-V3's multi-token prediction layers: the published checkpoint has them, transformers saves none)."""
 
 
 FAMILIES: dict[str, Family] = {}
