@@ -573,7 +573,7 @@ def _deepseek_config(c: dict, **router) -> ModelConfig:
         untie_embeddings_and_output_weights=not c.get("tie_word_embeddings", False), hidden_dropout=0.0,
         attention_dropout=c.get("attention_dropout", 0.0), q_lora_rank=c.get("q_lora_rank"),
         kv_lora_rank=c["kv_lora_rank"], qk_head_dim=c["qk_nope_head_dim"], qk_pos_emb_head_dim=c["qk_rope_head_dim"],
-        v_head_dim=c["v_head_dim"], **_deepseek_moe_fields(c), **router,
+        v_head_dim=c["v_head_dim"], **{**_deepseek_moe_fields(c), **router},
     )
 
 
@@ -634,7 +634,11 @@ def _deepseek_v2_from_hf(c: dict) -> ModelConfig:
     # transformers' V2 router ignores norm_topk_prob: the top k of the softmax as they are (--moe-router-pre-softmax).
     _require(c, "topk_method", ["greedy", "group_limited_greedy"], "greedy")
     groups = _groups(c, "best score", 1) if c.get("topk_method") == "group_limited_greedy" else {}
-    return _deepseek_config(c, moe_router_pre_softmax=True, **groups)
+    # DeepSeek's own config.json names the training's balance loss (transformers' class keeps it as an extra key).
+    balance = (dict(moe_aux_loss_coeff=c["aux_loss_alpha"],
+                    moe_router_load_balancing_type="seq_aux_loss" if c.get("seq_aux", True) else "aux_loss")
+               if c.get("aux_loss_alpha") else {})
+    return _deepseek_config(c, moe_router_pre_softmax=True, **groups, **balance)
 
 
 def _first_k_dense(m: ModelConfig) -> int:
@@ -714,7 +718,9 @@ def _deepseek_v2_hf(m: ModelConfig) -> dict:
     if m.moe_router_num_groups and m.moe_router_topk // m.moe_router_group_topk != 1:
         raise UnsupportedCheckpoint("deepseek_v2 scores an expert group by its best expert; the model's "
                                     "--moe-router-topk must equal --moe-router-group-topk")
-    return {**_deepseek_hf(m, "deepseek_v2"), "norm_topk_prob": False,
+    balance = ({"aux_loss_alpha": m.moe_aux_loss_coeff,
+                "seq_aux": m.moe_router_load_balancing_type == "seq_aux_loss"} if m.moe_aux_loss_coeff else {})
+    return {**_deepseek_hf(m, "deepseek_v2"), "norm_topk_prob": False, **balance,
             "topk_method": "group_limited_greedy" if m.moe_router_num_groups else "greedy"}
 
 

@@ -414,9 +414,10 @@ MODEL_TYPES: dict[str, dict] = {
     "deepseek_v2": {**_LLAMA, "qk_layernorm": True, "multi_latent_attention": True},
     "deepseek_v3": {**_LLAMA, "qk_layernorm": True, "multi_latent_attention": True,
                     "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True},
-    # GLM-4.5: DeepSeek-V3's experts and router under grouped-query attention with q/k/v biases and half-RoPE.
-    "glm4_moe": {**_LLAMA, "add_qkv_bias": True, "moe_router_score_function": "sigmoid",
-                 "moe_router_enable_expert_bias": True},
+    # GLM-4.5: DeepSeek-V3's experts and router under grouped-query attention with q/k/v biases and half-RoPE; q/k
+    # norms in GLM-4.5, none in GLM-4.5-Air (use_qk_norm), so they do not make the type.
+    "glm4_moe": {**{k: v for k, v in _LLAMA.items() if k != "qk_layernorm"}, "add_qkv_bias": True,
+                 "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True},
     # Google's BERT: post-LN, erf-GeLU, learned positions.
     "bert": dict(family="bert", position_embedding_type="learned_absolute", normalization="LayerNorm",
                  activation="gelu", add_bias_linear=True, bert_layernorm_style="post"),
@@ -645,12 +646,13 @@ register_model_config("deepseek-v3")(lambda: _deepseek(
     **_yarn(40.0, 1.0, 1.0),
 ))
 # deepseek-ai/DeepSeek-V2-Lite: no query compression, 64 experts of 1408 and two shared, 6 per token by softmax,
-# weights not renormalised (norm_topk_prob false: --moe-router-pre-softmax).
+# weights not renormalised (norm_topk_prob false: --moe-router-pre-softmax); trained with a sequence-wise balance loss
+# of weight 0.001 (aux_loss_alpha, seq_aux).
 register_model_config("deepseek-v2-lite")(lambda: _deepseek(
     "deepseek_v2", 1, num_layers=27, hidden_size=2048, ffn_hidden_size=10944, num_attention_heads=16,
     seq_length=4096, max_position_embeddings=163840, vocab_size=102400, num_moe_experts=64, moe_router_topk=6,
     moe_ffn_hidden_size=1408, moe_shared_expert_intermediate_size=2816, moe_router_pre_softmax=True,
-    moe_aux_loss_coeff=0.001, moe_router_load_balancing_type="aux_loss", kv_lora_rank=512,
+    moe_aux_loss_coeff=0.001, moe_router_load_balancing_type="seq_aux_loss", kv_lora_rank=512,
     **_yarn(40.0, 0.707, 0.707),
 ))
 # moonshotai/Moonlight-16B-A3B (model_type deepseek_v3): V2-Lite's shape with V3's router, unscaled RoPE.
