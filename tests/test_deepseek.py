@@ -88,6 +88,28 @@ def test_a_multi_token_prediction_layer_whose_embedding_copy_differs_is_refused(
     assert not (tmp_path / "dist").exists()
 
 
+def test_a_bf16_checkpoint_with_its_score_correction_bias_in_fp32_round_trips(tmp_path):
+    """DeepSeek-V3's bf16 checkpoints keep e_score_correction_bias in fp32, as megatron-core keeps its expert bias:
+    the one dtype the conversion otherwise requires leaves it out, and it comes back in fp32, bit for bit."""
+    import glob
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    hf, dist, out = str(tmp_path / "hf"), str(tmp_path / "dist"), str(tmp_path / "out")
+    make_hf_model("deepseek-v3", hf)
+    for path in glob.glob(f"{hf}/*.safetensors"):
+        tensors = {name: t if name.endswith("e_score_correction_bias") else t.to(torch.bfloat16)
+                   for name, t in load_file(path).items()}
+        save_file(tensors, path, metadata={"format": "pt"})
+    assert run_on_ranks(cli, 1, args=(["hf-to-megatron", "--hf-dir", hf, "--save-dir", dist, "--no-verify",
+                                       "--no-progress"],), timeout=300) == [0]
+    assert run_on_ranks(cli, 1, args=(["megatron-to-hf", "--load-dir", dist, "--save-dir", out, "--no-progress"],),
+                        timeout=120) == [0]
+    assert_bit_exact(hf, out)
+    assert hf_tensors(out)["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+
+
 def route_both(rank, world_size, hf_dir, layer, tokens):
     """transformers' and megatron-core's routing of ``tokens`` random hidden states through layer ``layer``'s
     router, the same weights and score-correction bias in both; megatron-core's again with its bias zeroed."""

@@ -300,8 +300,13 @@ def check_pair(hf_dir: str, megatron_dir: str) -> tuple[CheckpointInfo, str]:
     return info, info.hf_architecture or src.architecture
 
 
+# megatron-core keeps a router's expert bias in fp32 whatever the parameters' dtype (router.py,
+# _maintain_float32_expert_bias at core_v0.16.1), as DeepSeek-V3's bf16 checkpoints keep e_score_correction_bias.
+_FP32_ALWAYS = ".router.expert_bias"
+
+
 def _checkpoint_dtype(reader: HFReader, rules: list[Rule]) -> str:
-    dtypes = {reader.dtype(name) for r in rules for name in r.hf}
+    dtypes = {reader.dtype(name) for r in rules if not r.mcore.endswith(_FP32_ALWAYS) for name in r.hf}
     name = dtype_name(next(iter(dtypes))) if len(dtypes) == 1 else None
     if name is None:
         raise UnsupportedCheckpoint(f"the checkpoint's tensors have dtypes {sorted(map(str, dtypes))}; conversion "
