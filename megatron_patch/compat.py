@@ -499,6 +499,16 @@ def _moe_router_without_te() -> None:
     moe_utils.__dict__.setdefault("te_general_gemm", None)
 
 
+def _mla_without_te() -> None:
+    """Not CPU-specific: without Transformer Engine, ``transformer/multi_latent_attention.py:54-66`` (core_v0.16.1)
+    still sets ``HAVE_TE = True``, because ``extensions/transformer_engine.py`` imports with placeholder objects for
+    TE's classes; ``MLASelfAttention.__init__`` then calls ``isinstance(self.linear_proj, TELinear)`` (``:185``) with
+    such a placeholder and raises TypeError. False is what that module would say with a failing import."""
+    import megatron.core.transformer.multi_latent_attention as mla
+
+    mla.HAVE_TE = False
+
+
 def _moe_split_sizes_on_cpu() -> None:
     """The all-to-all dispatcher turns its split sizes into numpy arrays (the form ``all_to_all_single`` takes) only
     while moving them off a GPU (``transformer/moe/moe_utils.py:1093``, ``if ... tensor.is_cuda``); on the CPU they
@@ -598,6 +608,7 @@ def apply() -> None:
         _fallback_fixes_applied = True
     if not transformer_engine_available():  # apex or not: the name comes only with TE
         _moe_router_without_te()
+        _mla_without_te()
 
 
 def _rampup_as_step_schedule(global_batch_size: int, rampup: tuple[int, int, int]) -> str:

@@ -56,6 +56,31 @@ MOE_MODELS = {
                   "Qwen3MoeForCausalLM"),
 }
 
+# DeepSeek-V3 and -V2 (multi-latent attention): 4 layers (PP=2 splits them), the first dense; 4 experts of width 32 and a shared one, 2
+# per token. V3: query rank 32, sigmoid routing from 1 of 2 groups with a random score-correction bias, weights x 2.5,
+# YaRN with mscale. V2 (Lite's shape): no query compression, softmax routing, top 2 not renormalised.
+_MLA = dict(num_hidden_layers=4, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+            num_attention_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+            n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
+            vocab_size=MOE_VOCAB, max_position_embeddings=32, initializer_range=0.2)
+DEEPSEEK_MODELS = {
+    "deepseek-v3": ("DeepseekV3Config", dict(
+        _MLA, q_lora_rank=32, n_group=2, topk_group=1, routed_scaling_factor=2.5, rope_parameters=dict(
+            rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=8, beta_fast=32.0,
+            beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)), "DeepseekV3ForCausalLM"),
+    "deepseek-v2": ("DeepseekV2Config", dict(_MLA, q_lora_rank=None, n_shared_experts=2, topk_method="greedy",
+                                             rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
+                    "DeepseekV2ForCausalLM"),
+    # GLM-4.5's attention: GQA with q/k/v biases, per-head q/k norms, RoPE on half of each 32-channel head.
+    "glm4-moe": ("Glm4MoeConfig", dict(
+        num_hidden_layers=4, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+        first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, attention_bias=True,
+        use_qk_norm=True, vocab_size=MOE_VOCAB, max_position_embeddings=32, initializer_range=0.2,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)),
+        "Glm4MoeForCausalLM"),
+}
+
 
 def make_hf_model(name: str, out_dir: str, seed: int = 0, **overrides) -> str:
     """A random model of kind ``name`` (its config fields changed by ``overrides``) saved with save_pretrained
@@ -63,13 +88,17 @@ def make_hf_model(name: str, out_dir: str, seed: int = 0, **overrides) -> str:
     import torch
     import transformers
 
-    config_class, kwargs, model_class = {**HF_MODELS, **MOE_MODELS}[name]
+    config_class, kwargs, model_class = {**HF_MODELS, **MOE_MODELS, **DEEPSEEK_MODELS}[name]
     torch.manual_seed(seed)
     model = getattr(transformers, model_class)(getattr(transformers, config_class)(**{**kwargs, **overrides}))
     with torch.no_grad():
         for pname, param in model.named_parameters():
             if pname.endswith("bias") or "norm" in pname.lower() or "ln_" in pname:
                 param.add_(0.1 * torch.randn_like(param))
+        # DeepSeek-V3's score-correction bias is a buffer: random, so that a router without it picks other experts.
+        for bname, buffer in model.named_buffers():
+            if bname.endswith("e_score_correction_bias"):
+                buffer.copy_(0.1 * torch.randn_like(buffer))
     model.save_pretrained(out_dir)
     return out_dir
 
@@ -250,3 +279,29 @@ def hf_reference(rank, world_size, original_dir, exported_dir, sequences, padded
     logits = torch.nn.functional.pad(logits, (0, padded_vocab - logits.shape[-1]))
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).item()
     return {"loss": loss, "tokens": hf_greedy(rank, world_size, exported_dir, prompt, new_tokens)}
+
+
+def add_mtp_layer(hf_dir: str, seed: int = 1) -> None:
+    """Give a DeepSeek-V3 directory what the published checkpoint has and transformers does not save: a multi-token
+    prediction layer after the last (random weights of the last layer's shapes, its norms and projection of
+    [embedding; hidden]; copies of the embedding and output matrices), in a safetensors file of its own."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        last = json.load(f)["num_hidden_layers"]
+    source = hf_tensors(hf_dir)
+    generator = torch.Generator().manual_seed(seed)
+    prefix, mtp = f"model.layers.{last - 1}.", f"model.layers.{last}."
+    tensors = {mtp + name[len(prefix):]: 0.2 * torch.randn(t.shape, generator=generator)
+               for name, t in source.items() if name.startswith(prefix)}
+    hidden = source["model.norm.weight"].shape[0]
+    tensors.update({mtp + "enorm.weight": 1 + 0.1 * torch.randn(hidden, generator=generator),
+                    mtp + "hnorm.weight": 1 + 0.1 * torch.randn(hidden, generator=generator),
+                    mtp + "eh_proj.weight": 0.2 * torch.randn(hidden, 2 * hidden, generator=generator),
+                    mtp + "shared_head.norm.weight": 1 + 0.1 * torch.randn(hidden, generator=generator),
+                    mtp + "shared_head.head.weight": source["lm_head.weight"].clone(),
+                    mtp + "embed_tokens.weight": source["model.embed_tokens.weight"].clone()})
+    save_file(tensors, os.path.join(hf_dir, "model-mtp.safetensors"), metadata={"format": "pt"})

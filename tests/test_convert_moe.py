@@ -187,14 +187,19 @@ def test_conversion_targets_are_checked_before_anything_is_written(tmp_path):
     get_model_config("tiny-mixtral", moe_router_load_balancing_type="seq_aux_loss", moe_expert_capacity_factor=1.5),
     get_model_config("tiny-qwen2-moe", moe_aux_loss_coeff=0.01, moe_token_drop_policy="position"),
     get_model_config("tiny-qwen3-moe"), get_model_config("tiny-qwen3"),
+    get_model_config("tiny-deepseek-v3", moe_router_bias_update_rate=0.01),
+    get_model_config("tiny-deepseek-v3", q_lora_rank=None, rope_type="rope"),
 ])
-def test_megatron_lm_args_carry_the_moe_fields_both_ways(model_config):
+def test_megatron_lm_args_carry_the_moe_and_multi_latent_attention_fields_both_ways(model_config):
     info = CheckpointInfo(format="torch_dist", model_config=model_config, padded_vocab_size=128, dtype="float32")
     args = megatron_lm_args(info)
     assert args.num_experts == model_config.num_moe_experts
     read = info_from_megatron_lm({"args": args, "checkpoint_version": 3.0}, "torch_dist", "common.pt").model_config
-    moe_fields = [f.name for f in dataclasses.fields(model_config) if f.name.startswith(("moe_", "num_moe_"))]
-    assert {f: getattr(read, f) for f in moe_fields} == {f: getattr(model_config, f) for f in moe_fields}
+    fields = [f.name for f in dataclasses.fields(model_config) if f.name.startswith(("moe_", "num_moe_"))
+              or f.name in ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
+                            "qk_pos_emb_head_dim", "v_head_dim", "rope_type", "rotary_scaling_factor", "mscale",
+                            "mscale_all_dim", "original_max_position_embeddings", "beta_fast", "beta_slow")]
+    assert {f: getattr(read, f) for f in fields} == {f: getattr(model_config, f) for f in fields}
 
 
 # Megatron-LM's own argument names and values (megatron/training/arguments.py), beside a MoE model's.
@@ -206,10 +211,7 @@ _MEGATRON_LM_MOE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq
 
 
 @pytest.mark.parametrize("field,value,fmt", [
-    ("moe_router_score_function", "sigmoid", "torch_dist"),
-    ("moe_router_enable_expert_bias", True, "torch_dist"),
-    ("moe_layer_freq", [1, 0], "torch_dist"),
-    ("moe_router_topk_scaling_factor", 2.5, "torch_dist"),
+    ("moe_latent_size", 16, "torch_dist"),
     ("num_experts", 4, "torch"),
 ])
 def test_megatron_lm_moe_options_our_layer_cannot_compute_are_refused_by_name(field, value, fmt):

@@ -60,6 +60,7 @@ _HF_INPUTS = {
     "fuse_stacked_qkv": lambda: [torch.randn(24)],
     "fuse_gate_up": lambda: [torch.randn(6, 3), torch.randn(6, 3)],
     "pad_vocab": lambda: [torch.randn(5, 3)],
+    "shared_copy": lambda: [torch.randn(5, 3)] * 2,
 }
 
 
@@ -82,7 +83,8 @@ def test_registry_is_keyed_by_model_type():
 # A named configuration of each Hugging Face model type.
 NAMED_OF_TYPE = {"gpt2": "tiny-gpt2", "llama": "tiny-llama", "mistral": "mistral-7b", "qwen2": "tiny-qwen2",
                  "qwen3": "tiny-qwen3", "mixtral": "tiny-mixtral", "qwen2_moe": "tiny-qwen2-moe",
-                 "qwen3_moe": "tiny-qwen3-moe", "bert": "tiny-bert"}
+                 "qwen3_moe": "tiny-qwen3-moe", "bert": "tiny-bert", "deepseek_v3": "tiny-deepseek-v3",
+                 "deepseek_v2": "deepseek-v2-lite", "glm4_moe": "glm-4.5"}
 
 
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))

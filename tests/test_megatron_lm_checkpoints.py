@@ -145,13 +145,22 @@ def test_a_description_with_unresolved_sizes_still_reads(tmp_path):
     assert vars(megatron_lm_args(info)) == vars(megatron_lm_args(fresh))
     written = info.to_json()
     assert written.keys() == _UNRESOLVED_TINY_GPT2.keys()
-    # ...and with the fields added since (Qwen3's q/k norms, LLaMA 3.1's RoPE scaling, mixture of experts) at their
-    # defaults.
+    # ...and with the fields added since (Qwen3's q/k norms, LLaMA 3.1's RoPE scaling, mixture of experts, DeepSeek's
+    # architecture) at their defaults.
     moe_defaults = {"num_moe_experts": None, "moe_router_topk": 2, "moe_ffn_hidden_size": None,
                     "moe_shared_expert_intermediate_size": None, "moe_shared_expert_gate": False,
                     "moe_router_pre_softmax": False, "moe_router_load_balancing_type": "aux_loss",
                     "moe_aux_loss_coeff": 0.0, "moe_expert_capacity_factor": None,
-                    "moe_pad_expert_input_to_capacity": False, "moe_token_drop_policy": "probs"}
+                    "moe_pad_expert_input_to_capacity": False, "moe_token_drop_policy": "probs",
+                    # issue 41's: dense/MoE layer pattern, router, multi-latent attention, multi-token prediction
+                    "moe_layer_freq": 1, "moe_router_score_function": "softmax",
+                    "moe_router_enable_expert_bias": False, "moe_router_bias_update_rate": 1e-3,
+                    "moe_router_num_groups": None, "moe_router_group_topk": None,
+                    "moe_router_topk_scaling_factor": None, "multi_latent_attention": False, "q_lora_rank": None,
+                    "kv_lora_rank": 512, "qk_head_dim": 128, "qk_pos_emb_head_dim": 64, "v_head_dim": 128,
+                    "rope_type": "rope", "rotary_scaling_factor": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0,
+                    "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
+                    "mtp_num_layers": None, "mtp_loss_scaling_factor": 0.1}
     assert written["model_config"] == {**_UNRESOLVED_TINY_GPT2["model_config"], "ffn_hidden_size": 256,
                                        "num_query_groups": 4, "kv_channels": 16, "qk_layernorm": False,
                                        "rope_scaling": False, "rope_scaling_factor": 8.0, **moe_defaults}

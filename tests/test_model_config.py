@@ -84,6 +84,24 @@ def _hf_parameters(config) -> int:
         model_class, hf_config = transformers.GPT2Model, transformers.GPT2Config(
             vocab_size=config.vocab_size, n_positions=config.max_positions, n_embd=config.hidden_size,
             n_layer=config.num_layers, n_head=config.num_attention_heads, n_inner=config.ffn_hidden_size, **special)
+    elif config.multi_latent_attention or config.moe_router_score_function == "sigmoid":
+        from megatron_patch.convert.families import family_for
+
+        # DeepSeek's or GLM-4.5's own config.json fields of this config (the converter's writer), in its own class.
+        model_type, name = (("deepseek_v3", "DeepseekV3") if config.multi_latent_attention
+                            and config.moe_router_score_function == "sigmoid" else ("deepseek_v2", "DeepseekV2")
+                            if config.multi_latent_attention else ("glm4_moe", "Glm4Moe"))
+        fields = family_for({"model_type": model_type}).config_to_hf(config)
+        # transformers builds no multi-token prediction module: count each as one more layer (of the last layer's
+        # kind) and its own tensors by hand: the RMSNorms of its two inputs and of its output, and the projection
+        # of [embedding; hidden] to hidden.
+        mtp = config.mtp_num_layers or 0
+        fields["num_hidden_layers"] += mtp
+        model_class = getattr(transformers, f"{name}ForCausalLM")
+        hf_config = getattr(transformers, f"{name}Config")(**{**fields, **common})
+        with torch.device("meta"):
+            layers = sum(p.numel() for p in model_class(hf_config).parameters())
+        return layers + mtp * (3 * config.hidden_size + 2 * config.hidden_size ** 2)
     elif config.num_moe_experts:
         experts = dict(num_experts_per_tok=config.moe_router_topk, moe_intermediate_size=config.moe_ffn_hidden_size)
         if config.moe_shared_expert_intermediate_size:

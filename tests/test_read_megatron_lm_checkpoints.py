@@ -286,7 +286,7 @@ def _state(**args) -> dict:
     return {"args": argparse.Namespace(**{**fields, **args}), "checkpoint_version": 3.0, "iteration": 1}
 
 
-@pytest.mark.parametrize("field, value", [("multi_latent_attention", True), ("squared_relu", True),
+@pytest.mark.parametrize("field, value", [("mtp_num_layers", 1), ("squared_relu", True),
                                           ("position_embedding_type", "relative"), ("normalization", "L2Norm")])
 def test_args_our_model_cannot_build_are_refused_by_name(field, value):
     """Failed before: there was no reading of Megatron-LM's args at all (no info_from_megatron_lm)."""

@@ -381,7 +381,6 @@ _UNSUPPORTED_ARGS = {
     "hybrid_override_pattern": "Mamba/hybrid layers",
     "heterogeneous_layers_config_path": "heterogeneous layers",
     "heterogeneous_layers_config_encoded_json": "heterogeneous layers",
-    "multi_latent_attention": "multi-latent attention",
     "squared_relu": "the squared-ReLU activation",
     "rotary_interleaved": "interleaved RoPE",
     "mtp_num_layers": "multi-token-prediction layers",
@@ -389,9 +388,31 @@ _UNSUPPORTED_ARGS = {
 
 # Megatron-LM's MoE args (name, the value our MoE layer computes) that change what a MoE model computes and which
 # ModelConfig does not carry: any other value is refused by name.
-_MOE_FIXED_ARGS = {"moe_layer_freq": 1, "moe_router_score_function": "softmax", "moe_router_enable_expert_bias": False,
-                   "moe_router_topk_scaling_factor": None, "moe_router_num_groups": None,
-                   "moe_router_group_topk": None, "moe_latent_size": None}
+_MOE_FIXED_ARGS = {"moe_latent_size": None}
+# Megatron-LM's MoE router args that are ModelConfig fields of the same name, with Megatron-LM's defaults.
+_MOE_ROUTER_ARGS = {"moe_layer_freq": 1, "moe_router_score_function": "softmax", "moe_router_enable_expert_bias": False,
+                    "moe_router_bias_update_rate": 1e-3, "moe_router_topk_scaling_factor": None,
+                    "moe_router_num_groups": None, "moe_router_group_topk": None}
+# Megatron-LM's multi-latent attention args, ModelConfig fields of the same name, with the defaults megatron-core's
+# MLATransformerConfig gives a run that left them out (transformer_config.py at core_v0.16.1: YaRN, factor 40).
+_MLA_ARGS = {"q_lora_rank": 512, "kv_lora_rank": 512, "qk_head_dim": 128, "qk_pos_emb_head_dim": 64,
+             "v_head_dim": 128, "rope_type": "yarn", "rotary_scaling_factor": 40.0, "mscale": 1.0,
+             "mscale_all_dim": 0.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0}
+
+
+def _mla_from_megatron_lm(arg) -> dict:
+    """ModelConfig's multi-latent attention fields from Megatron-LM's args; none without MLA."""
+    if not arg("multi_latent_attention"):
+        return {}
+    # A None q_lora_rank is a directly projected query (DeepSeek-V2-Lite), not the default.
+    return dict({name: arg(name, default) for name, default in _MLA_ARGS.items()}, multi_latent_attention=True,
+                q_lora_rank=arg("q_lora_rank"))
+
+
+def _mla_megatron_lm_args(m: ModelConfig) -> dict:
+    """Megatron-LM's multi-latent attention args of ``m`` (the inverse of :func:`_mla_from_megatron_lm`)."""
+    return dict({name: getattr(m, name) if m.multi_latent_attention else None for name in _MLA_ARGS},
+                multi_latent_attention=m.multi_latent_attention)
 
 
 def _moe_from_megatron_lm(arg, source: str, fmt: str) -> dict:
@@ -402,12 +423,12 @@ def _moe_from_megatron_lm(arg, source: str, fmt: str) -> dict:
         raise CheckpointMismatch(f"{source}: per-rank files of a mixture-of-experts model are not read; save it as "
                                  "torch_dist (--ckpt-format torch_dist) first")
     for name, value in _MOE_FIXED_ARGS.items():
-        # moe_layer_freq may also be a per-layer list; all ones is every layer.
         given = arg(name, value)
-        if given != value and not (name == "moe_layer_freq" and isinstance(given, list) and set(given) == {1}):
+        if given != value:
             raise CheckpointMismatch(f"{source}: args.{name}={given!r} is not supported by our MoE layer (only "
                                      f"{value!r})")
     return dict(
+        {name: arg(name, default) for name, default in _MOE_ROUTER_ARGS.items()},
         num_moe_experts=arg("num_experts"), moe_router_topk=arg("moe_router_topk", 2),
         moe_ffn_hidden_size=arg("moe_ffn_hidden_size"),
         moe_shared_expert_intermediate_size=arg("moe_shared_expert_intermediate_size"),
@@ -427,11 +448,11 @@ def _moe_megatron_lm_args(m: ModelConfig) -> dict:
     names = ("num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_pre_softmax",
              "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_router_load_balancing_type",
              "moe_aux_loss_coeff", "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity",
-             "moe_token_drop_policy", *_MOE_FIXED_ARGS)
+             "moe_token_drop_policy", *_MOE_FIXED_ARGS, *_MOE_ROUTER_ARGS)
     if m.num_moe_experts is None:
         return dict.fromkeys(names)
     return dict(
-        _MOE_FIXED_ARGS, num_experts=m.num_moe_experts, moe_ffn_hidden_size=m.moe_ffn_hidden_size,
+        _MOE_FIXED_ARGS, **{name: getattr(m, name) for name in _MOE_ROUTER_ARGS}, num_experts=m.num_moe_experts, moe_ffn_hidden_size=m.moe_ffn_hidden_size,
         moe_router_topk=m.moe_router_topk, moe_router_pre_softmax=m.moe_router_pre_softmax,
         moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
         moe_shared_expert_gate=m.moe_shared_expert_gate,
@@ -506,7 +527,7 @@ def info_from_megatron_lm(state: dict, fmt: str, source: str) -> CheckpointInfo:
     bert = any(name.startswith("encoder.") for name in shapes)
     binary_head = bool(bert and arg("bert_binary_head", True))
     token_types = arg("num_tokentypes", 2 if binary_head else 0) if bert else 0
-    moe = _moe_from_megatron_lm(arg, source, fmt)
+    moe = {**_moe_from_megatron_lm(arg, source, fmt), **_mla_from_megatron_lm(arg)}
     try:
         model_config = ModelConfig(
             family="bert" if bert else "gpt", num_tokentypes=token_types, add_binary_head=binary_head,
@@ -598,7 +619,7 @@ def megatron_lm_args(info: CheckpointInfo, **training) -> argparse.Namespace:
         apply_query_key_layer_scaling=False, attention_dropout=m.attention_dropout,
         hidden_dropout=m.hidden_dropout, init_method_std=m.init_method_std,
         hybrid_override_pattern=None, spec=None, hybrid_attention_ratio=None, hybrid_mlp_ratio=None,
-        moe_token_dispatcher_type=None, moe_grouped_gemm=None, **_moe_megatron_lm_args(m),
+        moe_token_dispatcher_type=None, moe_grouped_gemm=None, **_moe_megatron_lm_args(m), **_mla_megatron_lm_args(m),
         mamba_state_dim=None, mamba_head_dim=None, mamba_num_groups=None, mamba_num_heads=None,
         is_hybrid_model=False, heterogeneous_layers_config_path=None,
         heterogeneous_layers_config_encoded_json=None,

@@ -42,7 +42,10 @@ def _sharded_tensors(sharded_state_dict, prefix=""):
 
 def _full_index(name: str, sharded) -> tuple[str, tuple[slice, ...]]:
     """The full (TP=1, PP=1) tensor a ShardedTensor is cut from, and where: its global offsets."""
-    if sharded.prepend_axis_num:  # layers are stacked along a prepended axis: offset = global layer
+    # Layers of one kind are stacked along a prepended axis (offset = global layer); where they differ (dense and
+    # MoE layers, moe_layer_freq) megatron-core keys each layer by its number and only experts are stacked, whose
+    # index the reference model's name (EP=1) already holds; so are a multi-token prediction layer's ("mtp.layers.K.").
+    if sharded.prepend_axis_num and LAYER.match(name) and not LAYER.match(sharded.key):
         match = LAYER.match(name)
         name = f"{match.group(1)}{sharded.global_offset[0]}.{name[match.end():]}"
     offsets = sharded.global_offset[sharded.prepend_axis_num:]

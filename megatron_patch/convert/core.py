@@ -186,6 +186,17 @@ def _check_hf_names(reader: HFReader, rules: list[Rule], ignored: tuple[str, ...
                               "give the weights and config.json of one model (a download may be incomplete)")
 
 
+def _check_copies(reader: HFReader, rules: list[Rule], hf_dir: str) -> None:
+    """Tensors a rule reads as copies of one megatron tensor (``shared_copy``) must be equal, or the conversion would
+    drop one of two different matrices."""
+    for r in rules:
+        copies = r.transforms.count("shared_copy")
+        for name in r.hf[1:1 + copies]:
+            if not torch.equal(reader.get(r.hf[0]), reader.get(name)):
+                raise ConversionError(f"{hf_dir}: {name} differs from {r.hf[0]}; megatron-core's {r.mcore} is one "
+                                      "tensor for both, so the model cannot hold this checkpoint exactly")
+
+
 def _check_hf_shapes(reader: HFReader, rules: list[Rule], target: dict, shapes: Shapes, hf_dir: str) -> None:
     problems = []
     for r in rules:
@@ -230,6 +241,8 @@ def _source(hf_dir: str, make_vocab_size_divisible_by: int = 128) -> _Source:
         model_config = family.config_from_hf(hf_config).replace(
             make_vocab_size_divisible_by=make_vocab_size_divisible_by
         )
+        if family.held_by_files is not None:
+            model_config = family.held_by_files(model_config, HFReader(hf_dir).names())
     except UnsupportedCheckpoint as error:  # its message names config.json's field, not which config.json
         raise UnsupportedCheckpoint(f"{hf_dir}: {error}") from None
     except KeyError as error:
@@ -247,7 +260,9 @@ def _source(hf_dir: str, make_vocab_size_divisible_by: int = 128) -> _Source:
 _PAIRED_FIELDS = ("family", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
                   "ffn_hidden_size", "vocab_size", "normalization", "position_embedding_type", "activation",
                   "add_qkv_bias", "untie_embeddings_and_output_weights", "num_moe_experts", "moe_ffn_hidden_size",
-                  "moe_shared_expert_intermediate_size", "moe_shared_expert_gate")
+                  "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_layer_freq",
+                  "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+                  "v_head_dim", "mtp_num_layers")
 
 
 def check_pair(hf_dir: str, megatron_dir: str) -> tuple[CheckpointInfo, str]:
@@ -271,7 +286,8 @@ def check_pair(hf_dir: str, megatron_dir: str) -> tuple[CheckpointInfo, str]:
         pairs.append(("architecture", src.architecture, info.hf_architecture))
     # Every MLP of a MoE model is experts: no tensor has ffn_hidden_size's shape (Mixtral's config.json has only the
     # experts' width, which a model trained with a wider ffn_hidden_size exports as its intermediate_size).
-    all_experts = info.model_config.num_moe_experts is not None
+    m = info.model_config
+    all_experts = all(m.is_moe_layer(i) for i in range(m.num_layers))
     pairs += [(name, getattr(src.model_config, name), getattr(info.model_config, name)) for name in _PAIRED_FIELDS
               if not (all_experts and name == "ffn_hidden_size")]
     differing = [f"{name} {hf} vs {megatron}" for name, hf, megatron in pairs if hf != megatron]
@@ -284,8 +300,13 @@ def check_pair(hf_dir: str, megatron_dir: str) -> tuple[CheckpointInfo, str]:
     return info, info.hf_architecture or src.architecture
 
 
+# megatron-core keeps a router's expert bias in fp32 whatever the parameters' dtype (router.py,
+# _maintain_float32_expert_bias at core_v0.16.1), as DeepSeek-V3's bf16 checkpoints keep e_score_correction_bias.
+_FP32_ALWAYS = ".router.expert_bias"
+
+
 def _checkpoint_dtype(reader: HFReader, rules: list[Rule]) -> str:
-    dtypes = {reader.dtype(name) for r in rules for name in r.hf}
+    dtypes = {reader.dtype(name) for r in rules if not r.mcore.endswith(_FP32_ALWAYS) for name in r.hf}
     name = dtype_name(next(iter(dtypes))) if len(dtypes) == 1 else None
     if name is None:
         raise UnsupportedCheckpoint(f"the checkpoint's tensors have dtypes {sorted(map(str, dtypes))}; conversion "
@@ -448,6 +469,7 @@ def hf_to_megatron(
                       f"megatron's {info.initialized_tensors} are randomly initialised (recorded in the checkpoint "
                       "and left out of exports)", file=sys.stderr)
             _check_hf_shapes(reader, rules, target, shapes, hf_dir)
+            _check_copies(reader, rules, hf_dir)
             bar = _Progress("hf-to-megatron", sum(map(nbytes, rules)), len(rules), progress)
 
             def produce(name: str) -> torch.Tensor:

@@ -105,6 +105,13 @@ TRANSFORMS: dict[str, Transform] = {
         to_mcore=lambda ts, s: [torch.cat(ts)],
         to_hf=lambda ts, s: [t.contiguous() for t in ts[0].chunk(2)],
     ),
+    # One megatron tensor stored twice by Hugging Face (DeepSeek-V3's multi-token prediction layer keeps copies of the
+    # embedding and output matrices, which megatron-core's MTP shares with the model); the converter checks that
+    # the copies are equal before it writes anything (convert/core.py).
+    "shared_copy": Transform(
+        to_mcore=lambda ts, s: [ts[0], *ts[2:]],
+        to_hf=lambda ts, s: [ts[0], ts[0].clone()],
+    ),
     "pad_vocab": Transform(
         to_mcore=_one(pad_vocab),
         to_hf=lambda ts, s: [ts[0][: s.vocab_size].contiguous()],

@@ -47,6 +47,9 @@ _HF_OUTPUTS = {
     "MixtralForCausalLM": {"logits": "logits"},
     "Qwen2MoeForCausalLM": {"logits": "logits"},
     "Qwen3MoeForCausalLM": {"logits": "logits"},
+    "DeepseekV2ForCausalLM": {"logits": "logits"},
+    "DeepseekV3ForCausalLM": {"logits": "logits"},
+    "Glm4MoeForCausalLM": {"logits": "logits"},
     "BertForPreTraining": {"logits": "prediction_logits", "binary_logits": "seq_relationship_logits"},
     "BertForMaskedLM": {"logits": "logits"},
     "BertModel": {"hidden_states": "last_hidden_state"},
@@ -233,7 +236,10 @@ def verify_on_rank(hf_dir: str, megatron_dir: str, tp: int = 1, pp: int = 1, tex
     wanted = set(_HF_OUTPUTS[architecture])
     inputs = make_inputs(info, hf_dir, text)
     length = inputs["tokens"].shape[1]
-    chunks = build_and_load(megatron_dir, info, tp, pp, dtype, ep)
+    # The main model only: transformers ignores multi-token prediction layers, and megatron-core's GPTModel runs them
+    # only to compute their loss from labels (gpt_model.py:611 at core_v0.16.1), not for logits.
+    main = dataclasses.replace(info, model_config=info.model_config.replace(mtp_num_layers=None))
+    chunks = build_and_load(megatron_dir, main, tp, pp, dtype, ep)
     model_inputs = pad_to_multiple(inputs, tp) if _sequence_parallel(info, tp) else inputs
     actual = megatron_outputs(chunks, info, model_inputs, wanted)
     if not (parallel_state.is_pipeline_last_stage(ignore_virtual=True)

@@ -44,7 +44,11 @@ class SDPAttention(MegatronModule):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection: ProcessGroupCollection | None = None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
     ):
+        # k_channels/v_channels: multi-latent attention's query/key and value head widths (DotProductAttention's
+        # arguments); scaled_dot_product_attention takes them from the tensors, the scale comes as softmax_scale.
         super().__init__(config=config)
         if config.context_parallel_size != 1:
             raise ValueError("SDPAttention has no context parallelism; --context-parallel-size > 1 needs the "

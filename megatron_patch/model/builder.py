@@ -23,13 +23,13 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.enums import AttnBackend
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from megatron_patch import compat
 from megatron_patch.model.bert import BertForSequenceClassification, BertModel
 from megatron_patch.model.config import ModelConfig
 from megatron_patch.model.parallel import ParallelConfig
-from megatron_patch.model.specs import block_spec, norm_module
+from megatron_patch.model.specs import block_spec, mtp_block_spec, norm_module
 # One padding rule for tokenizer, model and converter, or checkpoint shapes stop matching.
 from megatron_patch.tokenizer.registry import padded_vocab_size  # noqa: F401  (re-exported)
 
@@ -55,7 +55,8 @@ def to_transformer_config(model_config: ModelConfig, parallel_config: ParallelCo
     m, p = model_config, parallel_config
     activation_func, gated, fusable = _ACTIVATIONS[m.activation]
     interleaved = p.virtual_pipeline_model_parallel_size is not None
-    return TransformerConfig(
+    config_class, mla = (MLATransformerConfig, _mla_fields(m)) if m.multi_latent_attention else (TransformerConfig, {})
+    return config_class(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
         ffn_hidden_size=m.ffn_hidden_size,
@@ -94,6 +95,20 @@ def to_transformer_config(model_config: ModelConfig, parallel_config: ParallelCo
         attention_backend=AttnBackend[p.attention_backend],
         transformer_impl="transformer_engine" if p.use_transformer_engine else "local",
         **_moe_fields(m, p),
+        **mla,
+        mtp_num_layers=m.mtp_num_layers,
+        mtp_loss_scaling_factor=m.mtp_loss_scaling_factor,
+    )
+
+
+def _mla_fields(m: ModelConfig) -> dict:
+    """MLATransformerConfig's multi-latent attention and YaRN fields (megatron-core's names are ours)."""
+    return dict(
+        q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank, qk_head_dim=m.qk_head_dim,
+        qk_pos_emb_head_dim=m.qk_pos_emb_head_dim, v_head_dim=m.v_head_dim, rope_type=m.rope_type,
+        rotary_base=m.rotary_base, rotary_scaling_factor=m.rotary_scaling_factor, mscale=m.mscale,
+        mscale_all_dim=m.mscale_all_dim, original_max_position_embeddings=m.original_max_position_embeddings,
+        beta_fast=m.beta_fast, beta_slow=m.beta_slow,
     )
 
 
@@ -113,6 +128,13 @@ def _moe_fields(m: ModelConfig, p: ParallelConfig) -> dict:
         moe_expert_capacity_factor=m.moe_expert_capacity_factor,
         moe_pad_expert_input_to_capacity=m.moe_pad_expert_input_to_capacity,
         moe_token_drop_policy=m.moe_token_drop_policy,
+        moe_layer_freq=m.moe_layer_freq,
+        moe_router_score_function=m.moe_router_score_function,
+        moe_router_enable_expert_bias=m.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=m.moe_router_bias_update_rate,
+        moe_router_num_groups=m.moe_router_num_groups,
+        moe_router_group_topk=m.moe_router_group_topk,
+        moe_router_topk_scaling_factor=m.moe_router_topk_scaling_factor,
         moe_token_dispatcher_type=p.moe_token_dispatcher_type,
         moe_grouped_gemm=p.moe_grouped_gemm,
         expert_model_parallel_size=p.expert_model_parallel_size,
@@ -162,6 +184,7 @@ def _gpt(m: ModelConfig, config: TransformerConfig, p: ParallelConfig, vocab: in
     return GPTModel(
         config=config,
         transformer_layer_spec=block_spec(m, config, p, stage["vp_stage"]),
+        mtp_block_spec=mtp_block_spec(m, config, p, stage["vp_stage"]),
         vocab_size=vocab,
         max_sequence_length=m.max_positions,
         share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,

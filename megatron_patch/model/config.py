@@ -17,6 +17,7 @@ and Megatron-LM's flags.
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 from typing import Callable, Literal
 
@@ -115,6 +116,60 @@ class ModelConfig:
     """Pad every expert's input to its capacity (``--moe-pad-expert-input-to-capacity``; needs a capacity factor)."""
     moe_token_drop_policy: Literal["probs", "position"] = "probs"
     """Which tokens over capacity are dropped: lowest router probability, or last in the sequence."""
+    moe_layer_freq: int | list[int] = 1
+    """Which layers are MoE layers (``--moe-layer-freq``): every N-th layer for an int, or one 0 (dense) / 1 (MoE)
+    per layer, as Megatron-LM's ``"([0]*3+[1]*58)"`` gives DeepSeek-V3's first three dense layers
+    (``first_k_dense_replace``). Dense layers have ``ffn_hidden_size``, experts ``moe_ffn_hidden_size``."""
+    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    """The router's score (``--moe-router-score-function``): softmax (Mixtral, Qwen, DeepSeek-V2) or sigmoid with the
+    chosen scores renormalised (DeepSeek-V3, Kimi K2, GLM-4.5)."""
+    moe_router_enable_expert_bias: bool = False
+    """A per-expert bias added to the scores only to choose the experts, moved after each step towards balance
+    without an auxiliary loss (``--moe-router-enable-expert-bias``; DeepSeek-V3's ``e_score_correction_bias``,
+    arXiv:2408.15664)."""
+    moe_router_bias_update_rate: float = 1e-3
+    """How far the expert bias moves per step (``--moe-router-bias-update-rate``)."""
+    moe_router_num_groups: int | None = None
+    """Expert groups for group-limited routing (``--moe-router-num-groups``, DeepSeek's ``n_group``)."""
+    moe_router_group_topk: int | None = None
+    """Groups a token may route to (``--moe-router-group-topk``, DeepSeek's ``topk_group``)."""
+    moe_router_topk_scaling_factor: float | None = None
+    """Factor on the routed experts' weights (``--moe-router-topk-scaling-factor``, DeepSeek's
+    ``routed_scaling_factor``); None is 1."""
+    multi_latent_attention: bool = False
+    """DeepSeek-V2/V3's multi-latent attention (``--multi-latent-attention``, arXiv:2405.04434): keys and values
+    through a low-rank latent, a decoupled RoPE part of each head; megatron-core's ``MLASelfAttention``."""
+    q_lora_rank: int | None = None
+    """Rank of the query's low-rank compression (``--q-lora-rank``); None projects the query directly (V2-Lite)."""
+    kv_lora_rank: int = 512
+    """Rank of the key/value latent (``--kv-lora-rank``)."""
+    qk_head_dim: int = 128
+    """Query/key channels per head without RoPE (``--qk-head-dim``, DeepSeek's ``qk_nope_head_dim``)."""
+    qk_pos_emb_head_dim: int = 64
+    """Query/key channels per head with RoPE (``--qk-pos-emb-head-dim``, DeepSeek's ``qk_rope_head_dim``)."""
+    v_head_dim: int = 128
+    """Value channels per head (``--v-head-dim``)."""
+    rope_type: Literal["rope", "yarn"] = "rope"
+    """RoPE of multi-latent attention (``--rope-type``): plain, or YaRN (arXiv:2309.00071) with the fields below."""
+    rotary_scaling_factor: float = 1.0
+    """YaRN's context extension factor (``--rotary-scaling-factor``; DeepSeek-V3 40)."""
+    mscale: float = 1.0
+    """YaRN's attention-temperature coefficient (``--mscale``)."""
+    mscale_all_dim: float = 0.0
+    """YaRN's softmax-scale coefficient (``--mscale-all-dim``); DeepSeek scales the softmax by its mscale squared."""
+    original_max_position_embeddings: int = 4096
+    """The context YaRN extends (``--original-max-position-embeddings``)."""
+    beta_fast: float = 32.0
+    """YaRN's fast boundary of the frequency ramp (``--beta-fast``)."""
+    beta_slow: float = 1.0
+    """YaRN's slow boundary of the frequency ramp (``--beta-slow``)."""
+    mtp_num_layers: int | None = None
+    """Multi-token prediction modules after the last layer (``--mtp-num-layers``; DeepSeek-V3's 1,
+    ``num_nextn_predict_layers``): module k predicts the token k + 1 ahead from the previous module's hidden state
+    and that token's embedding, sharing the embedding and output layer (arXiv:2412.19437 2.2);
+    megatron-core's ``MultiTokenPredictionBlock``, built on the last pipeline stage."""
+    mtp_loss_scaling_factor: float = 0.1
+    """Weight of the multi-token prediction losses' mean in the training loss (``--mtp-loss-scaling-factor``)."""
     bert_layernorm_style: Literal["pre", "post"] = "pre"
     """"pre": Megatron's BERT (norm before attention/MLP, final norm). "post": original BERT as in Hugging Face
     ``BertModel`` (norm after each residual add, a norm on the embeddings, no final norm). Real BERT checkpoints
@@ -185,6 +240,8 @@ class ModelConfig:
         if self.rope_scaling_factor <= 0:
             raise ValueError(f"--rope-scaling-factor must be positive, got {self.rope_scaling_factor}")
         self._validate_moe()
+        self._validate_mla()
+        self._validate_mtp()
 
     def _validate_moe(self) -> None:
         moe_only = {"moe_ffn_hidden_size": self.moe_ffn_hidden_size,
@@ -213,6 +270,60 @@ class ModelConfig:
                              "--moe-shared-expert-intermediate-size")
         if self.moe_pad_expert_input_to_capacity and self.moe_expert_capacity_factor is None:
             raise ValueError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
+        freq = self.moe_layer_freq
+        if isinstance(freq, list) and (len(freq) != self.num_layers or set(freq) - {0, 1}):
+            raise ValueError(f"--moe-layer-freq {freq} must give a 0 (dense) or 1 (MoE) for each of the "
+                             f"{self.num_layers} layers")
+        if isinstance(freq, int) and freq < 1:
+            raise ValueError(f"--moe-layer-freq must be at least 1, got {freq}")
+        groups, group_topk = self.moe_router_num_groups, self.moe_router_group_topk
+        if (groups is None) != (group_topk is None):
+            raise ValueError("--moe-router-num-groups and --moe-router-group-topk go together; give both or neither")
+        if groups is not None and (self.num_moe_experts % groups or not 1 <= group_topk <= groups
+                                   or self.moe_router_topk % group_topk):
+            raise ValueError(f"--moe-router-num-groups {groups} must divide --num-experts {self.num_moe_experts}, "
+                             f"and --moe-router-group-topk {group_topk} be at most the groups and divide "
+                             f"--moe-router-topk {self.moe_router_topk}")
+        if self.moe_router_score_function == "sigmoid" and self.moe_router_pre_softmax:
+            raise ValueError("--moe-router-pre-softmax is a softmax option; drop it with --moe-router-score-function "
+                             "sigmoid")
+
+    def _validate_mtp(self) -> None:
+        if self.mtp_num_layers is None:
+            return
+        if self.family != "gpt" or self.mtp_num_layers < 1:
+            raise ValueError(f"--mtp-num-layers {self.mtp_num_layers}: multi-token prediction needs at least one "
+                             "module and a GPT model")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer ``layer`` (0-based) has experts, per ``moe_layer_freq`` (megatron-core's rule).
+
+        Example::
+
+            >>> get_model_config("tiny-deepseek-v3").is_moe_layer(0)
+            False
+        """
+        if self.num_moe_experts is None:
+            return False
+        freq = self.moe_layer_freq
+        return bool(freq[layer]) if isinstance(freq, list) else layer % freq == 0
+
+    def _validate_mla(self) -> None:
+        if not self.multi_latent_attention:
+            if self.rope_type != "rope" or self.q_lora_rank is not None:
+                raise ValueError("--rope-type yarn and --q-lora-rank configure multi-latent attention; add "
+                                 "--multi-latent-attention")
+            return
+        if self.family != "gpt" or self.position_embedding_type != "rope":
+            raise ValueError("--multi-latent-attention is built into GPT models with --position-embedding-type rope")
+        for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.q_lora_rank is not None and self.q_lora_rank < 1:
+            raise ValueError(f"--q-lora-rank must be at least 1, got {self.q_lora_rank}")
+        if self.rope_scaling or self.rotary_percent != 1.0:
+            raise ValueError("--use-rope-scaling and --rotary-percent are not used by multi-latent attention; its "
+                             "RoPE is --rope-type rope or yarn over --qk-pos-emb-head-dim channels")
 
 
 # The sizes a ModelConfig may leave None and the default ModelConfig.__post_init__ gives each: megatron-core's
@@ -298,6 +409,15 @@ MODEL_TYPES: dict[str, dict] = {
     "mixtral": _LLAMA,
     "qwen2_moe": {**_LLAMA, "add_qkv_bias": True, "moe_shared_expert_gate": True},
     "qwen3_moe": {**_LLAMA, "qk_layernorm": True},
+    # DeepSeek-V2: multi-latent attention (its latents RMS-normalised), experts after the first dense layers, shared
+    # experts, softmax routing. DeepSeek-V3 (and Kimi K2, Moonlight) routes by sigmoid with a score-correction bias.
+    "deepseek_v2": {**_LLAMA, "qk_layernorm": True, "multi_latent_attention": True},
+    "deepseek_v3": {**_LLAMA, "qk_layernorm": True, "multi_latent_attention": True,
+                    "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True},
+    # GLM-4.5: DeepSeek-V3's experts and router under grouped-query attention with q/k/v biases and half-RoPE; q/k
+    # norms in GLM-4.5, none in GLM-4.5-Air (use_qk_norm), so they do not make the type.
+    "glm4_moe": {**{k: v for k, v in _LLAMA.items() if k != "qk_layernorm"}, "add_qkv_bias": True,
+                 "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True},
     # Google's BERT: post-LN, erf-GeLU, learned positions.
     "bert": dict(family="bert", position_embedding_type="learned_absolute", normalization="LayerNorm",
                  activation="gelu", add_bias_linear=True, bert_layernorm_style="post"),
@@ -422,6 +542,20 @@ def _qwen3_moe(**fields) -> ModelConfig:
     return _qwen3("qwen3_moe", **{**defaults, **fields})
 
 
+def _deepseek(model_type: str, first_k_dense: int, num_layers: int, **fields) -> ModelConfig:
+    # DeepSeek's MoE models: the first ``first_k_dense`` layers dense (first_k_dense_replace), RMSNorm eps 1e-6, the
+    # bias update without an auxiliary loss (arXiv:2412.19437 2.1.2) where the router has the bias, no dropout.
+    defaults = dict(layernorm_epsilon=1e-6, moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none",
+                    num_layers=num_layers, moe_layer_freq=[0] * first_k_dense + [1] * (num_layers - first_k_dense))
+    return _llama(model_type, **{**defaults, **fields})
+
+
+def _yarn(factor: float, mscale: float, mscale_all_dim: float, original: int = 4096) -> dict:
+    # YaRN as DeepSeek's config.json gives it (rope_scaling type yarn, beta_fast 32, beta_slow 1).
+    return dict(rope_type="yarn", rotary_scaling_factor=factor, mscale=mscale, mscale_all_dim=mscale_all_dim,
+                original_max_position_embeddings=original)
+
+
 def _bert(num_layers: int, hidden_size: int, num_attention_heads: int) -> ModelConfig:
     # Token types, NSP head, 512 positions, WordPiece vocabulary 30522.
     return model_of_type(
@@ -502,6 +636,55 @@ register_model_config("qwen3-moe-30b-a3b")(lambda: _qwen3_moe(
     num_layers=48, hidden_size=2048, ffn_hidden_size=6144, num_attention_heads=32, num_query_groups=4,
     num_moe_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768,
 ))
+# deepseek-ai/DeepSeek-V3's config.json: 256 routed experts of 2048 and one shared, 8 per token from 4 of 8 groups,
+# weights x 2.5; MLA with q rank 1536, kv rank 512, heads of 128 + 64 (RoPE) channels, values of 128.
+register_model_config("deepseek-v3")(lambda: _deepseek(
+    "deepseek_v3", 3, num_layers=61, hidden_size=7168, ffn_hidden_size=18432, num_attention_heads=128,
+    seq_length=4096, max_position_embeddings=163840, vocab_size=129280, num_moe_experts=256, moe_router_topk=8,
+    moe_ffn_hidden_size=2048, moe_shared_expert_intermediate_size=2048, moe_router_num_groups=8,
+    moe_router_group_topk=4, moe_router_topk_scaling_factor=2.5, q_lora_rank=1536, kv_lora_rank=512,
+    **_yarn(40.0, 1.0, 1.0),
+))
+# deepseek-ai/DeepSeek-V2-Lite: no query compression, 64 experts of 1408 and two shared, 6 per token by softmax,
+# weights not renormalised (norm_topk_prob false: --moe-router-pre-softmax); trained with a sequence-wise balance loss
+# of weight 0.001 (aux_loss_alpha, seq_aux).
+register_model_config("deepseek-v2-lite")(lambda: _deepseek(
+    "deepseek_v2", 1, num_layers=27, hidden_size=2048, ffn_hidden_size=10944, num_attention_heads=16,
+    seq_length=4096, max_position_embeddings=163840, vocab_size=102400, num_moe_experts=64, moe_router_topk=6,
+    moe_ffn_hidden_size=1408, moe_shared_expert_intermediate_size=2816, moe_router_pre_softmax=True,
+    moe_aux_loss_coeff=0.001, moe_router_load_balancing_type="seq_aux_loss", kv_lora_rank=512,
+    **_yarn(40.0, 0.707, 0.707),
+))
+# moonshotai/Moonlight-16B-A3B (model_type deepseek_v3): V2-Lite's shape with V3's router, unscaled RoPE.
+register_model_config("moonlight-16b-a3b")(lambda: _deepseek(
+    "deepseek_v3", 1, num_layers=27, hidden_size=2048, ffn_hidden_size=11264, num_attention_heads=16,
+    seq_length=8192, max_position_embeddings=8192, vocab_size=163840, rotary_base=50000, num_moe_experts=64,
+    moe_router_topk=6, moe_ffn_hidden_size=1408, moe_shared_expert_intermediate_size=2816,
+    moe_router_topk_scaling_factor=2.446, kv_lora_rank=512, layernorm_epsilon=1e-5,
+))
+# moonshotai/Kimi-K2-Instruct (model_type deepseek_v3): 384 experts, 64 heads, one dense layer, no groups.
+register_model_config("kimi-k2")(lambda: _deepseek(
+    "deepseek_v3", 1, num_layers=61, hidden_size=7168, ffn_hidden_size=18432, num_attention_heads=64,
+    seq_length=4096, max_position_embeddings=131072, vocab_size=163840, rotary_base=50000, num_moe_experts=384,
+    moe_router_topk=8, moe_ffn_hidden_size=2048, moe_shared_expert_intermediate_size=2048,
+    moe_router_topk_scaling_factor=2.827, q_lora_rank=1536, kv_lora_rank=512, **_yarn(32.0, 1.0, 1.0),
+))
+# zai-org/GLM-4.5 (model_type glm4_moe): 160 experts of 1536 and one shared, 8 per token by biased sigmoid,
+# weights x 2.5; 96 heads of 128 in 8 KV groups with q/k/v biases and q/k norms, RoPE on half of each head; one
+# multi-token prediction layer. GLM-4.5-Air: 128 experts of 1408, one dense layer, no q/k norms, weights x 1.
+register_model_config("glm-4.5")(lambda: _deepseek(
+    "glm4_moe", 3, num_layers=92, hidden_size=5120, ffn_hidden_size=12288, num_attention_heads=96,
+    num_query_groups=8, kv_channels=128, seq_length=4096, max_position_embeddings=131072, vocab_size=151552,
+    rotary_base=1000000, rotary_percent=0.5, qk_layernorm=True, layernorm_epsilon=1e-5, num_moe_experts=160,
+    moe_router_topk=8, moe_ffn_hidden_size=1536, moe_shared_expert_intermediate_size=1536,
+    moe_router_topk_scaling_factor=2.5, mtp_num_layers=1,
+))
+register_model_config("glm-4.5-air")(lambda: _deepseek(
+    "glm4_moe", 1, num_layers=46, hidden_size=4096, ffn_hidden_size=10944, num_attention_heads=96,
+    num_query_groups=8, kv_channels=128, seq_length=4096, max_position_embeddings=131072, vocab_size=151552,
+    rotary_base=1000000, rotary_percent=0.5, layernorm_epsilon=1e-5, num_moe_experts=128, moe_router_topk=8,
+    moe_ffn_hidden_size=1408, moe_shared_expert_intermediate_size=1408, mtp_num_layers=1,
+))
 register_model_config("bert-base")(lambda: _bert(12, 768, 12))
 register_model_config("bert-large")(lambda: _bert(24, 1024, 16))
 # Debug shapes: seconds on a CPU, every architectural feature switched on.
@@ -536,6 +719,15 @@ register_model_config("tiny-qwen3-moe")(lambda: _qwen3_moe(
     seq_length=32, max_position_embeddings=32, vocab_size=128, make_vocab_size_divisible_by=1, num_moe_experts=4,
     moe_ffn_hidden_size=32,
 ))
+# Four layers, the first dense; 4 experts in 2 groups, 2 per token from 1 group, a shared expert; query rank 32,
+# latent 32, heads of 16 + 8 (RoPE) channels, values 16; YaRN.
+register_model_config("tiny-deepseek-v3")(lambda: _deepseek(
+    "deepseek_v3", 1, num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, seq_length=32,
+    max_position_embeddings=32, vocab_size=128, make_vocab_size_divisible_by=1, num_moe_experts=4, moe_router_topk=2,
+    moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=32, moe_router_num_groups=2, moe_router_group_topk=1,
+    moe_router_topk_scaling_factor=2.5, q_lora_rank=32, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8,
+    v_head_dim=16, **_yarn(4.0, 1.0, 1.0, original=8),
+))
 register_model_config("tiny-bert")(lambda: _bert(2, 64, 4).replace(
     seq_length=32, max_position_embeddings=32, vocab_size=128, make_vocab_size_divisible_by=1,
 ))
@@ -544,6 +736,32 @@ register_model_config("tiny-bert")(lambda: _bert(2, 64, 4).replace(
 # ----------------------------------------------------------------------------------------------------------
 # Megatron-LM's model flags
 # ----------------------------------------------------------------------------------------------------------
+
+def moe_layer_freq(text: str) -> int | list[int]:
+    """``--moe-layer-freq``'s value as Megatron-LM reads it: every N-th layer, or a Python list expression of 0s
+    and 1s (evaluated from its syntax tree: list literals, ``*`` and ``+`` of integers, nothing else).
+
+    Example::
+
+        >>> moe_layer_freq("2"), moe_layer_freq("([0]*2+[1]*3)")
+        (2, [0, 0, 1, 1, 1])
+    """
+    def value(node):
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.List):
+            return [value(item) for item in node.elts]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mult, ast.Add)):
+            left, right = value(node.left), value(node.right)
+            return left * right if isinstance(node.op, ast.Mult) else left + right
+        raise ValueError(text)
+
+    try:
+        parsed = value(ast.parse(text.strip(), mode="eval").body)
+    except (SyntaxError, ValueError, TypeError):
+        raise argparse.ArgumentTypeError(f"{text!r} is neither an integer nor a list such as ([0]*3+[1]*58)") from None
+    return parsed
+
 
 # (flag, field, argparse keywords). Every flag defaults to None so that only what the user typed overrides
 # the named configuration.
@@ -576,6 +794,24 @@ _VALUE_FLAGS = [
     ("--moe-aux-loss-coeff", "moe_aux_loss_coeff", dict(type=float)),
     ("--moe-expert-capacity-factor", "moe_expert_capacity_factor", dict(type=float)),
     ("--moe-token-drop-policy", "moe_token_drop_policy", dict(choices=["probs", "position"])),
+    ("--moe-layer-freq", "moe_layer_freq", dict(type=moe_layer_freq, metavar="N|([0]*K+[1]*M)")),
+    ("--moe-router-score-function", "moe_router_score_function", dict(choices=["softmax", "sigmoid"])),
+    ("--moe-router-bias-update-rate", "moe_router_bias_update_rate", dict(type=float)),
+    ("--moe-router-num-groups", "moe_router_num_groups", dict(type=int)),
+    ("--moe-router-group-topk", "moe_router_group_topk", dict(type=int)),
+    ("--moe-router-topk-scaling-factor", "moe_router_topk_scaling_factor", dict(type=float)),
+    ("--q-lora-rank", "q_lora_rank", dict(type=int)),
+    ("--kv-lora-rank", "kv_lora_rank", dict(type=int)),
+    ("--qk-head-dim", "qk_head_dim", dict(type=int)),
+    ("--qk-pos-emb-head-dim", "qk_pos_emb_head_dim", dict(type=int)),
+    ("--v-head-dim", "v_head_dim", dict(type=int)),
+    ("--rope-type", "rope_type", dict(choices=["rope", "yarn"])),
+    ("--rotary-scaling-factor", "rotary_scaling_factor", dict(type=float)),
+    ("--mscale", "mscale", dict(type=float)),
+    ("--mscale-all-dim", "mscale_all_dim", dict(type=float)),
+    ("--original-max-position-embeddings", "original_max_position_embeddings", dict(type=int)),
+    ("--mtp-num-layers", "mtp_num_layers", dict(type=int)),
+    ("--mtp-loss-scaling-factor", "mtp_loss_scaling_factor", dict(type=float)),
 ]
 # (flag, field, value it sets)
 _SWITCH_FLAGS = [
@@ -591,6 +827,8 @@ _SWITCH_FLAGS = [
     ("--moe-shared-expert-gate", "moe_shared_expert_gate", True),
     ("--moe-router-pre-softmax", "moe_router_pre_softmax", True),
     ("--moe-pad-expert-input-to-capacity", "moe_pad_expert_input_to_capacity", True),
+    ("--moe-router-enable-expert-bias", "moe_router_enable_expert_bias", True),
+    ("--multi-latent-attention", "multi_latent_attention", True),
 ]
 
 

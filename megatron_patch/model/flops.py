@@ -58,8 +58,9 @@ def _mlp_parameters(m: ModelConfig, f: int) -> int:
     return h * fc1_out + f * h + ((fc1_out + h) if m.add_bias_linear else 0)
 
 
-def expert_parameters(m: ModelConfig) -> int:
-    """Parameters of one layer's routed experts (all of them; 0 for a dense model): what expert parallelism splits.
+def expert_parameters(m: ModelConfig, layer: int = 0) -> int:
+    """Parameters of layer ``layer``'s routed experts (all of them; 0 for a dense layer): what expert parallelism
+    splits.
 
     Example::
 
@@ -67,30 +68,72 @@ def expert_parameters(m: ModelConfig) -> int:
         >>> expert_parameters(get_model_config("mixtral-8x7b"))    # 8 experts x 3 x 4096 x 14336
         1409286144
     """
-    return m.num_moe_experts * _mlp_parameters(m, m.moe_ffn_hidden_size) if m.num_moe_experts else 0
+    return m.num_moe_experts * _mlp_parameters(m, m.moe_ffn_hidden_size) if m.is_moe_layer(layer) else 0
 
 
-def layer_parameters(m: ModelConfig) -> int:
+def _attention_parameters(m: ModelConfig) -> int:
     h = m.hidden_size
+    norm = 2 if m.normalization == "LayerNorm" else 1  # weights per normalised channel
+    if m.multi_latent_attention:
+        # Multi-latent attention: the query directly or through its rank-q_lora_rank latent (and that latent's norm),
+        # the key/value latent with the shared RoPE key, its norm, the per-head up projection, the output.
+        q_head = m.qk_head_dim + m.qk_pos_emb_head_dim
+        heads = m.num_attention_heads
+        query = (h * heads * q_head if m.q_lora_rank is None
+                 else h * m.q_lora_rank + m.q_lora_rank * heads * q_head + norm * m.q_lora_rank * m.qk_layernorm)
+        key_value = (h * (m.kv_lora_rank + m.qk_pos_emb_head_dim) + norm * m.kv_lora_rank * m.qk_layernorm
+                     + m.kv_lora_rank * heads * (m.qk_head_dim + m.v_head_dim))
+        return query + key_value + heads * m.v_head_dim * h
     q_size, kv_size = m.kv_channels * m.num_attention_heads, m.kv_channels * m.num_query_groups
     qkv_out = q_size + 2 * kv_size
     bias = m.add_bias_linear
-    attention = h * qkv_out + (qkv_out if bias or m.add_qkv_bias else 0) + q_size * h + (h if bias else 0)
-    if m.num_moe_experts:
+    # Qwen3's query and key norms: one weight (and a bias for LayerNorm) per head channel each.
+    qk_norms = 2 * m.kv_channels * norm if m.qk_layernorm else 0
+    return h * qkv_out + (qkv_out if bias or m.add_qkv_bias else 0) + q_size * h + (h if bias else 0) + qk_norms
+
+
+def layer_parameters(m: ModelConfig, layer: int = 0, active: bool = False) -> int:
+    """Parameters of layer ``layer`` (0-based); ``active``: those one token passes through (its top-k experts).
+
+    Example::
+
+        >>> from megatron_patch.model.config import get_model_config
+        >>> m = get_model_config("tiny-deepseek-v3")
+        >>> layer_parameters(m, 0) > layer_parameters(m, 1, active=True)     # the dense layer's MLP is wider
+        True
+    """
+    h = m.hidden_size
+    if m.is_moe_layer(layer):
         shared = m.moe_shared_expert_intermediate_size
+        experts = (m.moe_router_topk * _mlp_parameters(m, m.moe_ffn_hidden_size) if active
+                   else expert_parameters(m, layer))
         # the router's expert scores, the experts, the shared expert and its one-output gate
-        mlp = (h * m.num_moe_experts + expert_parameters(m)
+        mlp = (h * m.num_moe_experts + experts
                + (_mlp_parameters(m, shared) if shared else 0) + (h if m.moe_shared_expert_gate else 0))
     else:
         mlp = _mlp_parameters(m, m.ffn_hidden_size)
-    # Qwen3's query and key norms: one weight (and a bias for LayerNorm) per head channel each.
-    qk_norms = 2 * m.kv_channels * (2 if m.normalization == "LayerNorm" else 1) if m.qk_layernorm else 0
-    return attention + mlp + 2 * _norm_parameters(m) + qk_norms
+    return _attention_parameters(m) + mlp + 2 * _norm_parameters(m)
 
 
-def num_parameters(model_config: ModelConfig, padded_vocab_size: int) -> int:
+def mtp_parameters(m: ModelConfig) -> int:
+    """One multi-token prediction module: a layer of the last layer's kind, the norms of its two inputs, their
+    projection from [embedding; hidden] and its final norm (embedding and output layer are the model's).
+
+    Example::
+
+        >>> from megatron_patch.model.config import get_model_config
+        >>> m = get_model_config("tiny-deepseek-v3")
+        >>> mtp_parameters(m) - layer_parameters(m, m.num_layers - 1)        # 2 x 64 x 64 + three norms of 64
+        8384
+    """
+    return layer_parameters(m, m.num_layers - 1) + 2 * m.hidden_size * m.hidden_size + 3 * _norm_parameters(m)
+
+
+def num_parameters(model_config: ModelConfig, padded_vocab_size: int, active: bool = False) -> int:
     """Parameters of the whole model as ``build_model_chunks`` builds it (all TP/PP shards together, tied
-    embeddings counted once).
+    embeddings counted once); ``active``: those one token's forward multiplies with, as DeepSeek counts its
+    "activated parameters" (arXiv:2412.19437: 37B of 671B): each MoE layer's top k experts instead of all, the
+    output layer but not the embedding tables, from which a token only reads its row.
 
     Example::
 
@@ -105,8 +148,11 @@ def num_parameters(model_config: ModelConfig, padded_vocab_size: int) -> int:
         embedding += m.max_positions * h
     embedding += m.num_tokentypes * h
     # Pre-LN models end with a final norm; post-LN BERT has its norm on the embeddings instead.
-    total = embedding + m.num_layers * layer_parameters(m) + _norm_parameters(m)
-    if m.untie_embeddings_and_output_weights:
+    layers = sum(layer_parameters(m, layer, active) for layer in range(m.num_layers))
+    if not active:  # multi-token prediction trains the model; a token's prediction does not pass through it
+        layers += (m.mtp_num_layers or 0) * mtp_parameters(m)
+    total = (0 if active else embedding) + layers + _norm_parameters(m)
+    if m.untie_embeddings_and_output_weights or active:
         total += vocab * h
     if m.family == "bert":
         total += h * h + h + _norm_parameters(m) + vocab  # LM head transform (dense + norm) and output bias

@@ -16,15 +16,19 @@ from __future__ import annotations
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec_for_backend
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer, TransformerLayerSubmodules, get_transformer_layer_offset,
+)
 
 from megatron_patch.compat import dense_mlp_submodule
 from megatron_patch.model.attention import SDPAttention
@@ -62,8 +66,29 @@ def norm_module(model_config: ModelConfig, parallel_config: ParallelConfig | Non
     return backend(parallel_config).layer_norm(rms_norm=model_config.normalization == "RMSNorm")
 
 
-def layer_spec(model_config: ModelConfig, parallel_config: ParallelConfig | None = None) -> ModuleSpec:
-    """The ModuleSpec of one transformer layer of ``model_config`` on this machine's backend.
+def _mla_attention(model_config: ModelConfig, provider: BackendSpecProvider) -> ModuleSpec:
+    """megatron-core's multi-latent attention (its local spec's modules, gpt_layer_specs.py:366-388 at
+    core_v0.16.1); with ``qk_layernorm`` the norms on the query and key/value latents (DeepSeek's
+    ``q_a_layernorm``/``kv_a_layernorm``). Every projection is column-parallel as there: the down projections'
+    outputs are gathered over TP before their norms."""
+    latent_norm = (provider.layer_norm(rms_norm=model_config.normalization == "RMSNorm", for_qk=True)
+                   if model_config.qk_layernorm else IdentityOp)
+    linear = provider.column_parallel_linear()
+    return ModuleSpec(
+        module=MLASelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal},
+        submodules=MLASelfAttentionSubmodules(
+            linear_q_proj=linear, linear_q_down_proj=linear, linear_q_up_proj=linear, linear_kv_down_proj=linear,
+            linear_kv_up_proj=linear, core_attention=provider.core_attention(),
+            linear_proj=provider.row_parallel_linear(), q_layernorm=latent_norm, kv_layernorm=latent_norm,
+        ),
+    )
+
+
+def layer_spec(model_config: ModelConfig, parallel_config: ParallelConfig | None = None, layer: int = 0
+               ) -> ModuleSpec:
+    """The ModuleSpec of transformer layer ``layer`` (0-based, counted over all pipeline stages; it decides
+    between experts and a dense MLP by ``moe_layer_freq``) of ``model_config`` on this machine's backend.
 
     Example::
 
@@ -81,7 +106,8 @@ def layer_spec(model_config: ModelConfig, parallel_config: ParallelConfig | None
     # transformers' Qwen3Attention does.
     qk_norm = (provider.layer_norm(rms_norm=model_config.normalization == "RMSNorm", for_qk=True)
                if model_config.qk_layernorm else IdentityOp)
-    self_attention = ModuleSpec(
+    mla = model_config.multi_latent_attention
+    self_attention = _mla_attention(model_config, provider) if mla else ModuleSpec(
         module=SelfAttention,
         params={"attn_mask_type": _ATTN_MASK_TYPE[model_config.family]},
         submodules=SelfAttentionSubmodules(
@@ -92,7 +118,7 @@ def layer_spec(model_config: ModelConfig, parallel_config: ParallelConfig | None
             k_layernorm=qk_norm,
         ),
     )
-    moe = model_config.num_moe_experts is not None
+    moe = model_config.is_moe_layer(layer)
     if moe:
         # megatron-core's MoELayer (router, experts, shared expert) from the same provider; its experts are a loop
         # of local MLPs (SequentialMLP) unless grouped GEMM is asked for. Nothing fuses into a router, so the MLP's
@@ -115,14 +141,16 @@ def layer_spec(model_config: ModelConfig, parallel_config: ParallelConfig | None
         )
     pre_norm = IdentityOp if fuse_norm else norm
     # Checkpoint keys as with TE's fused norm+linear, so local and TE checkpoints load into each other (as
-    # megatron-core's own local spec does); a MoE layer's MLP norm is unfused in both.
-    keys_map = {} if fuse_norm else {local: fused for local, fused in FUSED_NORM_NAMES.items()
-                                     if not (moe and local == "pre_mlp_layernorm.")}
+    # megatron-core's own local spec does); a MoE layer's MLP norm is unfused in both, and so is the norm before
+    # multi-latent attention, whose first projections are two (query and key/value latents).
+    unfused = {"pre_mlp_layernorm."} if moe else set()
+    unfused |= {"input_layernorm."} if mla else set()
+    keys_map = {} if fuse_norm else {local: fused for local, fused in FUSED_NORM_NAMES.items() if local not in unfused}
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
             **common,
-            input_layernorm=pre_norm,
+            input_layernorm=norm if mla else pre_norm,
             pre_mlp_layernorm=norm if moe else pre_norm,
             sharded_state_dict_keys_map=keys_map,
         ),
@@ -142,7 +170,31 @@ def block_spec(
     """
     post_ln = model_config.family == "bert" and model_config.bert_layernorm_style == "post"
     num_layers = get_num_layers_to_build(transformer_config, vp_stage=vp_stage)
+    offset = get_transformer_layer_offset(transformer_config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(
-        layer_specs=[layer_spec(model_config, parallel_config)] * num_layers,
+        layer_specs=[layer_spec(model_config, parallel_config, offset + i) for i in range(num_layers)],
         layer_norm=None if post_ln else norm_module(model_config, parallel_config),
     )
+
+
+def mtp_block_spec(
+    model_config: ModelConfig,
+    transformer_config: TransformerConfig,
+    parallel_config: ParallelConfig | None = None,
+    vp_stage: int | None = None,
+):
+    """The multi-token prediction modules of this pipeline rank's chunk ``vp_stage`` (megatron-core builds them all
+    on the last stage), each around a layer of the model's last layer's kind; None without them or elsewhere.
+
+    Example::
+
+        >>> from megatron_patch.model.config import get_model_config
+        >>> mtp_block_spec(get_model_config("tiny-llama"), None) is None
+        True
+    """
+    if not model_config.mtp_num_layers:
+        return None
+    # The last layer's spec, whichever stage this is (megatron-core takes block.layer_specs[-1]).
+    last = TransformerBlockSubmodules(layer_specs=[layer_spec(model_config, parallel_config,
+                                                              model_config.num_layers - 1)])
+    return get_gpt_mtp_block_spec_for_backend(transformer_config, last, backend(parallel_config), vp_stage=vp_stage)

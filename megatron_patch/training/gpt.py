@@ -48,7 +48,8 @@ def gpt_forward_step(data_iterator, model):
     raw = next(data_iterator) if data_iterator is not None else None
     batch = broadcast_batch(["tokens", "labels", "position_ids"], raw, torch.int64)
     loss_mask = broadcast_batch(["loss_mask"], raw, torch.float32)["loss_mask"]
-    per_token_loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    # The loss mask also masks the multi-token prediction losses, which the model computes itself.
+    per_token_loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"], loss_mask=loss_mask)
     return per_token_loss, lambda output: lm_loss_func(loss_mask, output)
 
 
@@ -130,7 +131,8 @@ class SFTDataset(torch.utils.data.Dataset):
 
 def sft_forward_step(batch: dict, model):
     """Per-token loss over the response tokens of ``batch`` (the three-value loss form: token-weighted)."""
-    per_token_loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    per_token_loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                           loss_mask=batch["loss_mask"])
     return per_token_loss, lambda output: lm_loss_func(batch["loss_mask"], output)
 
 

@@ -63,23 +63,20 @@ IGNORED_FLAGS = {
 }
 
 # Flags of features this package does not have: flag -> why, and what to use instead. Refused in one line.
-_MLA = ("multi-latent attention (DeepSeek-V2/V3) is not among the model configurations here; the models are "
-        "GPT, LLaMA, Qwen2, Mistral and BERT (--model-name)")
 _MAMBA = "hybrid Mamba models are not built here (GPT and BERT only)"
 _VISION = "vision-language models are not built here (GPT and BERT only)"
 _OFFLOAD = "CPU offloading is not implemented here; use --recompute-granularity or more data-parallel ranks"
 _MEGATRON_FSDP = ("Megatron FSDP is not used here; --zero-3-memory-optimization shards parameters with torch FSDP2 "
                   "(plain/HF models), --use-distributed-optimizer shards optimizer state (megatron models)")
-_ROUTER = "this router option of megatron-core's MoE layer is not exposed here; the router is top-k with softmax"
-_MTP = "multi-token prediction is not built here"
+_ROUTER = ("this router option of megatron-core's MoE layer is not exposed here; the router is top-k by softmax or "
+           "sigmoid (--moe-router-score-function), in the parameters' precision")
 _WINDOW = "sliding-window attention is not built here"
 _GPT_OSS = "gpt-oss's attention and activation variants are not built here"
 _PMP_DATA = ("Pai-Megatron-Patch's dataset switch: give Megatron .bin/.idx prefixes with --data-path (--mock-data "
              "for synthetic data)")
 REFUSED_FLAGS = {
-    **dict.fromkeys(["--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim",
-                     "--qk-nope-head-dim", "--qk-pos-emb-head-dim", "--qk-rope-head-dim", "--v-head-dim",
-                     "--rotary-scaling-factor", "--mscale", "--mscale-all-dim", "--rope-type"], _MLA),
+    "--qk-nope-head-dim": "Pai-Megatron-Patch's name: give --qk-head-dim N (Megatron-LM's)",
+    "--qk-rope-head-dim": "Pai-Megatron-Patch's name: give --qk-pos-emb-head-dim N (Megatron-LM's)",
     **dict.fromkeys(["--mamba-head-dim", "--mamba-num-groups", "--mamba-num-heads", "--mamba-state-dim",
                      "--hybrid-attention-ratio", "--hybrid-mlp-ratio", "--hybrid-override-pattern",
                      "--is-hybrid-model"], _MAMBA),
@@ -93,19 +90,14 @@ REFUSED_FLAGS = {
                      "--megatron-fsdp-grad-comm-dtype", "--megatron-fsdp-main-grads-dtype",
                      "--megatron-fsdp-main-params-dtype", "--megatron-fsdp-max-pool-double-buffer",
                      "--num-distributed-optimizer-instances", "--init-model-with-meta-device"], _MEGATRON_FSDP),
-    **dict.fromkeys(["--moe-router-bias-update-rate", "--moe-router-dtype", "--moe-router-enable-expert-bias",
-                     "--moe-router-force-load-balancing", "--moe-router-group-topk", "--moe-router-num-groups",
-                     "--moe-router-score-function", "--moe-router-topk-scaling-factor", "--moe-z-loss-coeff"],
-                    _ROUTER),
+    **dict.fromkeys(["--moe-router-dtype", "--moe-router-force-load-balancing", "--moe-z-loss-coeff"], _ROUTER),
     "--moe-enable-deepep": "DeepEP's all-to-all needs its CUDA kernels; the alltoall token dispatcher runs here",
     "--moe-flex-dispatcher-backend": "the flex dispatcher's DeepEP/HybridEP backends need their CUDA kernels, which "
                                      "are not used here; give --moe-token-dispatcher-type alltoall",
     "--moe-shared-expert-overlap": "shared-expert overlap is not used here; the shared expert runs after routing",
-    "--moe-layer-freq": "every layer of a mixture-of-experts model here is a MoE layer",
     "--moe-layer-recompute": "give --recompute-granularity full (MoE layers are recomputed with the rest)",
     "--enable-shared-expert": "Pai-Megatron-Patch's switch: give --moe-shared-expert-intermediate-size N",
     "--shared-moe-ffn-hidden-size": "Pai-Megatron-Patch's name: give --moe-shared-expert-intermediate-size N",
-    **dict.fromkeys(["--mtp-num-layers", "--mtp-loss-scaling-factor"], _MTP),
     **dict.fromkeys(["--window-size", "--window-attn-skip-freq", "--sliding-window"], _WINDOW),
     **dict.fromkeys(["--enable-gpt-oss", "--softmax-type", "--quick-geglu", "--glu-linear-offset",
                      "--activation-func-clamp-value"], _GPT_OSS),

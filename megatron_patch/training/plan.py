@@ -31,7 +31,7 @@ import os
 import sys
 
 from megatron_patch.model import ModelConfig, num_parameters
-from megatron_patch.model.flops import expert_parameters, layer_parameters
+from megatron_patch.model.flops import expert_parameters, layer_parameters, mtp_parameters
 from megatron_patch.tokenizer.registry import build_tokenizer
 from megatron_patch.training.arguments import parse_flags, run_config
 from megatron_patch.training.launcher import processes_per_node
@@ -188,7 +188,9 @@ class Plan:
             per_gpu = (f"(pipeline stage {self.most_loaded_stage}: others / TP {self.tp}, routed experts / (expert TP "
                        f"{self.etp} x EP {self.ep}) = {round(self.expert_parameters_per_gpu):,})")
         lines += [
-            f"parameters: {self.total_parameters:,} total",
+            f"parameters: {self.total_parameters:,} total"
+            + (f", {num_parameters(m, self.padded_vocab, active=True):,} active per token" if m.num_moe_experts
+               else ""),
             f"parameters per GPU: {round(self.parameters_per_gpu):,} {per_gpu}",
             f"bytes per parameter: {sum(size.values()):g} = weights {size['weights']:g} ({self.precision}) + "
             f"gradients {size['gradients']:g} (fp32) + optimizer {optimizer}",
@@ -220,19 +222,19 @@ def _stages(model: ModelConfig, vocab: int, pp: int, vpp: int, stage_ranks: list
     heads and output layer on the last. With tied embeddings and PP > 1 the last stage keeps its own copy of the
     word embeddings as the output layer (megatron-core's ``setup_embeddings_and_output_layer``)."""
     m, h = model, model.hidden_size
-    per_layer = layer_parameters(m)
-    experts_per_layer = expert_parameters(m)
     embedding = vocab * h + m.num_tokentypes * h + (m.max_positions * h if m.position_embedding_type ==
                                                     "learned_absolute" else 0)
     output = vocab * h if m.untie_embeddings_and_output_weights or pp > 1 else 0
     # Final norm (and BERT's LM and binary heads): what the whole model has beyond layers, embedding and output.
-    head = num_parameters(m, vocab) - m.num_layers * per_layer - embedding - (
-        vocab * h if m.untie_embeddings_and_output_weights else 0)
+    mtp = m.mtp_num_layers or 0  # megatron-core builds multi-token prediction on the last stage
+    head = num_parameters(m, vocab) - sum(layer_parameters(m, i) for i in range(m.num_layers)) - embedding - (
+        vocab * h if m.untie_embeddings_and_output_weights else 0) - mtp * mtp_parameters(m)
     chunk = m.num_layers // (pp * vpp)
     stages = []
     for s in range(pp):
         layers = [c * chunk + i for c in range(s, pp * vpp, pp) for i in range(chunk)]
-        extras, parameters = [], len(layers) * per_layer
+        extras, parameters = [], sum(layer_parameters(m, i) for i in layers)
+        experts = sum(expert_parameters(m, i) for i in layers)
         if s == 0:
             extras.append("embedding")
             parameters += embedding
@@ -243,8 +245,12 @@ def _stages(model: ModelConfig, vocab: int, pp: int, vpp: int, stage_ranks: list
                 extras.append("output layer" if m.untie_embeddings_and_output_weights else
                               "output layer (a copy of the tied embedding)")
                 parameters += output
+            if mtp:
+                extras.append(f"{mtp} multi-token prediction module(s)")
+                parameters += mtp * mtp_parameters(m)
+                experts += mtp * expert_parameters(m, m.num_layers - 1)
         stages.append(Stage(ranks=sorted(stage_ranks[s]), layers=layers, extras=extras, parameters=parameters,
-                            expert_parameters=len(layers) * experts_per_layer))
+                            expert_parameters=experts))
     return stages
 
 

@@ -139,7 +139,8 @@ class RoutingStatistics:
         from megatron.core.transformer.moe.router import Router
 
         config = get_model_config(chunks[0])
-        self.num_layers = config.num_layers
+        # Multi-token prediction modules are layers num_layers + 1, ... (each has a router in a MoE model).
+        self.num_layers = config.num_layers + (getattr(config, "mtp_num_layers", None) or 0)
         self.num_experts = getattr(config, "num_moe_experts", None)
         self._counts: dict[int, torch.Tensor] = {}
         for chunk in chunks:
@@ -292,6 +293,9 @@ def train_step(
         if parallel_state.is_pipeline_last_stage(ignore_virtual=True)
         else (None, 0, None, {})
     )
+    if getattr(get_model_config(chunks[0]), "mtp_num_layers", None) and parallel_state.is_pipeline_last_stage(
+            ignore_virtual=True):
+        other_losses = {**other_losses, **_take_mtp_losses(num_microbatches)}
     routed = None if routing is None else routing.take(num_microbatches)
     if routed is not None:
         # Megatron-LM logs each auxiliary loss as its mean over the MoE layers, under its tracker name.
@@ -317,6 +321,20 @@ def train_step(
     )
 
 
+def _take_mtp_losses(num_microbatches: int) -> dict[str, float]:
+    """This step's multi-token prediction losses under Megatron-LM's names ("mtp_1 loss", ...): each module's loss
+    (GPTModel's forward tracks the sum over microbatches of their means) averaged over microbatches and
+    data-parallel ranks, as Megatron-LM's training_log does with ``track_mtp_metrics``; then cleared."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    if "values" not in MTPLossLoggingHelper.tracker:
+        return {}
+    MTPLossLoggingHelper.reduce_loss_in_tracker()
+    values = (MTPLossLoggingHelper.tracker["values"] / num_microbatches).tolist()
+    MTPLossLoggingHelper.clean_loss_in_tracker()
+    return {f"mtp_{k + 1} loss": value for k, value in enumerate(values)}
+
+
 def lm_loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
     """Masked language-model loss in the three-value form megatron-core's schedules average per token."""
     loss_mask = loss_mask.reshape(-1).float()
@@ -331,5 +349,7 @@ def lm_forward_step(data_iterator: Iterator, model: torch.nn.Module):
     The attention mask is left to the model's causal mask type (``AttnMaskType.causal``).
     """
     batch = next(data_iterator)
-    per_token_loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    # The loss mask also masks the multi-token prediction losses, which the model computes itself.
+    per_token_loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                           loss_mask=batch["loss_mask"])
     return per_token_loss, lambda output: lm_loss_func(batch["loss_mask"], output)
