@@ -1,0 +1,116 @@
+"""LoRA fine-tuning (model/lora.py): the same losses and adapters at every layout as in one process, the base
+frozen and out of the optimizer.
+
+    python -m pytest -q -p no:cacheprovider tests/test_lora.py
+
+The oracle is the single-process run of a tiny LLaMA (grouped queries, SwiGLU: both fused layers): its base
+weights are filled by checkpoint key (``tests.model_oracles.init_weights``, the same at every layout), adapters
+are added to every attention and MLP linear, and each layout trains on the same global batches.
+"""
+
+import pytest
+
+from megatron_patch.testing import run_on_ranks
+from tests.model_oracles import GLOBAL_BATCH, SEQ, VOCAB
+
+STEPS = 3
+RANK, ALPHA = 4, 8.0
+
+
+def _lora_keys_gathered(chunks) -> dict | None:
+    """The global adapter tensors by checkpoint key (numpy) on rank 0, None elsewhere."""
+    import torch
+    from megatron.core.dist_checkpointing.mapping import is_main_replica
+
+    from tests.model_oracles import _local_slice, _sharded_tensors
+
+    shards = []
+    for chunk in chunks:
+        for sharded in _sharded_tensors(chunk.sharded_state_dict()):
+            if "lora_" in sharded.key and is_main_replica(sharded.replica_id):
+                index, local_shape = _local_slice(sharded)
+                shards.append((sharded.key, tuple(sharded.global_shape), index,
+                               sharded.data.detach().float().clone().reshape(local_shape)))
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, shards)
+    if torch.distributed.get_rank() != 0:
+        return None
+    full = {}
+    for rank_shards in gathered:
+        for key, shape, index, data in rank_shards:
+            full.setdefault(key, torch.full(shape, float("nan")))[index] = data
+    return {key: tensor.numpy() for key, tensor in full.items()}
+
+
+def train_lora(rank, world_size, tp, pp, sequence_parallel=False, recompute=False, distributed_optimizer=False):
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+
+    from megatron_patch.distributed import initialize_distributed
+    from megatron_patch.model.builder import build_model_chunks, padded_vocab_size
+    from megatron_patch.model.lora import LoraSettings, apply_lora
+    from megatron_patch.model.parallel import ParallelConfig
+    from megatron_patch.training.step import build_optimizer, lm_forward_step, train_step, wrap_model
+    from tests.model_oracles import init_weights, model_config
+    from tests.test_parallel_training import _gpt_batches
+
+    layout = initialize_distributed(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, seed=7)
+    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                              sequence_parallel=sequence_parallel,
+                              **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+                                 if recompute else {}))
+    chunks = build_model_chunks(model_config("tiny-llama", num_layers=2), parallel, padded_vocab_size(VOCAB, 1, tp))
+    init_weights(chunks)
+    apply_lora(chunks, LoraSettings(rank=RANK, alpha=ALPHA), seed=11)
+    base = {n: p.detach().clone() for n, p in chunks[0].named_parameters() if not p.requires_grad}
+    ddp = wrap_model(chunks, DistributedDataParallelConfig(use_distributed_optimizer=distributed_optimizer))
+    optimizer = build_optimizer(ddp, OptimizerConfig(optimizer="adam", lr=1e-2,
+                                                     use_distributed_optimizer=distributed_optimizer))
+    held = sum(p.numel() for group in optimizer.param_groups for p in group["params"])
+    trainable = sum(p.numel() for p in chunks[0].parameters() if p.requires_grad)
+    dp_rank, dp = parallel_state.get_data_parallel_rank(), layout.data_parallel_size
+    losses = []
+    for step in range(STEPS):
+        stats = train_step(lm_forward_step, _gpt_batches(step, dp_rank, dp, 1), ddp, optimizer,
+                           num_microbatches=GLOBAL_BATCH // dp, seq_length=SEQ, micro_batch_size=1)
+        losses.append(stats.loss)
+    unchanged = all(torch.equal(p, base[n]) for n, p in chunks[0].named_parameters() if n in base)
+    return dict(losses=losses, adapters=_lora_keys_gathered(chunks), base_unchanged=unchanged,
+                optimizer_numel=held, trainable_numel=trainable)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    [result] = run_on_ranks(train_lora, 1, args=(1, 1))
+    assert result["losses"][-1] < result["losses"][0], "the reference run must learn"
+    assert result["base_unchanged"]
+    # Only the adapters are held: the optimizer's fp32 parameters are the trainable ones, no base weight.
+    assert result["optimizer_numel"] == result["trainable_numel"] > 0
+    return result
+
+
+def _last_stage(results):
+    return [r for r in results if r["losses"][0] is not None][0]
+
+
+@pytest.mark.parametrize("world_size,tp,pp,options", [
+    (2, 2, 1, {}), (2, 1, 2, {}), (4, 2, 2, {}),
+    (2, 2, 1, {"sequence_parallel": True, "recompute": True}),
+    (2, 1, 1, {"distributed_optimizer": True}),
+], ids=["tp2", "pp2", "tp2xpp2", "tp2-sp-recompute", "dp2-distopt"])
+def test_lora_layout_matches_single_process(reference, world_size, tp, pp, options):
+    import numpy as np
+
+    results = run_on_ranks(train_lora, world_size, args=(tp, pp), kwargs=options)
+    assert _last_stage(results)["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    assert all(r["base_unchanged"] for r in results)
+    adapters = results[0]["adapters"]
+    assert sorted(adapters) == sorted(reference["adapters"])
+    for key, expected in reference["adapters"].items():
+        # Adam divides each step by the gradient's running RMS: an element whose gradient is near zero moves by
+        # up to lr whatever its last bits, so the weights are compared to 1% of lr (losses agree to 1e-5).
+        np.testing.assert_allclose(adapters[key], expected, rtol=1e-4, atol=1e-4, err_msg=key)
+    # The adapters moved off their initialisation (B starts at zero).
+    assert any(np.abs(v).max() > 0 for k, v in adapters.items() if k.endswith("lora_B"))
