@@ -114,3 +114,111 @@ def test_lora_layout_matches_single_process(reference, world_size, tp, pp, optio
         np.testing.assert_allclose(adapters[key], expected, rtol=1e-4, atol=1e-4, err_msg=key)
     # The adapters moved off their initialisation (B starts at zero).
     assert any(np.abs(v).max() > 0 for k, v in adapters.items() if k.endswith("lora_B"))
+
+
+# -- the trainer: a base trained here, LoRA fine-tuning on it, checkpoints and resume ------------------------------
+
+def train_gpt(rank, world_size, argv):
+    """The Pretrainer's run of ``argv``: its losses, Adam's state on this rank (elements) and its checkpoint."""
+    from megatron_patch.errors import UserError
+    from megatron_patch.training.engine import Engine
+    from megatron_patch.training.tasks import MegatronGPTPretrainer
+
+    try:
+        trainer = MegatronGPTPretrainer(engine=Engine(argv))
+        log = trainer.train()
+    except UserError as error:
+        return {"error": str(error)}
+    inner = trainer.optimizer.optimizer
+    state = sum(t.numel() for s in inner.state.values() for t in s.values() if hasattr(t, "numel") and t.dim())
+    return {"losses": [loss for _, loss in log.train_losses], "optimizer_state": state}
+
+
+def _size(directory: str) -> int:
+    import os
+
+    return sum(os.path.getsize(os.path.join(d, name)) for d, _, names in os.walk(directory) for name in names)
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    from seed_scripts.assets import rapidformer_assets
+
+    return rapidformer_assets(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def base(assets, tmp_path_factory):
+    """A tiny GPT trained for 2 iterations: the base every LoRA run here adapts."""
+    from test_trainer_megatron import _gpt_flags
+
+    root = str(tmp_path_factory.mktemp("base") / "ckpt")
+    [result] = run_on_ranks(train_gpt, 1, args=(_gpt_flags(assets, *_BATCH, "--train-iters", "2", "--save", root),))
+    assert "error" not in result, result
+    return root
+
+
+_BATCH = ("--micro-batch-size", "2", "--global-batch-size", "4")
+
+
+def _lora_flags(assets, *extra):
+    from test_trainer_megatron import _gpt_flags
+
+    return _gpt_flags(assets, *_BATCH, "--lora-rank", "4", "--lora-alpha", "8", *extra)
+
+
+def test_lora_checkpoint_holds_the_adapters_and_resumes_exactly(assets, base, tmp_path):
+    from megatron_patch.checkpoint.format import checkpoint_dir, write_tracker
+
+    lora, full = str(tmp_path / "lora"), str(tmp_path / "full")
+    [unbroken] = run_on_ranks(train_gpt, 1, args=(_lora_flags(
+        assets, "--load", base, "--finetune", "--train-iters", "4", "--save", lora, "--save-interval", "2"),))
+    [full_ft] = run_on_ranks(train_gpt, 1, args=(_gpt_flags_full(assets, base, full),))
+    losses = unbroken["losses"]
+    # B starts at zero: the first step's loss is the base's, as full fine-tuning from the same base sees it.
+    assert len(losses) == 4 and losses[0] == full_ft["losses"][0] and losses[1] != full_ft["losses"][1], losses
+    # What a kill after iteration 2's save leaves: that checkpoint as the latest. Resuming it (base, then the
+    # adapters with their optimizer and scheduler) continues bitwise.
+    write_tracker(lora, 2)
+    [resumed] = run_on_ranks(train_gpt, 1, args=(_lora_flags(assets, "--load", lora, "--train-iters", "4"),))
+    assert resumed["losses"] == losses[2:]
+    # Adam's state and the checkpoint scale with the adapters, not the base.
+    assert unbroken["optimizer_state"] < full_ft["optimizer_state"] / 10
+    assert _size(checkpoint_dir(lora, 2)) < _size(checkpoint_dir(full, 2)) / 3
+    print(f"\nAdam state elements: LoRA {unbroken['optimizer_state']}, full {full_ft['optimizer_state']}; checkpoint "
+          f"bytes: LoRA {_size(checkpoint_dir(lora, 2))}, full {_size(checkpoint_dir(full, 2))}")
+
+
+def _gpt_flags_full(assets, base, save):
+    from test_trainer_megatron import _gpt_flags
+
+    return _gpt_flags(assets, *_BATCH, "--load", base, "--finetune", "--train-iters", "2", "--save", save)
+
+
+def test_lora_refusals_are_one_line(assets, base, tmp_path):
+    import shutil
+
+    from test_trainer_megatron import _gpt_flags
+
+    lora = str(tmp_path / "lora")
+    [trained] = run_on_ranks(train_gpt, 1, args=(_lora_flags(
+        assets, "--load", base, "--finetune", "--train-iters", "1", "--save", lora),))
+    assert "error" not in trained, trained
+    resume = ("--load", lora, "--train-iters", "2")
+    [wrong_rank] = run_on_ranks(train_gpt, 1, args=(_lora_flags(assets, *resume, "--lora-rank", "8"),))
+    assert "--lora-rank 4" in wrong_rank["error"] and "\n" not in wrong_rank["error"]
+    [no_finetune] = run_on_ranks(train_gpt, 1, args=(_lora_flags(assets, "--load", base, "--train-iters", "1"),))
+    assert "add --finetune" in no_finetune["error"]
+    moved = str(tmp_path / "moved")
+    shutil.move(base, moved)
+    try:
+        [missing] = run_on_ranks(train_gpt, 1, args=(_lora_flags(assets, *resume),))
+        # Another base under the same name: trained from another seed.
+        run_on_ranks(train_gpt, 1, args=(_gpt_flags(assets, *_BATCH, "--train-iters", "2", "--save", base,
+                                                     "--seed", "9"),))
+        [other] = run_on_ranks(train_gpt, 1, args=(_lora_flags(assets, *resume),))
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+        shutil.move(moved, base)
+    assert "is missing" in missing["error"] and "\n" not in missing["error"], missing
+    assert "not the one the adapters were trained on" in other["error"] and "\n" not in other["error"], other
