@@ -222,3 +222,70 @@ def test_lora_refusals_are_one_line(assets, base, tmp_path):
         shutil.move(moved, base)
     assert "is missing" in missing["error"] and "\n" not in missing["error"], missing
     assert "not the one the adapters were trained on" in other["error"] and "\n" not in other["error"], other
+
+
+# -- out to Hugging Face: PEFT's adapters and the merged model against our model --------------------------------
+
+def train_lora_on_converted(rank, world_size, argv, sequences, tokens):
+    """LoRA training of a converted checkpoint (tests.convert_oracles' fixed-data Pretrainer); the trained model's
+    logits on ``tokens`` (last stage, the vocabulary's rows only)."""
+    import torch
+
+    from megatron_patch.convert.verify import megatron_outputs
+    from megatron_patch.training.engine import Engine
+    from tests.convert_oracles import _fixed_data_pretrainer
+
+    trainer = _fixed_data_pretrainer(sequences)(engine=Engine(argv))
+    log = trainer.train()
+    info = trainer.checkpoint_info
+    inputs = {"tokens": torch.tensor([tokens]), "position_ids": torch.arange(len(tokens))[None]}
+    out = megatron_outputs(trainer.model, info, inputs, {"logits"})
+    return {"losses": [loss for _, loss in log.train_losses],
+            "logits": None if out is None else out["logits"][0, :, :info.model_config.vocab_size].numpy()}
+
+
+def hf_logits(rank, world_size, hf_dir, adapter_dir, merged_dir, tokens):
+    """Logits on ``tokens`` of the Hugging Face base, of PEFT's model (the base with the exported adapters) and of
+    the merged export, through transformers and peft."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.tensor([tokens])
+    with torch.no_grad():
+        base = AutoModelForCausalLM.from_pretrained(hf_dir).eval()(input_ids=ids).logits[0]
+        peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(hf_dir), adapter_dir).eval()
+        adapted = peft_model(input_ids=ids).logits[0]
+        merged = AutoModelForCausalLM.from_pretrained(merged_dir).eval()(input_ids=ids).logits[0]
+    return {"base": base.numpy(), "peft": adapted.numpy(), "merged": merged.numpy()}
+
+
+def test_exported_peft_adapter_and_merged_model_give_our_logits(tmp_path):
+    import os
+
+    import numpy as np
+
+    from tests.convert_oracles import cli, make_hf_model, training_sequences
+
+    hf, converted = make_hf_model("llama-gqa", str(tmp_path / "hf")), str(tmp_path / "converted")
+    assert run_on_ranks(cli, 1, args=(["hf-to-megatron", "--hf-dir", hf, "--save-dir", converted,
+                                       "--no-progress"],)) == [0]
+    lora, adapter, merged = (str(tmp_path / name) for name in ("lora", "adapter", "merged"))
+    sequences = training_sequences()
+    tokens = sequences[0][:12]
+    # At TP=2 with the q/k/v and gate/up parts named as PEFT names them: the export gathers the shards.
+    argv = ["--load", converted, "--finetune", "--tensor-model-parallel-size", "2", "--micro-batch-size", "2",
+            "--global-batch-size", "4", "--seq-length", "16", "--train-iters", "3", "--lr", "1e-2",
+            "--lr-decay-style", "constant", "--seed", "3", "--save", lora, "--lora-rank", "4", "--lora-alpha", "8",
+            "--lora-target-modules", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"]
+    ranks = run_on_ranks(train_lora_on_converted, 2, args=(argv, sequences, tokens), timeout=300)
+    ours = ranks[0]["logits"]
+    for out, extra in ((adapter, []), (merged, ["--merge-lora"])):
+        assert run_on_ranks(cli, 1, args=(["megatron-to-hf", "--load-dir", lora, "--save-dir", out,
+                                           "--no-progress", *extra],)) == [0]
+    assert sorted(os.listdir(adapter)) == ["adapter_config.json", "adapter_model.safetensors"]
+    [reference] = run_on_ranks(hf_logits, 1, args=(hf, adapter, merged, tokens))
+    np.testing.assert_allclose(reference["peft"], ours, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(reference["merged"], ours, rtol=1e-4, atol=1e-4)
+    # The adapters moved the model off its base, by far more than the tolerance above.
+    assert np.abs(reference["peft"] - reference["base"]).max() > 1e-2

@@ -56,6 +56,9 @@ def _parser() -> argparse.ArgumentParser:
                             "learned positions with biases)")
     to_hf.add_argument("--tokenizer-dir", default=None, help="tokenizer files to include (default: the recorded)")
     to_hf.add_argument("--max-shard-size-gb", type=float, default=5.0)
+    to_hf.add_argument("--merge-lora", action="store_true",
+                       help="a LoRA checkpoint (--lora-rank training): write its base with the adapters merged in, a "
+                            "whole Hugging Face model, instead of a PEFT adapter directory")
     to_hf.add_argument("--overwrite", action="store_true")
 
     verify = commands.add_parser("verify", help="compare a Megatron checkpoint with its Hugging Face model")
@@ -159,6 +162,7 @@ def hf_to_megatron(args) -> int:
 
 def megatron_to_hf(args) -> int:
     from megatron_patch import compat
+    from megatron_patch.checkpoint.lora import read_lora_record
     from megatron_patch.convert.core import megatron_to_hf as export
     from megatron_patch.convert.startup import import_megatron_core
 
@@ -166,8 +170,9 @@ def megatron_to_hf(args) -> int:
     compat.apply()
     export(args.load_dir, args.save_dir, model_type=args.model_type, tokenizer_dir=args.tokenizer_dir,
            max_shard_bytes=int(args.max_shard_size_gb * (1 << 30)), overwrite=args.overwrite,
-           progress=not args.no_progress)
-    print(f"wrote Hugging Face model to {args.save_dir}", flush=True)
+           progress=not args.no_progress, merge_lora=args.merge_lora)
+    what = "PEFT adapters" if read_lora_record(args.load_dir) and not args.merge_lora else "Hugging Face model"
+    print(f"wrote {what} to {args.save_dir}", flush=True)
     return 0
 
 
