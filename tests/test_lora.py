@@ -114,6 +114,26 @@ def test_lora_layout_matches_single_process(reference, world_size, tp, pp, optio
         np.testing.assert_allclose(adapters[key], expected, rtol=1e-4, atol=1e-4, err_msg=key)
     # The adapters moved off their initialisation (B starts at zero).
     assert any(np.abs(v).max() > 0 for k, v in adapters.items() if k.endswith("lora_B"))
+    # The dry-run plan counts what the model holds: every adapter, and those of the most loaded GPU.
+    plan = _plan(world_size, tp, pp)
+    assert plan.lora_parameters == reference["trainable_numel"]
+    assert plan.lora_parameters_per_gpu == max(r["trainable_numel"] for r in results)
+
+
+def _plan(world_size, tp, pp):
+    from megatron_patch.training.plan import build_plan
+
+    return build_plan(["--model-name", "tiny-llama", "--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size",
+                       "64", "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ), "--nproc-per-node",
+                       str(world_size), "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size",
+                       str(pp), "--load", "base-not-needed-by-a-plan", "--finetune", "--lora-rank", str(RANK),
+                       "--lora-alpha", str(ALPHA)])
+
+
+def test_the_plan_shows_trainable_parameters_and_the_memory_lora_saves():
+    text = _plan(2, 2, 1).render()
+    assert "LoRA: rank 4, alpha 8 on linear_qkv,linear_proj,linear_fc1,linear_fc2" in text
+    assert "LoRA saves" in text and "against full fine-tuning" in text
 
 
 # -- the trainer: a base trained here, LoRA fine-tuning on it, checkpoints and resume ------------------------------
