@@ -309,3 +309,73 @@ def test_exported_peft_adapter_and_merged_model_give_our_logits(tmp_path):
     np.testing.assert_allclose(reference["merged"], ours, rtol=1e-4, atol=1e-4)
     # The adapters moved the model off its base, by far more than the tolerance above.
     assert np.abs(reference["peft"] - reference["base"]).max() > 1e-2
+
+
+# -- in from PEFT: an adapter peft made on the Hugging Face base trains on here --------------------------------
+
+def make_peft_adapter(rank, world_size, hf_dir, out_dir, target_modules):
+    """A PEFT LoRA adapter (r 4, alpha 8) on ``hf_dir``'s model, its B random (PEFT starts it at zero)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(5)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(hf_dir),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=target_modules, lora_dropout=0.0))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.2)
+    model.save_pretrained(out_dir)
+
+
+def peft_loss(rank, world_size, hf_dir, adapter_dir, sequences, padded_vocab):
+    """transformers + peft's loss on ``sequences`` (what the trainer's first step must report)."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    batch = torch.tensor(sequences)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(hf_dir), adapter_dir).eval()
+    with torch.no_grad():
+        logits = model(input_ids=batch[:, :-1]).logits
+    logits = torch.nn.functional.pad(logits, (0, padded_vocab - logits.shape[-1]))
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).item()
+
+
+@pytest.mark.parametrize("targets", [["q_proj", "v_proj", "down_proj"], ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                        "gate_proj", "up_proj", "down_proj"]],
+                         ids=["llama-default-q-v", "all-linears"])
+def test_a_peft_adapter_converts_and_trains_on_from_peft_s_loss(tmp_path, targets):
+    from megatron_patch.checkpoint.format import read_info
+    from tests.convert_oracles import cli, make_hf_model, train_converted, training_sequences
+
+    hf, converted = make_hf_model("llama-gqa", str(tmp_path / "hf")), str(tmp_path / "converted")
+    peft_dir, lora = str(tmp_path / "peft"), str(tmp_path / "lora")
+    assert run_on_ranks(cli, 1, args=(["hf-to-megatron", "--hf-dir", hf, "--save-dir", converted,
+                                       "--no-progress"],)) == [0]
+    run_on_ranks(make_peft_adapter, 1, args=(hf, peft_dir, targets))
+    assert run_on_ranks(cli, 1, args=(["peft-to-megatron", "--peft-dir", peft_dir, "--base-dir", converted,
+                                       "--save-dir", lora],)) == [0]
+    record = _lora_args(lora)
+    sequences = training_sequences()
+    # PEFT's separate q and v adapters (each rank 4) become one linear_qkv adapter of rank 8 (alpha 16: the same
+    # scaling); linear_fc2's is padded to it.
+    rank = 8 if targets[0] == "q_proj" and "gate_proj" not in targets else 12
+    assert (record.lora_rank, record.lora_alpha) == (rank, 2.0 * rank)
+    argv = ["--load", lora, "--finetune", "--micro-batch-size", "4", "--global-batch-size", "4", "--seq-length",
+            "16", "--train-iters", "2", "--lr", "1e-2", "--lr-decay-style", "constant", "--seed", "3",
+            "--lora-rank", str(rank), "--lora-alpha", str(2.0 * rank), "--lora-target-modules",
+            record.lora_target_modules]
+    [trained] = run_on_ranks(train_converted, 1, args=(argv, sequences, sequences[0][:4], 1), timeout=300)
+    [expected] = run_on_ranks(peft_loss, 1, args=(hf, peft_dir, sequences, read_info(converted).padded_vocab_size))
+    losses = trained["losses"]
+    assert abs(losses[0] - expected) < 1e-4 * expected, (losses, expected)
+    assert losses[1] < losses[0]
+
+
+def _lora_args(root):
+    from megatron_patch import compat
+    from megatron_patch.checkpoint.format import read_args_state, weights_dir
+
+    return read_args_state(compat.common_state_source(weights_dir(root)))["args"]
