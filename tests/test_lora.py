@@ -42,7 +42,8 @@ def _lora_keys_gathered(chunks) -> dict | None:
     return {key: tensor.numpy() for key, tensor in full.items()}
 
 
-def train_lora(rank, world_size, tp, pp, sequence_parallel=False, recompute=False, distributed_optimizer=False):
+def train_lora(rank, world_size, tp, pp, sequence_parallel=False, recompute=False, distributed_optimizer=False,
+               model="tiny-llama"):
     import torch
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallelConfig
@@ -61,7 +62,7 @@ def train_lora(rank, world_size, tp, pp, sequence_parallel=False, recompute=Fals
                               sequence_parallel=sequence_parallel,
                               **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
                                  if recompute else {}))
-    chunks = build_model_chunks(model_config("tiny-llama", num_layers=2), parallel, padded_vocab_size(VOCAB, 1, tp))
+    chunks = build_model_chunks(model_config(model, num_layers=2), parallel, padded_vocab_size(VOCAB, 1, tp))
     init_weights(chunks)
     apply_lora(chunks, LoraSettings(rank=RANK, alpha=ALPHA), seed=11)
     base = {n: p.detach().clone() for n, p in chunks[0].named_parameters() if not p.requires_grad}
@@ -379,3 +380,48 @@ def _lora_args(root):
     from megatron_patch.checkpoint.format import read_args_state, weights_dir
 
     return read_args_state(compat.common_state_source(weights_dir(root)))["args"]
+
+
+# -- what the model has: a mixture of experts' attention; named modules it lacks are refused -------------------
+
+def lora_on(rank, world_size, name, named):
+    """Adapt a ``name`` model (registry) with ``named`` target modules (() for the default); the adapted layers,
+    or the refusal's text."""
+    from megatron_patch.distributed import initialize_distributed
+    from megatron_patch.errors import UserError
+    from megatron_patch.model.builder import build_model_chunks, padded_vocab_size
+    from megatron_patch.model.lora import LoraSettings, apply_lora, resolve_targets
+    from megatron_patch.model.parallel import ParallelConfig
+    from tests.model_oracles import model_config
+
+    initialize_distributed(seed=1)
+    config = model_config(name, num_layers=2)
+    chunks = build_model_chunks(config, ParallelConfig(), padded_vocab_size(VOCAB, 1, 1))
+    settings = LoraSettings(rank=2, alpha=4.0, **(dict(targets=resolve_targets(named), named=named) if named else {}))
+    try:
+        apply_lora(chunks, settings, seed=1)
+    except UserError as error:
+        return str(error)
+    return sorted({n.rsplit(".", 2)[-2] for n, p in chunks[0].named_parameters() if p.requires_grad})
+
+
+def test_a_mixture_of_experts_adapts_its_attention_and_a_missing_module_is_one_line():
+    moe, gate_on_gelu, fc1_on_moe = run_on_ranks(lora_on, 1, args=("tiny-mixtral", ()))[0], \
+        run_on_ranks(lora_on, 1, args=("tiny-gpt2", ("gate_proj", "up_proj")))[0], \
+        run_on_ranks(lora_on, 1, args=("tiny-mixtral", ("linear_qkv", "linear_fc1")))[0]
+    # Only adapters train; the experts (and router) are not adapted.
+    assert moe == ["linear_proj", "linear_qkv"], moe
+    assert "has no gate_proj" in gate_on_gelu and "\n" not in gate_on_gelu
+    assert "has no linear_fc1 layer outside its experts" in fc1_on_moe and "\n" not in fc1_on_moe
+
+
+def test_lora_on_a_mixture_of_experts_at_tp2_matches_single_process():
+    import numpy as np
+
+    [reference] = run_on_ranks(train_lora, 1, args=(1, 1), kwargs={"model": "tiny-mixtral"})
+    # megatron-core trains experts under TP only with sequence parallelism.
+    results = run_on_ranks(train_lora, 2, args=(2, 1), kwargs={"model": "tiny-mixtral", "sequence_parallel": True})
+    assert reference["base_unchanged"] and all(r["base_unchanged"] for r in results)
+    assert results[0]["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    for key, expected in reference["adapters"].items():
+        np.testing.assert_allclose(results[0]["adapters"][key], expected, rtol=1e-4, atol=1e-4, err_msg=key)

@@ -52,6 +52,9 @@ class LoraSettings:
     alpha: float
     dropout: float = 0.0
     targets: tuple[str, ...] = MCORE_TARGETS
+    named: tuple[str, ...] = ()
+    """The modules the user named (``--lora-target-modules``): each must exist in the model. Without any, the
+    targets the model has are adapted (a mixture of experts' attention alone, its MLPs being experts)."""
 
     @property
     def scaling(self) -> float:
@@ -164,6 +167,9 @@ def apply_lora(chunks: list[torch.nn.Module], settings: LoraSettings, seed: int)
                 raise UserError(f"--lora-rank: {name} is a {type(module).__name__}; adapters wrap megatron-core's "
                                 "local ColumnParallelLinear/RowParallelLinear only: give --transformer-impl local")
             column = isinstance(module, ColumnParallelLinear)
+            if "gate_proj" in settings.named and name.endswith("linear_fc1") and not module.config.gated_linear_unit:
+                raise UserError(f"--lora-target-modules {','.join(settings.named)}: the model's MLP has no gate_proj "
+                                "(it is not gated, e.g. SwiGLU); its linear_fc1 is up_proj: drop gate_proj")
             found.add(name.rsplit(".", 1)[-1])
             weight = module.weight
             out_local, in_local = weight.shape
@@ -190,10 +196,10 @@ def apply_lora(chunks: list[torch.nn.Module], settings: LoraSettings, seed: int)
             count += module.lora_A.numel() + module.lora_B.numel()
         _require_input_grad(chunk)
     missing = _missing_everywhere(settings.targets, found)
-    if missing:
-        raise UserError(f"--lora-target-modules: the model has no {', '.join(missing)} layer outside its experts "
-                        f"(it has {', '.join(sorted(found)) or 'none of ' + ','.join(MCORE_TARGETS)}); drop "
-                        f"{', '.join(missing)}")
+    if missing == list(settings.targets) or (missing and settings.named):
+        raise UserError(f"--lora-target-modules {','.join(settings.named or settings.targets)}: the model has no "
+                        f"{', '.join(missing)} layer outside its experts (adapted here: attention and dense MLP "
+                        f"linears); drop {', '.join(missing)}")
     return count
 
 

@@ -386,11 +386,11 @@ class LoraConfig:
                                       "--finetune); the optimizer and the checkpoints hold the adapters only")
     lora_alpha: float | None = flag(type=float, metavar="A", help="LoRA scaling alpha / rank (default: 2 x rank)")
     lora_dropout: float = flag(default=0.0, type=float, metavar="P", help="dropout on the adapters' input")
-    lora_target_modules: str = flag(
-        default="linear_qkv,linear_proj,linear_fc1,linear_fc2", metavar="NAMES",
+    lora_target_modules: str | None = flag(
+        metavar="NAMES",
         help="comma-separated layers to adapt: PEFT's q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj or "
              "megatron-core's linear_qkv,linear_proj,linear_fc1,linear_fc2 (q/k/v and gate/up are fused layers, "
-             "given together); default every attention and MLP linear")
+             "given together); default every attention and dense MLP linear the model has")
 
     def __post_init__(self):
         from megatron_patch.errors import UserError
@@ -402,7 +402,8 @@ class LoraConfig:
             (not 0.0 <= self.lora_dropout < 1.0, "--lora-dropout must be in [0, 1)"),
         ])
         try:
-            resolve_targets(self.lora_target_modules.split(","))
+            if self.lora_target_modules is not None:
+                resolve_targets(self.lora_target_modules.split(","))
         except UserError as error:
             raise ValueError(str(error)) from None
 
@@ -414,8 +415,11 @@ class LoraConfig:
         if self.lora_rank is None:
             return None
         alpha = self.lora_alpha if self.lora_alpha is not None else 2.0 * self.lora_rank
+        if self.lora_target_modules is None:
+            return LoraSettings(rank=self.lora_rank, alpha=alpha, dropout=self.lora_dropout)
+        named = tuple(self.lora_target_modules.split(","))
         return LoraSettings(rank=self.lora_rank, alpha=alpha, dropout=self.lora_dropout,
-                            targets=resolve_targets(self.lora_target_modules.split(",")))
+                            targets=resolve_targets(named), named=named)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
