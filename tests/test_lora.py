@@ -425,3 +425,25 @@ def test_lora_on_a_mixture_of_experts_at_tp2_matches_single_process():
     assert results[0]["losses"] == pytest.approx(reference["losses"], rel=1e-5)
     for key, expected in reference["adapters"].items():
         np.testing.assert_allclose(results[0]["adapters"][key], expected, rtol=1e-4, atol=1e-4, err_msg=key)
+
+
+def test_sigkill_mid_run_then_resume_gives_the_unbroken_run_bitwise(assets, base, tmp_path):
+    """A LoRA job killed after its iteration-5 step resumes from its iteration-4 save (``--load`` that save, no
+    ``--finetune``) with every iteration's record (loss, grad norm, lr) equal to the unbroken run's; dropout on
+    the adapters and a warm-up + cosine schedule make the RNG and scheduler state count."""
+    import re
+
+    from test_reliability import ITERS, _assert_same_as, _flags, _kill_when, _last_iteration, _records, _run, _start
+
+    lora = ["--lora-rank", "4", "--lora-alpha", "8", "--lora-dropout", "0.1", "--save-interval", "2"]
+    reference_logs, logs, save = str(tmp_path / "reference"), str(tmp_path / "logs"), str(tmp_path / "lora")
+    status, output = _run(_flags(assets, "--load", base, "--finetune", *lora, "--save", str(tmp_path / "unbroken"),
+                                 "--log-dir", reference_logs))
+    assert status == 0, output
+    process = _start(_flags(assets, "--load", base, "--finetune", *lora, "--save", save, "--log-dir", logs))
+    assert _kill_when(process, lambda: _last_iteration(logs) >= 5), "the job ended before the kill"
+    assert _last_iteration(logs) < ITERS
+    status, output = _run(_flags(assets, "--load", save, *lora, "--save", save, "--log-dir", logs))
+    assert status == 0, output
+    assert re.search(rf"successfully loaded checkpoint from {re.escape(save)} at iteration [1-9]", output), output
+    _assert_same_as(_records(reference_logs), _records(logs))
