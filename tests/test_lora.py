@@ -155,10 +155,11 @@ def train_gpt(rank, world_size, argv):
     return {"losses": [loss for _, loss in log.train_losses], "optimizer_state": state}
 
 
-def _size(directory: str) -> int:
+def _size(directory: str, suffix: str = "") -> int:
     import os
 
-    return sum(os.path.getsize(os.path.join(d, name)) for d, _, names in os.walk(directory) for name in names)
+    return sum(os.path.getsize(os.path.join(d, name)) for d, _, names in os.walk(directory) for name in names
+               if name.endswith(suffix))
 
 
 @pytest.fixture(scope="module")
@@ -207,7 +208,8 @@ def test_lora_checkpoint_holds_the_adapters_and_resumes_exactly(assets, base, tm
     assert unbroken["optimizer_state"] < full_ft["optimizer_state"] / 10
     assert _size(checkpoint_dir(lora, 2)) < _size(checkpoint_dir(full, 2)) / 3
     print(f"\nAdam state elements: LoRA {unbroken['optimizer_state']}, full {full_ft['optimizer_state']}; checkpoint "
-          f"bytes: LoRA {_size(checkpoint_dir(lora, 2))}, full {_size(checkpoint_dir(full, 2))}")
+          f"bytes: LoRA {_size(checkpoint_dir(lora, 2))}, full {_size(checkpoint_dir(full, 2))} (tensor files: "
+          f"LoRA {_size(checkpoint_dir(lora, 2), '.distcp')}, full {_size(checkpoint_dir(full, 2), '.distcp')})")
 
 
 def _gpt_flags_full(assets, base, save):
