@@ -435,14 +435,20 @@ def test_sigkill_mid_run_then_resume_gives_the_unbroken_run_bitwise(assets, base
     the adapters and a warm-up + cosine schedule make the RNG and scheduler state count."""
     import re
 
-    from test_reliability import ITERS, _assert_same_as, _flags, _kill_when, _last_iteration, _records, _run, _start
+    from test_reliability import (
+        FAULTY_SCRIPT, ITERS, _assert_same_as, _flags, _kill_when, _last_iteration, _records, _run, _start,
+    )
 
     lora = ["--lora-rank", "4", "--lora-alpha", "8", "--lora-dropout", "0.1", "--save-interval", "2"]
     reference_logs, logs, save = str(tmp_path / "reference"), str(tmp_path / "logs"), str(tmp_path / "lora")
     status, output = _run(_flags(assets, "--load", base, "--finetune", *lora, "--save", str(tmp_path / "unbroken"),
                                  "--log-dir", reference_logs))
     assert status == 0, output
-    process = _start(_flags(assets, "--load", base, "--finetune", *lora, "--save", save, "--log-dir", logs))
+    # Iterations 6 on wait 0.2 s per microbatch (tests/scripts/faulty_gpt.py's "slow", which changes no number),
+    # so the kill lands mid-run even when this process is slow to see iteration 5 on a loaded machine.
+    process = _start(_flags(assets, "--load", base, "--finetune", *lora, "--save", save, "--log-dir", logs),
+                     script=FAULTY_SCRIPT, env={"FAULT": "slow", "FAULT_RANK": "0",
+                                                "FAULT_ITERATIONS": ",".join(map(str, range(6, ITERS + 1)))})
     assert _kill_when(process, lambda: _last_iteration(logs) >= 5), "the job ended before the kill"
     assert _last_iteration(logs) < ITERS
     status, output = _run(_flags(assets, "--load", save, *lora, "--save", save, "--log-dir", logs))

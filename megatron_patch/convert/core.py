@@ -567,7 +567,8 @@ def megatron_to_hf(
     lora = read_lora_record(load_dir)
     if lora is None:
         if merge_lora:
-            raise UserError(f"--merge-lora: {load_dir} is not a LoRA checkpoint (it holds a whole model); drop the flag")
+            raise UserError(f"--merge-lora: {load_dir} is not a LoRA checkpoint (it holds a whole model); drop the "
+                            "flag")
         load_into_reference_model(model, load_dir, info)
     else:
         lora_export.load_lora_reference(model, load_dir, lora)

@@ -106,7 +106,8 @@ class _LoraLinear:
         else:
             # A holds this rank's input columns: the activation is a partial sum, reduced as the layer's output is.
             hidden = (mappings.reduce_scatter_to_sequence_parallel_region(hidden, group=self.tp_group)
-                      if sequence_parallel else mappings.reduce_from_tensor_model_parallel_region(hidden, self.tp_group))
+                      if sequence_parallel
+                      else mappings.reduce_from_tensor_model_parallel_region(hidden, self.tp_group))
         return torch.nn.functional.linear(hidden, self.lora_B) * self.lora_scaling
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
