@@ -27,7 +27,8 @@ setup(
     ],
     # tensorboard: --tensorboard-dir writes through torch.utils.tensorboard, which needs it (tests read the events);
     # wandb: --wandb-project, tested in W&B's offline mode. Neither is needed to train.
-    extras_require={"test": ["pytest>=8", "pytest-timeout", "tensorboard", "wandb"]},
+    # peft: the oracle that loads our exported LoRA adapters (we write its format with safetensors + json).
+    extras_require={"test": ["pytest>=8", "pytest-timeout", "tensorboard", "wandb", "peft"]},
     entry_points={
         "console_scripts": [
             "megatron-patch=megatron_patch.cli:run",

@@ -1,4 +1,4 @@
-"""``megatron-patch convert``: hf-to-megatron, megatron-to-hf and verify.
+"""``megatron-patch convert``: hf-to-megatron, megatron-to-hf, peft-to-megatron and verify.
 
 Example::
 
@@ -9,6 +9,8 @@ Example::
     megatron-patch convert verify --hf-dir qwen2-hf --megatron-dir qwen2-mcore --tensor-model-parallel-size 2
     megatron-patch convert hf-to-megatron --hf-dir mixtral-hf --save-dir mixtral-mcore \\
         --target-expert-model-parallel-size 2          # verified with each of 2 ranks holding half the experts
+    megatron-patch convert megatron-to-hf --load-dir qwen2-lora --save-dir qwen2-peft   # LoRA: PEFT's adapters
+    megatron-patch convert peft-to-megatron --peft-dir qwen2-peft --base-dir qwen2-mcore --save-dir qwen2-lora
 
 ``verify`` with more than one rank (TP x PP x EP) relaunches itself under torchrun (one per rank); exit status 1 when
 the outputs differ beyond the threshold. ``hf-to-megatron`` verifies at the target layout unless --no-verify, before
@@ -56,7 +58,19 @@ def _parser() -> argparse.ArgumentParser:
                             "learned positions with biases)")
     to_hf.add_argument("--tokenizer-dir", default=None, help="tokenizer files to include (default: the recorded)")
     to_hf.add_argument("--max-shard-size-gb", type=float, default=5.0)
+    to_hf.add_argument("--merge-lora", action="store_true",
+                       help="a LoRA checkpoint (--lora-rank training): write its base with the adapters merged in, a "
+                            "whole Hugging Face model, instead of a PEFT adapter directory")
     to_hf.add_argument("--overwrite", action="store_true")
+
+    from_peft = commands.add_parser(
+        "peft-to-megatron", help="PEFT LoRA adapter directory -> LoRA checkpoint on a converted base (train it with "
+                                 "--load DIR --finetune and the --lora-rank/--lora-alpha this prints)")
+    from_peft.add_argument("--peft-dir", required=True, help="adapter_config.json and adapter_model.safetensors")
+    from_peft.add_argument("--base-dir", required=True,
+                           help="the adapters' Hugging Face base converted by hf-to-megatron")
+    from_peft.add_argument("--save-dir", required=True)
+    from_peft.add_argument("--overwrite", action="store_true")
 
     verify = commands.add_parser("verify", help="compare a Megatron checkpoint with its Hugging Face model")
     verify.add_argument("--hf-dir", required=True)
@@ -159,6 +173,7 @@ def hf_to_megatron(args) -> int:
 
 def megatron_to_hf(args) -> int:
     from megatron_patch import compat
+    from megatron_patch.checkpoint.lora import read_lora_record
     from megatron_patch.convert.core import megatron_to_hf as export
     from megatron_patch.convert.startup import import_megatron_core
 
@@ -166,12 +181,28 @@ def megatron_to_hf(args) -> int:
     compat.apply()
     export(args.load_dir, args.save_dir, model_type=args.model_type, tokenizer_dir=args.tokenizer_dir,
            max_shard_bytes=int(args.max_shard_size_gb * (1 << 30)), overwrite=args.overwrite,
-           progress=not args.no_progress)
-    print(f"wrote Hugging Face model to {args.save_dir}", flush=True)
+           progress=not args.no_progress, merge_lora=args.merge_lora)
+    what = "PEFT adapters" if read_lora_record(args.load_dir) and not args.merge_lora else "Hugging Face model"
+    print(f"wrote {what} to {args.save_dir}", flush=True)
     return 0
 
 
-_COMMANDS = {"hf-to-megatron": hf_to_megatron, "megatron-to-hf": megatron_to_hf, "verify": verify}
+def peft_to_megatron(args) -> int:
+    from megatron_patch import compat
+    from megatron_patch.convert.lora import peft_to_megatron as convert
+    from megatron_patch.convert.startup import import_megatron_core
+
+    import_megatron_core()
+    compat.apply()
+    settings = convert(args.peft_dir, args.base_dir, args.save_dir, overwrite=args.overwrite)
+    print(f"wrote LoRA checkpoint to {args.save_dir}; train it with --load {args.save_dir} --finetune --lora-rank "
+          f"{settings.rank} --lora-alpha {settings.alpha:g} --lora-target-modules {','.join(settings.targets)}",
+          flush=True)
+    return 0
+
+
+_COMMANDS = {"hf-to-megatron": hf_to_megatron, "megatron-to-hf": megatron_to_hf, "peft-to-megatron": peft_to_megatron,
+             "verify": verify}
 
 
 @one_line_errors("megatron-patch convert")

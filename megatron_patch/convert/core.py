@@ -555,13 +555,19 @@ def megatron_to_hf(
     max_shard_bytes: int = 5 << 30,
     overwrite: bool = False,
     progress: bool = True,
+    merge_lora: bool = False,
 ) -> str:
     """Export a Megatron checkpoint (either format, any TP/PP) to a Hugging Face directory; return its path.
 
     ``model_type`` is needed only for checkpoints without a recorded Hugging Face config (trained from scratch, or
     saved by Megatron-LM: their model comes from the ``args`` they carry) whose model is not one a type is
-    recognised from (``families.recognised_model_type``: a LLaMA or a GPT-2 block).
+    recognised from (``families.recognised_model_type``: a LLaMA or a GPT-2 block). A LoRA checkpoint
+    (``checkpoint.lora``) is written as a PEFT adapter directory for its base, or with ``merge_lora`` as the
+    base with the adapters merged in (``convert.lora``).
     """
+    from megatron_patch.checkpoint.lora import read_lora_record
+    from megatron_patch.convert import lora as lora_export
+
     info = read_info(load_dir)
     hf_config = dict(info.hf_config or {})
     if model_type:
@@ -580,8 +586,23 @@ def megatron_to_hf(
     # Before the weights are read: a model the family cannot express is refused by name.
     fields, table = family.config_to_hf(m), family.table(m, architecture)
     model = build_reference_model(m, info.padded_vocab_size, DTYPES[info.dtype].torch, allocate_only=True)
-    load_into_reference_model(model, load_dir, info)
+    lora = read_lora_record(load_dir)
+    if lora is None:
+        if merge_lora:
+            raise UserError(f"--merge-lora: {load_dir} is not a LoRA checkpoint (it holds a whole model); drop the "
+                            "flag")
+        load_into_reference_model(model, load_dir, info)
+    else:
+        lora_export.load_lora_reference(model, load_dir, lora)
     state = full_state_dict(model)
+    if lora is not None and not merge_lora:
+        with atomic_directory(save_dir, overwrite) as tmp:
+            lora_export.write_peft_adapter(tmp, state, table.expanded(m.num_layers),
+                                           shapes_of(m, info.padded_vocab_size), lora,
+                                           base_model=(info.hf_config or {}).get("_name_or_path"))
+        return save_dir
+    if lora is not None:
+        state = lora_export.merge_adapters(state, lora)
     if m.layernorm_zero_centered_gamma:
         from megatron_patch.model.layers import ZeroCenteredNorm
 

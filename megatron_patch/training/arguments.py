@@ -39,8 +39,8 @@ from megatron_patch.model.config import (
 from megatron_patch.model.parallel import add_parallel_arguments, parallel_config_from_args, precision_of
 from megatron_patch.tokenizer.registry import add_tokenizer_args, tokenizer_options
 from megatron_patch.training.config import (
-    MEMORY_FLAGS, MEMORY_HELP, ArgsView, CheckpointConfig, DataConfig, LoggingConfig, ModelSpec, RunConfig,
-    TrainingConfig, add_flags, args_view, from_flags,
+    MEMORY_FLAGS, MEMORY_HELP, ArgsView, CheckpointConfig, DataConfig, LoggingConfig, LoraConfig, ModelSpec,
+    RunConfig, TrainingConfig, add_flags, args_view, from_flags,
 )
 from megatron_patch.training.ignored_flags import add_ignored_flags, flag_notices, refusal
 
@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Fine-tuning and HF models bring their own tokenizer, so the tokenizer type is optional here.
     parser._option_string_actions["--tokenizer-type"].required = False
     for section, title in ((TrainingConfig, "training"), (DataConfig, "data"), (CheckpointConfig, "checkpointing"),
-                           (LoggingConfig, "logging")):
+                           (LoggingConfig, "logging"), (LoraConfig, "LoRA fine-tuning")):
         add_flags(parser, section, title)
     add_ignored_flags(parser)
     return parser
@@ -276,6 +276,7 @@ def run_config(flags: argparse.Namespace, world_size: int | None, *, layout: boo
                             dataset_path=flags.dataset_path or (flags.data_path[0] if flags.data_path else None),
                             dataset_name=flags.dataset_name or flags.data_name),
             checkpointing=from_flags(CheckpointConfig, values), logging=from_flags(LoggingConfig, values),
+            lora=from_flags(LoraConfig, values),
             tokenizer_type=flags.tokenizer_type,
             tokenizer_options=tuple(sorted((k, v) for k, v in tokenizer_options(flags).items() if v is not None)),
             flag_notices=tuple(notices))

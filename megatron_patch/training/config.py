@@ -379,6 +379,57 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class LoraConfig:
+    """Parameter-efficient fine-tuning: LoRA adapters on the attention and MLP linears, the base frozen
+    (``model/lora.py``), Megatron-Bridge's and PEFT's flag names.
+
+    Example::
+
+        --load llama-mcore --finetune --lora-rank 8 --lora-alpha 16 --lora-target-modules q_proj,k_proj,v_proj
+    """
+
+    lora_rank: int | None = flag(type=int, metavar="R",
+                                 help="fine-tune LoRA adapters of rank R, the base weights frozen (with --load BASE "
+                                      "--finetune); the optimizer and the checkpoints hold the adapters only")
+    lora_alpha: float | None = flag(type=float, metavar="A", help="LoRA scaling alpha / rank (default: 2 x rank)")
+    lora_dropout: float = flag(default=0.0, type=float, metavar="P", help="dropout on the adapters' input")
+    lora_target_modules: str | None = flag(
+        metavar="NAMES",
+        help="comma-separated layers to adapt: PEFT's q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj or "
+             "megatron-core's linear_qkv,linear_proj,linear_fc1,linear_fc2 (q/k/v and gate/up are fused layers, "
+             "given together); default every attention and dense MLP linear the model has")
+
+    def __post_init__(self):
+        from megatron_patch.errors import UserError
+        from megatron_patch.model.lora import resolve_targets
+
+        _refusals([
+            (self.lora_rank is not None and self.lora_rank < 1, "--lora-rank must be at least 1"),
+            (self.lora_rank is None and self.lora_alpha is not None, "--lora-alpha needs --lora-rank R"),
+            (not 0.0 <= self.lora_dropout < 1.0, "--lora-dropout must be in [0, 1)"),
+        ])
+        try:
+            if self.lora_target_modules is not None:
+                resolve_targets(self.lora_target_modules.split(","))
+        except UserError as error:
+            raise ValueError(str(error)) from None
+
+    @property
+    def settings(self):
+        """``model.lora.LoraSettings`` of the run; None without ``--lora-rank``."""
+        from megatron_patch.model.lora import LoraSettings, resolve_targets
+
+        if self.lora_rank is None:
+            return None
+        alpha = self.lora_alpha if self.lora_alpha is not None else 2.0 * self.lora_rank
+        if self.lora_target_modules is None:
+            return LoraSettings(rank=self.lora_rank, alpha=alpha, dropout=self.lora_dropout)
+        named = tuple(self.lora_target_modules.split(","))
+        return LoraSettings(rank=self.lora_rank, alpha=alpha, dropout=self.lora_dropout,
+                            targets=resolve_targets(named), named=named)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class LoggingConfig:
     log_interval: int = flag(default=10, type=int)
     eval_interval: int | None = flag(type=int)
@@ -499,6 +550,7 @@ class RunConfig:
     data: DataConfig
     checkpointing: CheckpointConfig
     logging: LoggingConfig
+    lora: LoraConfig = LoraConfig()
     model: ModelSpec
     parallel: ParallelConfig
     tokenizer_type: str | None
@@ -508,7 +560,9 @@ class RunConfig:
     """One line per given flag that does nothing here (ignored_flags.flag_notices), logged once by the engine."""
 
     def __post_init__(self):
-        _refusals([(self.training.exit_signal_handler and self.checkpointing.save is None,
+        _refusals([(self.lora.lora_rank is not None and self.checkpointing.load is None,
+                    "--lora-rank trains adapters on a base model: give --load BASE --finetune"),
+                   (self.training.exit_signal_handler and self.checkpointing.save is None,
                     "--exit-signal-handler saves on SIGTERM: give --save DIR"),
                    (self.logging.wandb_project is not None and self.logging.wandb_save_dir is None
                     and self.checkpointing.save is None,
@@ -550,7 +604,8 @@ def args_view(config: RunConfig) -> ArgsView:
         args = args_view(parse_run(["--model-name", "tiny-llama", "--bf16"], 1)[0])
         args.num_layers, args.params_dtype, args.swiglu                       # (4, 'bf16', True)
     """
-    sections = (config, config.training, config.data, config.checkpointing, config.logging, config.parallel)
+    sections = (config, config.training, config.data, config.checkpointing, config.logging, config.lora,
+                config.parallel)
     values = {f.name: getattr(section, f.name) for section in sections for f in dataclasses.fields(section)
               if not dataclasses.is_dataclass(getattr(section, f.name)) and f.name != "tokenizer_options"}
     spec, parallel, memory = config.model, config.parallel, config.training.memory_optimization

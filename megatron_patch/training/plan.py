@@ -32,6 +32,7 @@ import sys
 
 from megatron_patch.model import ModelConfig, num_parameters
 from megatron_patch.model.flops import expert_parameters, layer_parameters, mtp_parameters
+from megatron_patch.model.lora import LoraSettings
 from megatron_patch.tokenizer.registry import build_tokenizer
 from megatron_patch.training.arguments import parse_flags, run_config
 from megatron_patch.training.launcher import processes_per_node
@@ -81,6 +82,8 @@ class Plan:
     etp: int = 1
     ep_groups: list[list[int]] = dataclasses.field(default_factory=list)
     expert_dp_groups: list[list[int]] = dataclasses.field(default_factory=list)
+    lora: "LoraSettings | None" = None
+    """``--lora-rank``'s adapters: the base frozen, only they have gradients and optimizer state."""
 
     @property
     def expert_dp(self) -> int:
@@ -134,8 +137,38 @@ class Plan:
     def memory_gib(self) -> dict[str, float]:
         others, experts = self._per_gpu(self.stages[self.most_loaded_stage])
         expert_bytes = self.bytes_per_parameter(self.expert_dp)
-        return {name: (others * size + experts * expert_bytes[name]) / GIB
+        full = {name: (others * size + experts * expert_bytes[name]) / GIB
                 for name, size in self.bytes_per_parameter().items()}
+        if self.lora is None:
+            return full
+        # The frozen base keeps its weights only; the adapters are trained as any parameter is.
+        adapters = self.lora_parameters_per_gpu
+        return {name: (full["weights"] if name == "weights" else 0.0) + adapters * size / GIB
+                for name, size in self.bytes_per_parameter().items()}
+
+    def lora_layer_parameters(self, tp: int = 1) -> float:
+        """Adapter parameters of one transformer layer on one GPU at tensor parallelism ``tp``: per adapted linear
+        ``rank x (in + out)``, the split side divided by TP (column-parallel layers split B, row-parallel ones A;
+        model/lora.py). A mixture of experts' MLPs are not adapted."""
+        m, r = self.model, self.lora.rank
+        d = m.kv_channels or m.hidden_size // m.num_attention_heads
+        ffn_out = m.ffn_hidden_size * (2 if m.activation == "swiglu" else 1)
+        # layer -> (replicated, split) parameters of its adapter
+        shapes = {"linear_qkv": (m.hidden_size, (m.num_attention_heads + 2 * m.num_query_groups) * d),
+                  "linear_proj": (m.hidden_size, m.num_attention_heads * d),
+                  "linear_fc1": (m.hidden_size, ffn_out), "linear_fc2": (m.hidden_size, m.ffn_hidden_size)}
+        if m.num_moe_experts:
+            shapes = {k: v for k, v in shapes.items() if k in ("linear_qkv", "linear_proj")}
+        return sum(r * (replicated + split / tp) for name, (replicated, split) in shapes.items()
+                   if name in self.lora.targets)
+
+    @property
+    def lora_parameters(self) -> int:
+        return round(self.lora_layer_parameters() * self.model.num_layers)
+
+    @property
+    def lora_parameters_per_gpu(self) -> int:
+        return round(self.lora_layer_parameters(self.tp) * len(self.stages[self.most_loaded_stage].layers))
 
     def render(self) -> str:
         m, node = self.model, lambda rank: rank // self.nproc_per_node
@@ -198,12 +231,27 @@ class Plan:
         if m.num_moe_experts and self.distributed_optimizer:
             lines.append(f"routed experts: optimizer {self.bytes_per_parameter(self.expert_dp)['optimizer']:g} "
                          f"bytes per parameter (sharded over expert DP {self.expert_dp})")
+        if self.lora is not None:
+            adapters = self.lora_parameters
+            saved = sum(self.full_memory_gib().values()) - sum(memory.values())
+            lines += [
+                f"LoRA: rank {self.lora.rank}, alpha {self.lora.alpha:g} on {','.join(self.lora.targets)}: "
+                f"{adapters:,} trainable parameters ({100 * adapters / self.total_parameters:.2f}% of the model), "
+                f"{self.lora_parameters_per_gpu:,} per GPU; the base is frozen (weights only, no gradients or "
+                "optimizer state)",
+                f"LoRA saves {saved:.2f} GiB per GPU against full fine-tuning "
+                f"({sum(self.full_memory_gib().values()):.2f} GiB)",
+            ]
         lines += [
             f"memory per GPU: {sum(memory.values()):.2f} GiB = weights {memory['weights']:.2f} + gradients "
             f"{memory['gradients']:.2f} + optimizer {memory['optimizer']:.2f} GiB; activations, buffers and "
             "the CUDA context not included",
         ]
         return "\n".join(lines)
+
+    def full_memory_gib(self) -> dict[str, float]:
+        """``memory_gib`` of the same run without LoRA (every weight trained)."""
+        return dataclasses.replace(self, lora=None).memory_gib()
 
 
 def _spans(values: list[int]) -> str:
@@ -303,6 +351,7 @@ def build_plan(argv: list[str], nnodes: int = 1, train_tokens: int | None = None
         distributed_optimizer=training.use_distributed_optimizer, stages=_stages(model, vocab, pp, vpp, stage_ranks),
         tp_groups=ranks.get_ranks("tp"), dp_groups=ranks.get_ranks("dp"), ep=ep, etp=etp,
         ep_groups=expert_ranks.get_ranks("ep"), expert_dp_groups=expert_ranks.get_ranks("dp"),
+        lora=config.lora.settings,
     )
 
 

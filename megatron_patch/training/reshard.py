@@ -97,6 +97,10 @@ def _plan(args: argparse.Namespace) -> _Plan:
     if found is None or common.get("args") is None:
         raise UserError(f"--load-dir {root}: {path} records no model (no megatron_patch_args.json, no args in its "
                         "common state), so it cannot be rebuilt to reshard")
+    if getattr(common["args"], "lora_base", None) is not None:
+        # Its model is the base's weights and the adapters on them (checkpoint/lora.py), not rebuilt here.
+        raise UserError(f"--load-dir {root} holds LoRA adapters on {common['args'].lora_base}, which this command "
+                        "does not rebuild; resume them at their saved TP/PP, or with --no-load-optim at another")
     sharding = saved_metadata(common).get("distrib_optim_sharding_type")
     if not getattr(common["args"], "use_distributed_optimizer", True) or recorded_sharding(
             common.get("optimizer")) is None:

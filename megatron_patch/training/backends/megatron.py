@@ -84,6 +84,8 @@ class MegatronBackend(Backend):
     """Compose, step, evaluate, save and load megatron-core model chunks (see the module docstring)."""
 
     megatron = True
+    lora_base: str | None = None
+    """With --lora-rank: the base checkpoint directory the adapters are trained on (known once loaded)."""
 
     def compose(self, model_obj, optimizer, lr_scheduler_fn, train_iters: int):
         from megatron.core.distributed import DistributedDataParallelConfig
@@ -122,6 +124,12 @@ class MegatronBackend(Backend):
             overlap_grad_reduce=training.overlap_grad_reduce,
             overlap_param_gather=training.overlap_param_gather,
         )
+        lora = self.config.lora.settings
+        if lora is not None:
+            from megatron_patch.model.lora import apply_lora
+
+            # Before DDP and the optimizer: they take only the parameters that need gradients, the adapters.
+            apply_lora(chunks, lora, seed=training.seed)
         model = wrap_model(chunks, ddp_config)
         self.routing = RoutingStatistics(model)
         if optimizer is None:
@@ -213,11 +221,23 @@ class MegatronBackend(Backend):
                     chunk.enable_forward_pre_hook()
 
     def save(self, root: str, iteration: int, info, keep_last_k: int | None, async_queue, run_args: dict) -> str:
-        return save_megatron_checkpoint(
-            root, iteration, self.model, self.optimizer, self.scheduler, info, keep_last_k=keep_last_k,
-            async_queue=async_queue, run_args=run_args,
-            fully_reshardable=self.config.checkpointing.dist_ckpt_optim_fully_reshardable)
+        lora = self.config.lora.settings
+        options = dict(keep_last_k=keep_last_k, async_queue=async_queue, run_args=run_args,
+                       fully_reshardable=self.config.checkpointing.dist_ckpt_optim_fully_reshardable)
+        if lora is not None:
+            from megatron_patch.checkpoint.lora import save_lora_checkpoint
+
+            return save_lora_checkpoint(root, iteration, self.model, self.optimizer, self.scheduler, info, lora,
+                                        self.lora_base, **options)
+        return save_megatron_checkpoint(root, iteration, self.model, self.optimizer, self.scheduler, info, **options)
 
     def load(self, root: str, **options) -> int:
-        return load_megatron_checkpoint(root, self.model, self.optimizer, self.scheduler,
-                                        fully_parallel=self.config.checkpointing.ckpt_fully_parallel_load, **options)
+        options["fully_parallel"] = self.config.checkpointing.ckpt_fully_parallel_load
+        lora = self.config.lora.settings
+        if lora is not None:
+            from megatron_patch.checkpoint.lora import load_lora_checkpoint
+
+            iteration, self.lora_base = load_lora_checkpoint(root, self.model, self.optimizer, self.scheduler, lora,
+                                                             **options)
+            return iteration
+        return load_megatron_checkpoint(root, self.model, self.optimizer, self.scheduler, **options)

@@ -192,6 +192,10 @@ class PlainBackend(Backend):
             if given(training):
                 raise SystemExit(f"rapidformer: error: {flag} acts on megatron-core models (their DDP, optimizer and "
                                  "sample-counted scheduler); drop it for plain torch/Hugging Face models")
+        if config.lora.lora_rank is not None:
+            raise SystemExit("rapidformer: error: --lora-rank adapts megatron-core models (convert a Hugging Face "
+                             "model with megatron-patch convert hf-to-megatron and train it with --load DIR "
+                             "--finetune); for plain torch/Hugging Face models use peft itself")
         if config.checkpointing.async_save:
             raise SystemExit("rapidformer: error: --async-save applies to megatron-core models (dist_checkpointing)"
                              "; drop it for plain torch/Hugging Face models")
