@@ -143,6 +143,12 @@ class RoutingStatistics:
         self.num_layers = config.num_layers + (getattr(config, "mtp_num_layers", None) or 0)
         self.num_experts = getattr(config, "num_moe_experts", None)
         self._counts: dict[int, torch.Tensor] = {}
+        if self.num_experts is not None:
+            from megatron_patch.compat import clear_moe_aux_losses
+
+            # megatron-core's tracker is global: a model this process ran before (a forward outside train_step,
+            # another run's last step) may have left values there, sized for its own number of layers.
+            clear_moe_aux_losses()
         for chunk in chunks:
             for module in chunk.modules():
                 if isinstance(module, Router):
