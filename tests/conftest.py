@@ -1,6 +1,8 @@
 """Session-wide hooks: tests marked ``gpu`` are skipped where torch sees no CUDA device; the multi-process harness's
-workers end with the test session; ``job``, a test's result of its module's side-by-side jobs (tests/side_by_side.py)."""
+workers end with the test session; no test leaves a process group in pytest's own process; ``job``, a test's result
+of its module's side-by-side jobs (tests/side_by_side.py)."""
 
+import os
 import sys
 
 import pytest
@@ -22,6 +24,19 @@ def pytest_sessionfinish(session, exitstatus):
     testing = sys.modules.get("megatron_patch.testing")
     if testing is not None:
         testing.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def no_process_group_in_pytest():
+    """A conversion or model built in pytest's own process starts a one-rank world there and sets MASTER_PORT, which
+    every later launch inherits while that world still holds the port (EADDRINUSE in a dozen unrelated tests)."""
+    before = os.environ.get("MASTER_PORT")
+    yield
+    after = os.environ.get("MASTER_PORT")
+    if after != before:
+        os.environ.pop("MASTER_PORT") if before is None else os.environ.update(MASTER_PORT=before)
+        pytest.fail(f"this test set MASTER_PORT={after} in pytest's own process (a process group started there): "
+                    "run the body in a rank with megatron_patch.testing.run_on_ranks", pytrace=False)
 
 
 @pytest.fixture

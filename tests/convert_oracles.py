@@ -6,6 +6,8 @@ from __future__ import annotations
 import glob
 import os
 
+from megatron_patch.testing import run_on_ranks
+
 VOCAB = 100  # not a multiple of 128: every conversion pads and trims the vocabulary
 _SMALL = dict(vocab_size=VOCAB, max_position_embeddings=32)
 _BERT = dict(num_hidden_layers=4, hidden_size=32, num_attention_heads=4, intermediate_size=64, **_SMALL)
@@ -153,6 +155,32 @@ def verify_layouts(rank, world_size, hf_dir, megatron_dir, layouts, resave_dir=N
 def verify_each(rank, world_size, jobs):
     """:func:`verify_layouts` for each ``(hf_dir, megatron_dir, layouts, resave_dir)`` in one start of the ranks."""
     return [verify_layouts(rank, world_size, *job) for job in jobs]
+
+
+def assert_layouts_match_transformers(converted: dict, layouts: list) -> None:
+    """Every converted model (name -> (hf dir, torch_dist dir, root)) at every (TP, PP, EP) of ``layouts``, on 4
+    ranks started once, gives transformers' logits to 1e-4; the last layout re-saves each to ROOT/NAME-resaved."""
+    jobs = [(hf, dist, layouts, os.path.join(root, f"{name}-resaved")) for name, (hf, dist, root) in converted.items()]
+    results = run_on_ranks(verify_each, 4, args=(jobs,), timeout=400)[0]
+    failures = [f"{name} TP{tp}xPP{pp}xEP{ep}: {c.line()}"
+                for name, by_layout in zip(converted, results) for (tp, pp, ep), comparisons in by_layout.items()
+                for c in comparisons if not (c.passed and c.max_rel_diff <= 1e-4)]
+    assert [set(r) for r in results] == [set(layouts)] * len(converted)
+    assert not failures, "\n".join(failures)
+
+
+def assert_round_trips_bit_exact(converted: dict, layouts: list) -> None:
+    """megatron-to-hf of each converted model, and of its re-save by the last layout's ranks (made here when the
+    layout test did not run first), gives the Hugging Face tensors back bit for bit."""
+    for name, (hf, dist, root) in converted.items():
+        resaved = os.path.join(root, f"{name}-resaved")
+        if not os.path.exists(resaved):
+            run_on_ranks(verify_each, 4, args=([(hf, dist, layouts[-1:], resaved)],), timeout=300)
+        for source in (dist, resaved):
+            out = f"{source}-exported"
+            assert run_on_ranks(cli, 1, args=(["megatron-to-hf", "--load-dir", source, "--save-dir", out,
+                                               "--no-progress", "--overwrite"],), timeout=120) == [0]
+            assert_bit_exact(hf, out)
 
 
 def local_expert_weights(rank, world_size, megatron_dir, ep):

@@ -87,6 +87,14 @@ def gather_grads(ddp_chunks) -> dict | None:
         finally:
             for p, data in zip(params, saved):
                 p.data = data
+    return gather_shards(shards)
+
+
+def gather_shards(shards: list) -> dict | None:
+    """The global tensors (numpy arrays) by checkpoint key on rank 0 (None elsewhere) from every rank's ``shards``:
+    (key, global shape, index of this rank's slice, its data)."""
+    import torch
+
     gathered = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, shards)
     if torch.distributed.get_rank() != 0:

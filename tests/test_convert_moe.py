@@ -24,8 +24,8 @@ from megatron_patch.convert.families import UnsupportedCheckpoint, family_for
 from megatron_patch.model.config import get_model_config
 from megatron_patch.testing import run_on_ranks
 from tests.convert_oracles import (
-    MOE_MODELS, MOE_VOCAB, assert_bit_exact, cli, hf_greedy, hf_tensors, local_expert_weights, make_hf_model,
-    megatron_greedy_at, verify_each,
+    MOE_MODELS, MOE_VOCAB, assert_bit_exact, assert_layouts_match_transformers, assert_round_trips_bit_exact, cli,
+    hf_greedy, hf_tensors, local_expert_weights, make_hf_model, megatron_greedy_at,
 )
 
 LAYOUTS = [(2, 1, 1), (2, 1, 2), (1, 2, 2)]  # (TP, PP, EP) on 4 ranks; the last re-saves the checkpoint
@@ -48,26 +48,12 @@ def converted(tmp_path_factory):
 
 
 def test_forward_matches_transformers_with_tensor_pipeline_and_expert_parallelism(converted):
-    jobs = [(hf, dist, LAYOUTS, str(root / f"{name}-resaved")) for name, (hf, dist, root) in converted.items()]
-    results = run_on_ranks(verify_each, 4, args=(jobs,), timeout=400)[0]
-    failures = [f"{name} TP{tp}xPP{pp}xEP{ep}: {c.line()}"
-                for name, by_layout in zip(converted, results) for (tp, pp, ep), comparisons in by_layout.items()
-                for c in comparisons if not (c.passed and c.max_rel_diff <= 1e-4)]
-    assert [set(r) for r in results] == [set(LAYOUTS)] * len(converted)
-    assert not failures, "\n".join(failures)
+    assert_layouts_match_transformers(converted, LAYOUTS)
 
 
 def test_round_trip_is_bit_exact_from_the_conversion_and_from_a_checkpoint_saved_by_expert_ranks(converted):
-    for name, (hf, dist, root) in converted.items():
-        # The re-save of the layout test (PP=2 x EP=2), or this one's own when it runs alone.
-        resaved = str(root / f"{name}-resaved")
-        if not (root / f"{name}-resaved").exists():
-            run_on_ranks(verify_each, 4, args=([(hf, dist, LAYOUTS[-1:], resaved)],), timeout=300)
-        for source in (dist, resaved):
-            out = f"{source}-exported"
-            assert run_on_ranks(cli, 1, args=(["megatron-to-hf", "--load-dir", source, "--save-dir", out,
-                                               "--no-progress", "--overwrite"],), timeout=120) == [0]
-            assert_bit_exact(hf, out)
+    # The re-save of the layout test (PP=2 x EP=2), or this one's own when it runs alone.
+    assert_round_trips_bit_exact(converted, LAYOUTS)
 
 
 def test_per_rank_files_round_trip_at_one_rank(converted):

@@ -19,10 +19,9 @@ RANK, ALPHA = 4, 8.0
 
 def _lora_keys_gathered(chunks) -> dict | None:
     """The global adapter tensors by checkpoint key (numpy) on rank 0, None elsewhere."""
-    import torch
     from megatron.core.dist_checkpointing.mapping import is_main_replica
 
-    from tests.model_oracles import _local_slice, _sharded_tensors
+    from tests.model_oracles import _local_slice, _sharded_tensors, gather_shards
 
     shards = []
     for chunk in chunks:
@@ -31,15 +30,7 @@ def _lora_keys_gathered(chunks) -> dict | None:
                 index, local_shape = _local_slice(sharded)
                 shards.append((sharded.key, tuple(sharded.global_shape), index,
                                sharded.data.detach().float().clone().reshape(local_shape)))
-    gathered = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, shards)
-    if torch.distributed.get_rank() != 0:
-        return None
-    full = {}
-    for rank_shards in gathered:
-        for key, shape, index, data in rank_shards:
-            full.setdefault(key, torch.full(shape, float("nan")))[index] = data
-    return {key: tensor.numpy() for key, tensor in full.items()}
+    return gather_shards(shards)
 
 
 def train_lora(rank, world_size, tp, pp, sequence_parallel=False, recompute=False, distributed_optimizer=False,
