@@ -278,10 +278,12 @@ def test_exported_peft_adapter_and_merged_model_give_our_logits(tmp_path):
     import os
 
     import numpy as np
+    from transformers import GenerationConfig
 
     from tests.convert_oracles import cli, make_hf_model, training_sequences
 
     hf, converted = make_hf_model("llama-gqa", str(tmp_path / "hf")), str(tmp_path / "converted")
+    GenerationConfig(eos_token_id=3, max_new_tokens=7).save_pretrained(hf)  # kept as a tokenizer file
     assert run_on_ranks(cli, 1, args=(["hf-to-megatron", "--hf-dir", hf, "--save-dir", converted,
                                        "--no-progress"],)) == [0]
     lora, adapter, merged = (str(tmp_path / name) for name in ("lora", "adapter", "merged"))
@@ -298,6 +300,8 @@ def test_exported_peft_adapter_and_merged_model_give_our_logits(tmp_path):
         assert run_on_ranks(cli, 1, args=(["megatron-to-hf", "--load-dir", lora, "--save-dir", out,
                                            "--no-progress", *extra],)) == [0]
     assert sorted(os.listdir(adapter)) == ["adapter_config.json", "adapter_model.safetensors"]
+    # The merged model ships as the base did: with the files the base's conversion kept beside its tokenizer.
+    assert GenerationConfig.from_pretrained(merged).max_new_tokens == 7
     [reference] = run_on_ranks(hf_logits, 1, args=(hf, adapter, merged, tokens))
     np.testing.assert_allclose(reference["peft"], ours, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(reference["merged"], ours, rtol=1e-4, atol=1e-4)

@@ -621,7 +621,9 @@ def megatron_to_hf(
                     writer.add(name, tensor)
                 bar.update(state[r.mcore].nbytes)
         bar.close()
-        copied = copy_tokenizer_files(tokenizer_dir or os.path.join(load_dir, TOKENIZER_DIR), tmp)
+        # A LoRA checkpoint holds adapters only: the merged model's tokenizer is its base's.
+        copied = copy_tokenizer_files(tokenizer_dir or os.path.join(lora["lora_base"] if lora else load_dir,
+                                                                    TOKENIZER_DIR), tmp)
         if copied and not info.hf_config:
             hf_config.update(_special_token_ids(tmp, family))
         _write_hf_config(tmp, family.model_type, architecture, fields, hf_config, info.dtype)
