@@ -221,6 +221,24 @@ def test_parameter_count_is_that_of_the_model_megatron_core_builds():
     assert built == [num_parameters(get_model_config(name, **changes), 128) for name, changes in models]
 
 
+@pytest.mark.parametrize("name", ["deepseek-v3", "deepseek-v2-lite", "glm-4.5", "glm-4.5-air"])
+def test_named_configs_count_the_parameters_transformers_builds_from_their_config_json(name):
+    """The named model without its multi-token prediction layer (transformers has none) counts as many parameters
+    as transformers' model of the config.json the export writes for it, built on the meta device."""
+    import torch
+    import transformers
+
+    from megatron_patch.model.flops import num_parameters
+
+    model_config = get_model_config(name, mtp_num_layers=None)
+    model_type = {"deepseek-v3": "deepseek_v3", "deepseek-v2-lite": "deepseek_v2"}.get(name, "glm4_moe")
+    hf_config = transformers.AutoConfig.for_model(
+        model_type, **family_for({"model_type": model_type}).config_to_hf(model_config))
+    with torch.device("meta"):
+        hf_model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    assert num_parameters(model_config, model_config.vocab_size) == sum(p.numel() for p in hf_model.parameters())
+
+
 # The published sizes in billions, with the digits they are published to: DeepSeek-V3 671B total, 37B activated per
 # token (arXiv:2412.19437); DeepSeek-V2-Lite 15.7B, 2.4B (its model card); Moonlight-16B-A3B 16B, 3B; Kimi K2 1T, 32B
 # (their model cards). DeepSeek's activated count leaves out the embedding (a token reads its row, nothing is
