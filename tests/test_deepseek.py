@@ -279,8 +279,8 @@ def _losses_of(rank, world_size, argv):
 
 def test_ep2_trains_as_one_rank_with_the_expert_bias_and_multi_token_prediction(assets, tmp_path):
     """tiny-deepseek-v3 (sigmoid routing from groups, a dense first layer, shared experts) with one multi-token
-    prediction module, from one checkpoint, the same 4 global batches at EP=1 on one rank and at EP=2 on two: the
-    same LM and MTP losses, both logged per iteration. The expert bias moves by 0.2 a step (megatron-core's
+    prediction module, from one checkpoint, the same 4 global batches at EP=1 on one rank and at EP=2 or PP=2 on two:
+    the same LM and MTP losses, both logged per iteration. The expert bias moves by 0.2 a step (megatron-core's
     finalize_model_grads, from the tokens each expert got on all ranks); a run whose bias stays put has other losses,
     so a bias updated from one rank's tokens only would show."""
     import json
@@ -301,10 +301,12 @@ def test_ep2_trains_as_one_rank_with_the_expert_bias_and_multi_token_prediction(
             return [value for r in map(json.loads, f) for value in (r["loss"], r["mtp_1 loss"])]
 
     single, parallel = records("ep1"), records("ep2", "--expert-model-parallel-size", "2", ranks=2)
+    pipelined = records("pp2", "--pipeline-model-parallel-size", "2", ranks=2)  # the MTP module on the last stage
     fixed_bias = records("fixed-bias", "--moe-router-bias-update-rate", "0")
     assert len(single) == 2 * 4 and min(single) > 0  # (LM loss, MTP loss) of each iteration
     assert single[::2] != pytest.approx(fixed_bias[::2], rel=1e-4)
     assert parallel == pytest.approx(single, rel=1e-5)
+    assert pipelined == pytest.approx(single, rel=1e-5)
 
 
 def test_a_sigkilled_ep2_run_resumes_exactly(assets, tmp_path):
