@@ -400,17 +400,19 @@ class LoraConfig:
              "given together); default every attention and dense MLP linear the model has")
 
     def __post_init__(self):
-        from megatron_patch.errors import UserError
-        from megatron_patch.model.lora import resolve_targets
-
         _refusals([
             (self.lora_rank is not None and self.lora_rank < 1, "--lora-rank must be at least 1"),
             (self.lora_rank is None and self.lora_alpha is not None, "--lora-alpha needs --lora-rank R"),
             (not 0.0 <= self.lora_dropout < 1.0, "--lora-dropout must be in [0, 1)"),
         ])
+        if self.lora_target_modules is None:
+            return
+        # Here, not above: model/lora.py imports torch, which --help and a run without adapters need not.
+        from megatron_patch.errors import UserError
+        from megatron_patch.model.lora import resolve_targets
+
         try:
-            if self.lora_target_modules is not None:
-                resolve_targets(self.lora_target_modules.split(","))
+            resolve_targets(self.lora_target_modules.split(","))
         except UserError as error:
             raise ValueError(str(error)) from None
 
