@@ -34,7 +34,10 @@ def no_process_group_in_pytest():
     yield
     after = os.environ.get("MASTER_PORT")
     if after != before:
-        os.environ.pop("MASTER_PORT") if before is None else os.environ.update(MASTER_PORT=before)
+        if before is None:
+            del os.environ["MASTER_PORT"]
+        else:
+            os.environ["MASTER_PORT"] = before
         pytest.fail(f"this test set MASTER_PORT={after} in pytest's own process (a process group started there): "
                     "run the body in a rank with megatron_patch.testing.run_on_ranks", pytrace=False)
 
