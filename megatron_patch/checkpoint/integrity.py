@@ -156,18 +156,14 @@ def write_checksummed(staging: str, checksums: dict, transforms: list, rank: int
 
     def write(index: int, bucket) -> None:
         count.put(index)
+        # The zip records torch.save writes carry a CRC-32 of their own, which torch.load never checks (torch/
+        # serialization.py ``set_crc32_options``); this rank's checksums file holds each whole file's CRC-32, so the
+        # records' would be a second pass over every byte for nothing. The option is per thread: set in the writer.
+        torch.serialization.set_crc32_options(False)
         FileSystemWriterAsync.write_preloaded_data(transforms, index, bucket, local_results, count, use_fsync=True)
 
-    # The zip records torch.save writes carry a CRC-32 of their own, which torch.load never checks (torch/
-    # serialization.py ``set_crc32_options``); this rank's checksums file holds each whole file's CRC-32, so the
-    # records' would be a second pass over every byte for nothing.
-    zip_crc = torch.serialization.get_crc32_options()
-    torch.serialization.set_crc32_options(False)
-    try:
-        with concurrent.futures.ThreadPoolExecutor(len(write_buckets)) as pool:
-            list(pool.map(write, range(len(write_buckets)), write_buckets))
-    finally:
-        torch.serialization.set_crc32_options(zip_crc)
+    with concurrent.futures.ThreadPoolExecutor(len(write_buckets)) as pool:
+        list(pool.map(write, range(len(write_buckets)), write_buckets))
     written = dict(local_results.get() for _ in write_buckets)
     failure = next((result for result in written.values() if isinstance(result, Exception)), None)
     if failure is not None:
