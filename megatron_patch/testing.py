@@ -422,3 +422,28 @@ def logged_messages(logger: logging.Logger | str = "rapidformer"):
         yield messages
     finally:
         logger.removeHandler(handler)
+
+
+@contextlib.contextmanager
+def recorded_clones():
+    """The shapes of the tensors ``Tensor.clone`` copies inside the block, in a list filled as they come.
+
+    Example::
+
+        with recorded_clones() as cloned:
+            save_megatron_checkpoint("ckpt", 1, chunks, optimizer, None)
+        assert not cloned                          # the save wrote every tensor where it is
+    """
+    import torch
+
+    cloned, clone = [], torch.Tensor.clone
+
+    def recording(tensor, *args, **kwargs):
+        cloned.append(tuple(tensor.shape))
+        return clone(tensor, *args, **kwargs)
+
+    torch.Tensor.clone = recording
+    try:
+        yield cloned
+    finally:
+        torch.Tensor.clone = clone

@@ -99,19 +99,11 @@ def convert_recording_copies(rank, world_size, hf_dir, save_dir):
     """hf_to_megatron with every ``Tensor.clone`` recorded: the shapes cloned."""
     from megatron_patch import compat
     from megatron_patch.convert.core import hf_to_megatron
+    from megatron_patch.testing import recorded_clones
 
     compat.apply()
-    cloned, clone = [], torch.Tensor.clone
-
-    def recording(tensor, *args, **kwargs):
-        cloned.append(tuple(tensor.shape))
-        return clone(tensor, *args, **kwargs)
-
-    torch.Tensor.clone = recording
-    try:
+    with recorded_clones() as cloned:
         hf_to_megatron(hf_dir, save_dir, progress=False)
-    finally:
-        torch.Tensor.clone = clone
     return cloned
 
 

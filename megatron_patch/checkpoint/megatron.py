@@ -28,6 +28,8 @@ from megatron_patch.checkpoint.format import (
 from megatron_patch.checkpoint.integrity import write_checksummed, write_rank_checksums
 from megatron_patch.checkpoint.legacy import load_legacy_optimizer
 from megatron_patch.checkpoint.load import load_into_chunks
+from megatron_patch.checkpoint.read_into import reading_into_place
+from megatron_patch.checkpoint.torch_dist import exact_storage
 from megatron_patch.errors import UserError
 
 
@@ -93,6 +95,8 @@ def save_megatron_checkpoint(root: str, iteration: int, chunks: list, optimizer,
         # write_checksums covers.
         state.update(megatron_lm_common_state(info, iteration, **(run_args or {})) if info is not None
                      else {"iteration": iteration})
+        if async_queue is None:
+            _write_views_in_place(state)
         # Asynchronous in form even for a synchronous save (run at once by execute_sync, as megatron-core's own
         # synchronous save does: strategies/base.py:212), so that its write function can be replaced by ours, which
         # runs megatron-core's per-file writer in threads and checksums the files (integrity.write_checksummed).
@@ -126,6 +130,25 @@ def save_megatron_checkpoint(root: str, iteration: int, chunks: list, optimizer,
     return trainer.save_checkpoint(root, iteration, write_state, info=info, keep_last_k=keep_last_k, rng_from=rng_from)
 
 
+def _write_views_in_place(state: dict) -> None:
+    """Give megatron-core's writer each CPU tensor of ``state`` over a storage of exactly its bytes
+    (``torch_dist.exact_storage``, sharing them), so that it writes the tensor where it is.
+
+    The writer copies a tensor that is a view of a larger storage (strategies/filesystem_async.py:136
+    ``_clone_if_needed`` in 0.16.1, :146 in 0.19.2), since ``torch.save`` would write all of that storage: every
+    parameter, a view of DDP's buffer (half of bench/checkpoint_io.py's 406 MB checkpoint: 0.05 s and as much memory
+    again). A synchronous
+    save has written them before training goes on; an ``--async-save`` keeps the copy, which is its snapshot
+    (``checkpoint.async_save``).
+    """
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    for sharded in nested_values(state):
+        if isinstance(sharded, ShardedTensor) and sharded.data is not None and sharded.data.device.type == "cpu":
+            sharded.data = exact_storage(sharded.data)
+
+
 def load_megatron_checkpoint(root: str, chunks: list, optimizer, scheduler, *, fully_parallel: bool = False,
                              **options) -> int:
     """Load ``root``'s latest checkpoint into model chunks (``options``: ``trainer.load_checkpoint``'s): ours or
@@ -155,15 +178,16 @@ def load_megatron_checkpoint(root: str, chunks: list, optimizer, scheduler, *, f
         state = _megatron_state(chunks, optimizer, scheduler, is_loading=True, with_optimizer=with_optimizer,
                                 metadata=metadata)
         load_options = dict(compat.dist_load_options(), **_parallel_load_strategy(path) if fully_parallel else {})
-        if finetune:
-            # --finetune may put a new head on the loaded weights (a classifier on a pretrained BERT): tensors the
-            # checkpoint lacks keep their initialisation, as Megatron-LM's tasks/finetune_utils.py loads its
-            # pretrained checkpoint with strict=False.
-            loaded, _, absent = dist_checkpointing.load(state, path, strict=StrictHandling.RETURN_UNEXPECTED,
-                                                        **load_options)
-            _check_finetune_coverage(path, state, absent, logger)
-        else:
-            loaded = dist_checkpointing.load(state, path, **load_options)
+        with reading_into_place():
+            if finetune:
+                # --finetune may put a new head on the loaded weights (a classifier on a pretrained BERT): tensors
+                # the checkpoint lacks keep their initialisation, as Megatron-LM's tasks/finetune_utils.py loads its
+                # pretrained checkpoint with strict=False.
+                loaded, _, absent = dist_checkpointing.load(state, path, strict=StrictHandling.RETURN_UNEXPECTED,
+                                                            **load_options)
+                _check_finetune_coverage(path, state, absent, logger)
+            else:
+                loaded = dist_checkpointing.load(state, path, **load_options)
         modules = [_unwrap(c) for c in chunks]
         for i, module in enumerate(modules):
             module.load_state_dict(loaded["model" if len(modules) == 1 else f"model{i}"], strict=not finetune)

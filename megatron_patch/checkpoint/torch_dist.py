@@ -21,6 +21,7 @@ import torch
 
 from megatron_patch import compat
 from megatron_patch.checkpoint.format import ARGS_FILE, CheckpointInfo, CheckpointMismatch, megatron_lm_common_state
+from megatron_patch.checkpoint.read_into import reading_into_place
 from megatron_patch.errors import first_problems
 from megatron_patch.model.names import LAYER
 
@@ -133,7 +134,7 @@ def _streaming_strategy(sources: dict, materialise: Callable[[str], torch.Tensor
             expected = write_item.tensor_data.properties.dtype
             if tensor.dtype != expected:
                 raise CheckpointMismatch(f"{name}: produced {tensor.dtype}, the model holds {expected}")
-            return _exact_storage(tensor)
+            return exact_storage(tensor)
 
     class StreamingStrategy(TorchDistSaveShardedStrategy):
         def save(self, sharded_state_dict, checkpoint_dir):
@@ -144,13 +145,13 @@ def _streaming_strategy(sources: dict, materialise: Callable[[str], torch.Tensor
     return StreamingStrategy("torch_dist", 1)
 
 
-def _exact_storage(tensor: torch.Tensor) -> torch.Tensor:
+def exact_storage(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` over a storage of exactly its own bytes, sharing them (the slice keeps the whole alive).
 
     Example::
 
         fc1 = torch.zeros(4, 2)
-        _exact_storage(fc1[:2]).untyped_storage().nbytes()     # 16, where fc1[:2]'s storage holds 32
+        exact_storage(fc1[:2]).untyped_storage().nbytes()     # 16, where fc1[:2]'s storage holds 32
 
     PyTorch DCP's writer copies a tensor whose storage is larger than it (filesystem.py, ``_SerialCpuLoader.values``),
     so as not to save the rest; a swiglu ``linear_fc1``'s gate and up halves, which megatron-core's factory saves as
@@ -170,7 +171,8 @@ def load_dist(chunks, ckpt_dir: str) -> None:
 
     for chunk in chunks:
         check_dist_checkpoint(chunk, ckpt_dir)
-        state = dist_checkpointing.load(chunk.sharded_state_dict(), ckpt_dir, **compat.dist_load_options())
+        with reading_into_place():
+            state = dist_checkpointing.load(chunk.sharded_state_dict(), ckpt_dir, **compat.dist_load_options())
         chunk.load_state_dict(state, strict=False)
 
 
