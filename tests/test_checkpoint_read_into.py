@@ -30,11 +30,21 @@ def _targets(state):
     return {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else "" for k, v in state.items()}
 
 
+def _recording_what_is_left(left: list, read_file=read_into._read_file):
+    """``read_into._read_file`` that also appends to ``left`` the requests each file leaves to DCP's reader."""
+
+    def read_file_recording(*args):
+        rest = read_file(*args)
+        left.extend(rest)
+        return rest
+
+    return read_file_recording
+
+
 def test_tensors_read_in_place_equal_what_dcp_reads(tmp_path, monkeypatch):
     state = _saved(tmp_path)
     left = []
-    read_file = read_into._read_file
-    monkeypatch.setattr(read_into, "_read_file", lambda *a: left.extend(read_file(*a)) or left)
+    monkeypatch.setattr(read_into, "_read_file", _recording_what_is_left(left))
     ours, theirs = _targets(state), _targets(state)
     dcp.load(ours, storage_reader=read_into.read_in_place(FileSystemReader(tmp_path)), no_dist=True)
     dcp.load(theirs, storage_reader=FileSystemReader(tmp_path), no_dist=True)
@@ -74,7 +84,7 @@ def save_and_load_recording_copies(rank, world_size, save_dir):
         for param in chunks[0].module.parameters():
             param.add_(1.0)
     left, read_file = [], read_into._read_file
-    read_into._read_file = lambda *a: left.extend(read_file(*a)) or left
+    read_into._read_file = _recording_what_is_left(left, read_file)
     try:
         megatron.load_megatron_checkpoint(save_dir, chunks, optimizer, None)
     finally:

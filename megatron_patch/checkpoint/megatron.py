@@ -137,9 +137,8 @@ def _write_views_in_place(state: dict) -> None:
     The writer copies a tensor that is a view of a larger storage (strategies/filesystem_async.py:136
     ``_clone_if_needed`` in 0.16.1, :146 in 0.19.2), since ``torch.save`` would write all of that storage: every
     parameter, a view of DDP's buffer (half of bench/checkpoint_io.py's 406 MB checkpoint: 0.05 s and as much memory
-    again). A synchronous
-    save has written them before training goes on; an ``--async-save`` keeps the copy, which is its snapshot
-    (``checkpoint.async_save``).
+    again). A synchronous save has written them before training goes on; an ``--async-save`` keeps the copy, which is
+    its snapshot (``checkpoint.async_save``).
     """
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
