@@ -87,8 +87,16 @@ def _assert_same_as(reference: list[dict], records: list[dict]):
     expected = {r["iteration"]: r for r in reference}
     assert sorted(expected) == list(range(1, ITERS + 1))
     assert {r["iteration"] for r in records} == set(expected)
+    # Every differing record at once, field by field: the first mismatch alone does not tell a deviation from the
+    # resumed iteration on (the resume's) from one iteration's report.
+    differing = []
     for record in records:
-        assert record == expected[record["iteration"]]
+        want = expected[record["iteration"]]
+        fields = [f"{key} {record.get(key)!r} != {want.get(key)!r}"
+                  for key in sorted(set(record) | set(want)) if record.get(key) != want.get(key)]
+        if fields:
+            differing.append(f"iteration {record['iteration']}: " + ", ".join(fields))
+    assert not differing, "records differ from the uninterrupted run's:\n" + "\n".join(differing)
 
 
 def _reference(assets, root):
