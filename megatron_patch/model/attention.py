@@ -8,7 +8,9 @@ megatron-core's local ``DotProductAttention`` materialises the [b, heads, s, s] 
 softmax. ``SDPAttention`` has the same constructor and forward signature, so it drops into any layer spec, and
 lets PyTorch pick a flash or memory-efficient kernel on GPUs (math kernel on CPUs). Masks follow megatron-core:
 boolean, True where attention is *not* allowed, broadcastable to [b, heads, sq, sk] (BERT passes [b, 1, 1, s]
-key-padding masks, HF's semantics); no mask with ``AttnMaskType.causal`` means causal.
+key-padding masks, HF's semantics); no mask with ``AttnMaskType.causal`` means causal. Packed sequences come in
+megatron-core's ``thd`` format (``PackedSeqParams`` with ``cu_seqlens``): each sequence attends causally to itself
+only, as if it were alone in its batch.
 """
 
 from __future__ import annotations
@@ -77,9 +79,10 @@ class SDPAttention(MegatronModule):
         attention_bias: torch.Tensor | None = None,
         packed_seq_params=None,
     ) -> torch.Tensor:
-        if packed_seq_params is not None or attention_bias is not None:
-            raise NotImplementedError("SDPAttention takes neither packed sequences nor an attention bias; use the "
-                                      "Transformer Engine layer spec for those")
+        if attention_bias is not None:
+            raise NotImplementedError("SDPAttention takes no attention bias; use the Transformer Engine layer spec")
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params)
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         seq_q, batch = query.shape[:2]
         # [s, b, heads, d] -> [b, heads, s, d], the layout SDPA expects.
@@ -91,10 +94,7 @@ class SDPAttention(MegatronModule):
             # attend everywhere instead. Its output is padding either way and never reaches a real token.
             allowed = allowed | ~allowed.any(dim=-1, keepdim=True)
         dropout_p = self.dropout_p if self.training else 0.0
-        # Megatron forks the model-parallel RNG for attention dropout unless activations are sequence-parallel
-        # (dot_product_attention.py:224-228), so TP ranks drop different heads.
-        rng = tensor_parallel.get_cuda_rng_tracker().fork() if not self.config.sequence_parallel else contextlib.nullcontext()
-        with rng:
+        with self._rng():
             context = torch.nn.functional.scaled_dot_product_attention(
                 q, k, v,
                 attn_mask=allowed,
@@ -105,4 +105,33 @@ class SDPAttention(MegatronModule):
             )
         # [b, heads, sq, d] -> [sq, b, heads * d]
         return context.permute(2, 0, 1, 3).reshape(seq_q, batch, -1)
+
+    def _rng(self):
+        # Megatron forks the model-parallel RNG for attention dropout unless activations are sequence-parallel
+        # (DotProductAttention.forward, core_v0.16.1), so TP ranks drop different heads.
+        if self.config.sequence_parallel:
+            return contextlib.nullcontext()
+        return tensor_parallel.get_cuda_rng_tracker().fork()
+
+    def _packed(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params) -> torch.Tensor:
+        """Causal attention within each sequence of a ``thd`` pack: [t, heads, d] x3 -> [t, heads * d].
+
+        One SDPA call per sequence computes what the sequence alone would (a block-diagonal mask over the pack
+        would cost t^2 for sum of its lengths squared)."""
+        if params.qkv_format != "thd":
+            raise NotImplementedError(f"SDPAttention takes packed sequences in the thd format, not {params.qkv_format}")
+        bounds = params.cu_seqlens_q.tolist()
+        dropout_p = self.dropout_p if self.training else 0.0
+        context = query.new_empty(query.shape[0], query.shape[1], value.shape[-1])
+        with self._rng():
+            for start, end in zip(bounds[:-1], bounds[1:]):
+                if end == start:
+                    continue
+                # [s, heads, d] -> [1, heads, s, d]
+                q, k, v = (t[start:end].permute(1, 0, 2).unsqueeze(0) for t in (query, key, value))
+                context[start:end] = torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, dropout_p=dropout_p, is_causal=end - start > 1, scale=self.softmax_scale,
+                    enable_gqa=self.num_attention_heads_per_partition != self.num_query_groups_per_partition,
+                )[0].permute(1, 0, 2)
+        return context.reshape(query.shape[0], -1)
 

@@ -251,9 +251,12 @@ class Engine:
             rank=parallel_state.get_data_parallel_rank(), shuffle=shuffle, seed=self.config.training.seed,
             drop_last=drop_last,
         )
+        # A generator of its own: each pass over a DataLoader draws its workers' base seed from it, which from
+        # torch's global one would shift the dropout of every step after an evaluation, and a resume would differ.
         loader = torch.utils.data.DataLoader(
             dataset, batch_size=batch_size or self.config.training.micro_batch_size, sampler=sampler,
             collate_fn=collate_fn or pad_collate, num_workers=self.config.data.num_workers, drop_last=drop_last,
+            generator=torch.Generator().manual_seed(self.config.training.seed),
         )
         return _DeviceLoader(loader, self.device)
 

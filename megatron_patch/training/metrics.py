@@ -172,6 +172,18 @@ class TrainingLog:
         self.logger.info(f" validation loss at iteration {iteration} | {self.loss_name}: {loss:.6E} | "
                          f"{self.loss_name} PPL: {perplexity:.6E}")
 
+    def evaluation(self, iteration: int, values: dict) -> None:
+        """A fine-tuner's metrics at ``--eval-interval``: its loss as Megatron-LM's validation line, the others
+        beside it."""
+        if "loss" in values:
+            self.validation(iteration, values["loss"])
+        others = {name: value for name, value in values.items() if name not in ("loss", "ppl")}
+        for name, value in others.items():
+            self.scalar(f"validation {name}", value, iteration)
+        if others:
+            self.logger.info(f" validation at iteration {iteration} | "
+                             + " | ".join(f"{k}: {v:.4f}" for k, v in others.items()))
+
     def metrics(self, epoch: int, values: dict) -> None:
         for name, value in values.items():
             self.scalar(f"eval {name}", value, epoch)

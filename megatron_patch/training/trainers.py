@@ -500,8 +500,8 @@ class Pretrainer(_Trainer):
 
 
 class Finetuner(_Trainer):
-    """Fine-tuning over epochs with an evaluation after each; a run resumed with ``--load`` goes on in the epoch,
-    and at the batch, where the checkpoint was taken.
+    """Fine-tuning over epochs with an evaluation after each (and every ``--eval-interval`` iterations); a run
+    resumed with ``--load`` goes on in the epoch, and at the batch, where the checkpoint was taken.
 
     Hooks: ``train_valid_test_datasets_provider()`` returning ``(train, valid, test, collate_fn)``,
     ``model_optimizer_lr_scheduler_provider()``, ``run_forward_step(batch, model)`` and
@@ -532,10 +532,19 @@ class Finetuner(_Trainer):
         self.metrics: list[dict] = []
         counter = _TokenCounter()
 
+        def counted(batches):
+            for batch in batches:
+                counter.tokens += count_input_tokens(batch)
+                yield batch
+
         def forward(batches, model):
-            batch = next(batches)
-            counter.tokens += count_input_tokens(batch)
-            return self.run_forward_step(batch, model)
+            return self.run_forward_step(next(batches), model)
+
+        interval = self.config.logging.eval_interval
+
+        def after_step(iteration: int):
+            if eval_loader is not None and interval and iteration % interval == 0:
+                log.evaluation(iteration, self._compute_metrics(eval_loader))
 
         # A resumed run goes on in the epoch it stopped in, after the batches it took there (Megatron-LM's
         # tasks/finetune_utils.py: start_epoch, start_iteration); each epoch's shuffle depends on its number only.
@@ -544,17 +553,30 @@ class Finetuner(_Trainer):
                 break
             train_loader.set_epoch(epoch)
             done = self.iteration - epoch * steps_per_epoch
-            batches = itertools.islice(train_loader, done * training.num_microbatches, None)
-            if self._run(forward, batches, min(train_iters, (epoch + 1) * steps_per_epoch), log, counter=counter):
+            # Under virtual pipelining each model chunk reads the same batches from a stream of its own.
+            streams = [itertools.islice(train_loader, done * training.num_microbatches, None)
+                       for _ in self._chunks()]
+            streams[0] = counted(streams[0])
+            batches = streams[0] if len(streams) == 1 else streams
+            if self._run(forward, batches, min(train_iters, (epoch + 1) * steps_per_epoch), log, after_step,
+                         counter=counter):
                 break
             if eval_loader is not None:
-                for chunk in self._chunks():
-                    chunk.eval()
-                values = self.run_compute_metrics(self._chunks(), eval_loader)
+                values = self._compute_metrics(eval_loader)
                 self.metrics.append(values)
                 log.metrics(epoch, values)
         self._finish(log)
         return log
+
+    def _compute_metrics(self, eval_loader) -> dict:
+        """``run_compute_metrics`` on the model in eval mode, its parameters up to date; back to training after."""
+        for chunk in self._chunks():
+            chunk.eval()
+        with self.backend.parameters_in_sync():
+            values = self.run_compute_metrics(self._chunks(), eval_loader)
+        for chunk in self._chunks():
+            chunk.train()
+        return values
 
 
 PreTrainer = Pretrainer
