@@ -21,6 +21,13 @@ what Megatron-LM writes for the same tokenizer, flags and input, documents witho
   every `--json-keys` key gets its `.idx` (Megatron-LM finalizes only the last key's).
 - `--input` may be a glob and `.gz` with any `--partitions`; partitions are handled in one pass
   and need no intermediate JSONL files, and `--workers` need not be a multiple of them.
+
+`--sft` reads conversations instead (formats, chat templates and loss masks: `data/conversations.py`) through the
+same workers, progress, errors and atomic publication, and writes `{output_prefix}_sft_document.bin/.idx`: each
+conversation one document of two sequences of equal length, its token ids then its 0/1 loss mask (1: the token is
+a trained target; the trainer shifts it), in the `.bin`'s dtype; and `{output_prefix}_sft_document.json`
+(`"format": "megatron_patch.sft"`, its version, the input format, `--sft-loss`, the chat template's sha256, the
+counts), published last. `--sft --show N` prints line N as the model sees it and writes nothing.
 """
 
 import argparse
@@ -40,10 +47,20 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from queue import SimpleQueue
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy
 
+from megatron_patch.data.conversations import (
+    INPUT_FORMATS,
+    LOSS_MODES,
+    ConversationEncoder,
+    ConversationError,
+    describe_formats,
+    detect_format,
+    load_chat_template,
+    read_conversations,
+)
 from megatron_patch.data.jsonl import InputError, expand_inputs, open_input
 from megatron_patch.data.progress import Progress
 from megatron_patch.data.sentences import SentenceSplitter
@@ -57,6 +74,12 @@ from megatron_patch.tokenizer import (
 
 if TYPE_CHECKING:
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+
+SFT_KEY = "sft"
+"""The outputs' key with `--sft`: `{output_prefix}_sft_document.bin/.idx/.json`."""
+SFT_FORMAT_VERSION = 1
+"""The version of `{output_prefix}_sft_document.json`, whose "format" is "megatron_patch.sft"."""
 
 
 @dataclass
@@ -86,6 +109,13 @@ class PreprocessConfig:
     GPT-2 BPE spent 10-20% less CPU per byte on 1 MB batches than on 256 KB ones (bench/preprocess.py's
     corpus, a cold tokenizer, 2-core machine), and the main process handles a quarter as many messages."""
     batch_lines: int = 2048
+    sft: bool = False
+    """Read conversations (see `data/conversations.py`) instead of documents and write each as one document of two
+    sequences, its token ids and its loss mask, to `{output_prefix}_sft_document.bin/.idx` with a `.json` beside."""
+    chat_template: str | None = None
+    """With `sft`: a jinja chat template file that replaces the tokenizer's own (`--chat-template FILE`)."""
+    sft_loss: str = "assistant"
+    """With `sft`: the trained tokens, `assistant` (every assistant turn), `last-turn` or `all`."""
 
     def __post_init__(self) -> None:
         for name in ("workers", "partitions", "log_interval", "batch_bytes", "batch_lines"):
@@ -93,13 +123,26 @@ class PreprocessConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if not self.json_keys:
             raise ValueError("--json-keys needs at least one key")
+        if self.sft:
+            if self.split_sentences or self.append_eod or self.json_keys != ["text"]:
+                raise ValueError(
+                    "--sft takes whole conversations, and the chat template decides their end: drop "
+                    "--split-sentences, --append-eod and --json-keys"
+                )
+            if self.sft_loss not in LOSS_MODES:
+                raise ValueError(f"--sft-loss {self.sft_loss}: choose one of {', '.join(LOSS_MODES)}")
+        elif self.chat_template is not None:
+            raise ValueError("--chat-template renders conversations: add --sft")
 
     @property
     def level(self) -> str:
         return "sentence" if self.split_sentences else "document"
 
     def output_prefixes(self) -> dict[str, str]:
-        """`{key: "{output_prefix}_{key}_{level}"}`, the names Megatron-LM gives its outputs."""
+        """`{key: "{output_prefix}_{key}_{level}"}`, the names Megatron-LM gives its outputs
+        (`{"sft": "{output_prefix}_sft_document"}` with `sft`)."""
+        if self.sft:
+            return {SFT_KEY: f"{self.output_prefix}_{SFT_KEY}_document"}
         return {key: f"{self.output_prefix}_{key}_{self.level}" for key in self.json_keys}
 
 
@@ -115,11 +158,21 @@ class PreprocessReport:
     input_bytes: int = 0
     seconds: float = 0.0
     skipped: Counter = field(default_factory=Counter)
+    sft: dict[str, Any] | None = None
+    """With `--sft`: what `{output_prefix}_sft_document.json` says (conversations, tokens, trained_tokens, ...)."""
 
     def summary(self) -> str:
         skipped = sum(self.skipped.values())
         reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(self.skipped.items()))
         rate = self.input_bytes / max(self.seconds, 1e-9) / 1e6
+        if self.sft is not None:
+            return (
+                f"Done: {self.sft['conversations']} conversations ({self.sft['input_format']}), "
+                f"{self.sft['tokens']} tokens, {self.sft['trained_tokens']} trained tokens "
+                f"from {self.input_bytes / 1e6:.1f} MB in {self.seconds:.1f} s ({rate:.1f} MB/s); skipped "
+                f"{skipped} lines" + (f" ({reasons})" if reasons else "")
+                + f"; wrote {', '.join(p + '.bin/.idx/.json' for p in self.outputs)}"
+            )
         return (
             f"Done: {self.documents} documents, {self.sequences} sequences, {self.tokens} tokens "
             f"from {self.input_bytes / 1e6:.1f} MB in {self.seconds:.1f} s ({rate:.1f} MB/s); "
@@ -131,24 +184,6 @@ class PreprocessReport:
 # ---------------------------------------------------------------------------------------------
 # Worker side: raw lines in, token arrays out.
 
-_WORKER: dict[str, Any] = {}
-
-
-def _init_worker(config: PreprocessConfig, tokenizer, dtype: type) -> None:
-    # The ~400k objects forked from the parent (torch, megatron-core) live as long as the worker:
-    # frozen, the garbage collector skips them instead of writing to, and so copying, their pages,
-    # which cost a GPT-2 worker a quarter of its CPU time.
-    gc.freeze()
-    # The pool's processes are the parallelism; a Rust thread pool in each would oversubscribe.
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _WORKER["config"] = config
-    _WORKER["dtype"] = dtype
-    # The main process's tokenizer, inherited through the fork: building one per worker read its
-    # files again (for GPT-2, ~30 ms of each worker's time before its first batch).
-    _WORKER["tokenizer"] = tokenizer
-    _WORKER["splitter"] = (
-        SentenceSplitter(config.lang, config.keep_newlines) if config.split_sentences else None
-    )
 
 
 def _parse_line(raw: bytes, config: PreprocessConfig, splitter) -> tuple[list[list[str]] | None, str | None]:
@@ -225,15 +260,32 @@ class _BatchResult:
     document_lines: numpy.ndarray  # line offset within the batch of each document written
     empty_documents: int  # of those, how many have no tokens (in some json key)
     errors: list[tuple[int, str]]  # (line offset, reason), in line order
+    sft: "_ConversationCounts | None" = None
 
 
-def _encode_lines(lines: list[bytes]) -> _BatchResult:
+class _DocumentEncoder:
+    """The pool's encode function for documents: parse, split and tokenize a batch of JSONL lines.
+
+        _DocumentEncoder(config, tokenizer, numpy.uint16)([b'{"text": "a b"}'])   # a _BatchResult
+
+    Built in the main process; the workers inherit it, tokenizer included, through the fork: building one per
+    worker read the tokenizer's files again (for GPT-2, ~30 ms of each worker's time before its first batch).
+    """
+
+    def __init__(self, config: PreprocessConfig, tokenizer, dtype: type):
+        self.config, self.tokenizer, self.dtype = config, tokenizer, dtype
+        self.splitter = SentenceSplitter(config.lang, config.keep_newlines) if config.split_sentences else None
+
+    def __call__(self, lines: list[bytes]) -> "_BatchResult":
+        return _encode_lines(self.config, self.tokenizer, self.dtype, self.splitter, lines)
+
+
+def _encode_lines(config: PreprocessConfig, tokenizer, dtype: type, splitter, lines: list[bytes]) -> "_BatchResult":
     """Parse, split and tokenize a batch of JSONL lines."""
-    config, tokenizer, dtype = _WORKER["config"], _WORKER["tokenizer"], _WORKER["dtype"]
     errors: dict[int, str] = {}
     parsed: list[tuple[int, list[list[str]]]] = []
     for offset, raw in enumerate(lines):
-        per_key, reason = _parse_line(raw, config, _WORKER["splitter"])
+        per_key, reason = _parse_line(raw, config, splitter)
         if reason:
             errors[offset] = reason
         else:
@@ -309,8 +361,142 @@ def _encode_lines(lines: list[bytes]) -> _BatchResult:
 
 
 @dataclass
+class _ConversationCounts:
+    """What a batch of conversations holds beyond its tokens: each line's input format (an index into
+    INPUT_FORMATS, -1 for none) and each conversation's trained tokens and largest token id."""
+
+    line_formats: numpy.ndarray
+    trained_tokens: numpy.ndarray
+    max_token_id: numpy.ndarray
+
+
+def _parse_record(raw: bytes) -> tuple[Any, str | None]:
+    """The JSON object of one line, or the reason it has none."""
+    try:
+        record = json.loads(raw)
+    except UnicodeDecodeError as error:
+        return None, f"invalid UTF-8: undecodable byte at offset {error.start} of the line"
+    except json.JSONDecodeError as error:
+        reason = "blank line" if not raw.strip() else f"{error.msg} (column {error.colno})"
+        return None, f"malformed JSON: {reason}"
+    if not isinstance(record, dict):
+        return None, f"malformed JSON: expected an object, got {type(record).__name__}"
+    return record, None
+
+
+class _ConversationBatchEncoder:
+    """The pool's encode function with `--sft`: each line's conversations, encoded by `encoder`, one document of
+    two equal sequences each (token ids, then the 0/1 loss mask). A line is written whole or not at all.
+
+        _ConversationBatchEncoder(ConversationEncoder(tokenizer), numpy.uint16)([b'{"prompt": "a", "response": "b"}'])
+    """
+
+    def __init__(self, encoder: ConversationEncoder, dtype: type):
+        self.encoder, self.dtype = encoder, dtype
+
+    def __call__(self, lines: list[bytes]) -> _BatchResult:
+        errors: dict[int, str] = {}
+        line_formats = numpy.full(len(lines), -1, numpy.int8)
+        conversations, owners = [], []
+        for offset, raw in enumerate(lines):
+            record, reason = _parse_record(raw)
+            if reason is None and (input_format := detect_format(record)) is None:
+                reason = (f"unknown format: expected {describe_formats()} (keys: "
+                          f"{', '.join(map(repr, list(record)[:8]))})")
+            if reason is None:
+                line_formats[offset] = INPUT_FORMATS.index(input_format)
+                try:
+                    parts = read_conversations(record, input_format)
+                except ConversationError as error:
+                    reason = str(error)
+                else:
+                    conversations += parts
+                    owners += [offset] * len(parts)
+            if reason is not None:
+                errors[offset] = reason
+        encoded = self.encoder.encode(conversations)
+        for offset, result in zip(owners, encoded):
+            if isinstance(result, ConversationError):
+                errors.setdefault(offset, str(result))
+        kept = [(offset, result) for offset, result in zip(owners, encoded) if offset not in errors]
+        lengths = numpy.fromiter((len(r.ids) for _, r in kept), numpy.int64, len(kept))
+        tokens = numpy.concatenate(
+            [array for _, r in kept for array in (r.ids, r.mask)] or [numpy.zeros(0, numpy.int64)]
+        ).astype(self.dtype)
+        return _BatchResult(
+            keys={SFT_KEY: _KeyResult(
+                tokens=tokens,
+                sequence_lengths=numpy.repeat(lengths, 2).astype(numpy.int32),
+                document_sequences=numpy.full(len(kept), 2, numpy.int64),
+                document_tokens=2 * lengths,
+            )},
+            document_lines=numpy.fromiter((offset for offset, _ in kept), numpy.int64, len(kept)),
+            empty_documents=0,
+            errors=sorted(errors.items()),
+            sft=_ConversationCounts(
+                line_formats=line_formats,
+                trained_tokens=numpy.fromiter((r.trained_tokens for _, r in kept), numpy.int64, len(kept)),
+                max_token_id=numpy.fromiter((r.ids.max(initial=-1) for _, r in kept), numpy.int64, len(kept)),
+            ),
+        )
+
+
+def _drop_documents(result: _BatchResult, drop: numpy.ndarray) -> None:
+    """Remove the documents where `drop` is True from a result of `_ConversationBatchEncoder`."""
+    keep = ~drop
+    for key, key_result in result.keys.items():
+        starts = numpy.cumsum(key_result.document_tokens) - key_result.document_tokens
+        sequences = numpy.repeat(keep, key_result.document_sequences)
+        result.keys[key] = _KeyResult(
+            tokens=_gather(key_result.tokens, starts[keep], key_result.document_tokens[keep]),
+            sequence_lengths=key_result.sequence_lengths[sequences],
+            document_sequences=key_result.document_sequences[keep],
+            document_tokens=key_result.document_tokens[keep],
+        )
+    result.document_lines = result.document_lines[keep]
+    result.sft.trained_tokens = result.sft.trained_tokens[keep]
+    result.sft.max_token_id = result.sft.max_token_id[keep]
+
+
+class _FileFormats:
+    """Each input file's format, that of its first record; a line of another format is an error."""
+
+    def __init__(self) -> None:
+        self.formats: dict[str, tuple[int, int]] = {}  # path -> (index into INPUT_FORMATS, its line)
+
+    def check(self, batch: "_Batch", result: _BatchResult) -> None:
+        """Add a `format mismatch` error for each line of `batch` in another format than its file's, and drop
+        its conversations; name a file's format in the log when its first record shows it."""
+        formats = result.sft.line_formats
+        known = numpy.flatnonzero(formats >= 0)
+        if not len(known):
+            return
+        if batch.path not in self.formats:
+            self.formats[batch.path] = (int(formats[known[0]]), batch.first_line + int(known[0]))
+            print(f"note: {batch.path}: {INPUT_FORMATS[formats[known[0]]]} records (from line "
+                  f"{self.formats[batch.path][1]})", file=sys.stderr, flush=True)
+        expected, line = self.formats[batch.path]
+        wrong = numpy.flatnonzero((formats >= 0) & (formats != expected))
+        if not len(wrong):
+            return
+        errors = dict(result.errors)
+        for offset in wrong.tolist():
+            errors.setdefault(offset, (
+                f"format mismatch: a {INPUT_FORMATS[formats[offset]]} record in a file of "
+                f"{INPUT_FORMATS[expected]} records (line {line} sets the file's format)"
+            ))
+        result.errors = sorted(errors.items())
+        _drop_documents(result, numpy.isin(result.document_lines, wrong))
+
+    def names(self) -> str | None:
+        """The formats seen, `messages` or `alpaca+messages` for several files of different ones."""
+        names = sorted({INPUT_FORMATS[index] for index, _ in self.formats.values()})
+        return "+".join(names) or None
+
+
+@dataclass
 class _WorkerFailure:
-    """An exception a worker raised: a bug, since `_encode_lines` reports bad input line by line."""
+    """An exception a worker raised: a bug, since the encode functions report bad input line by line."""
 
     summary: str
     traceback: str
@@ -323,7 +509,7 @@ class _WorkerTraceback(Exception):
         return self.args[0]
 
 
-def _work(conn: Connection, inherited: list[Connection], config: PreprocessConfig, tokenizer, dtype: type) -> None:
+def _work(conn: Connection, inherited: list[Connection], encode: Callable[[list[bytes]], "_BatchResult"]) -> None:
     """A worker's loop: batches of lines in through `conn`, results out, until the main process
     closes its end or dies (both read as EOF)."""
     # The main process's ends of this worker's pipe and of those forked before: held open here,
@@ -334,10 +520,15 @@ def _work(conn: Connection, inherited: list[Connection], config: PreprocessConfi
     # and stops its workers. Forked, a worker would otherwise run the main process's SIGTERM handler.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # The ~400k objects forked from the parent (torch, megatron-core) live as long as the worker:
+    # frozen, the garbage collector skips them instead of writing to, and so copying, their pages,
+    # which cost a GPT-2 worker a quarter of its CPU time.
+    gc.freeze()
+    # The pool's processes are the parallelism; a Rust thread pool in each would oversubscribe.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
     try:
-        _init_worker(config, tokenizer, dtype)
         while True:
-            conn.send(_encode_lines(_split_lines(conn.recv_bytes())))
+            conn.send(encode(_split_lines(conn.recv_bytes())))
     except (EOFError, BrokenPipeError, ConnectionResetError):
         return
     except BaseException as error:
@@ -433,12 +624,12 @@ class _Worker:
     worker is sending back, and each would wait for the other.
     """
 
-    def __init__(self, context, config: PreprocessConfig, tokenizer, dtype: type, earlier: list["_Worker"]):
+    def __init__(self, context, config: PreprocessConfig, encode: Callable, earlier: list["_Worker"]):
         self.conn, child = context.Pipe()
         for end in (self.conn, child):
             _enlarge_send_buffer(end, 2 * config.batch_bytes + (1 << 16))
         self.process = context.Process(
-            target=_work, args=(child, [self.conn] + [w.conn for w in earlier], config, tokenizer, dtype), daemon=True
+            target=_work, args=(child, [self.conn] + [w.conn for w in earlier], encode), daemon=True
         )
         self.process.start()
         # The worker now holds the only other end: its death reads as EOF here, and a send to it fails.
@@ -485,15 +676,15 @@ class _Worker:
 
 
 class _Workers:
-    """`config.workers` forked processes that encode `batches` with `tokenizer`; leaving the `with`
-    block stops them, at once (SIGKILL) when it is left by an exception.
+    """`config.workers` forked processes that run `encode` (a `_DocumentEncoder`, a `_ConversationBatchEncoder`)
+    on `batches`; leaving the `with` block stops them, at once (SIGKILL) when it is left by an exception.
 
-        with _Workers(config, tokenizer, dtype, _read_batches(paths, config)) as workers:
+        with _Workers(config, _DocumentEncoder(config, tokenizer, dtype), _read_batches(paths, config)) as workers:
             for batch, result in workers.results():
                 ...
     """
 
-    def __init__(self, config: PreprocessConfig, tokenizer, dtype: type, batches: Iterator[_Batch]):
+    def __init__(self, config: PreprocessConfig, encode: Callable, batches: Iterator[_Batch]):
         # fork: workers start in milliseconds instead of re-importing torch and megatron-core.
         context = multiprocessing.get_context("fork")
         self.batches = batches
@@ -501,7 +692,7 @@ class _Workers:
         self.workers: list[_Worker] = []
         try:
             for _ in range(config.workers):
-                worker = _Worker(context, config, tokenizer, dtype, self.workers)
+                worker = _Worker(context, config, encode, self.workers)
                 self.workers.append(worker)
                 # Its first batch goes now, from this thread, so that it works while the next one is
                 # forked (tens of ms each, for a process that has imported torch). The send waits at
@@ -611,19 +802,48 @@ def _remove(*paths: str) -> None:
 def _remove_killed_leftovers(final: str) -> None:
     """Remove the temporary `.bin/.idx` files that killed runs into `final` left (`megatron_patch.staging`)."""
     directory, base = os.path.split(os.path.abspath(final))
-    pattern = re.escape(base) + r"(?:\.part\d+)?" + tag_pattern("tmp") + r"\.(?:bin|idx)"
+    pattern = re.escape(base) + r"(?:\.part\d+)?" + tag_pattern("tmp") + r"\.(?:bin|idx|json)"
     for path, pid, _ in killed_leftovers(directory, pattern):
         os.remove(path)
         print(f"note: removed {path}, left by process {pid}, a preprocess-data run that was killed",
               file=sys.stderr, flush=True)
 
 
-def _publish(temporary: str, final: str) -> None:
+def _publish(temporary: str, final: str, sidecar: bool = False) -> None:
     """Move `temporary.bin/.idx` to `final.bin/.idx` so that no moment shows a mismatched pair:
-    the old `.idx` goes first and the new one arrives last."""
-    _remove(final + ".idx")
+    the old `.idx` goes first and the new one arrives last. With `sidecar`, the `.json` goes before them
+    and arrives after them: its presence says that the three are one set."""
+    _remove(*([final + ".json"] if sidecar else []), final + ".idx")
     os.replace(temporary + ".bin", final + ".bin")
     os.replace(temporary + ".idx", final + ".idx")
+    if sidecar:
+        os.replace(temporary + ".json", final + ".json")
+
+
+def _sft_sidecar(config: PreprocessConfig, encoder: ConversationEncoder, formats: _FileFormats,
+                 totals: Counter) -> dict[str, Any]:
+    """What `{output_prefix}_sft_document.json` says; the trainer checks "format" and "version" before reading."""
+    return {
+        "format": "megatron_patch.sft",
+        "version": SFT_FORMAT_VERSION,
+        "input_format": formats.names(),
+        "sft_loss": config.sft_loss,
+        "chat_template_sha256": encoder.chat_template_sha256,
+        "tokenizer_type": config.tokenizer_type,
+        "conversations": totals["conversations"],
+        "tokens": totals["tokens"],
+        "trained_tokens": totals["trained_tokens"],
+        "max_token_id": totals["max_token_id"] if totals["conversations"] else None,
+    }
+
+
+def build_conversation_encoder(config: PreprocessConfig, tokenizer) -> ConversationEncoder:
+    """The encoder `--sft` runs: the tokenizer's chat template or `--chat-template FILE`, `--sft-loss`.
+
+        encoder = build_conversation_encoder(config, build_tokenizer(config.tokenizer_type, **config.tokenizer_options))
+    """
+    template = load_chat_template(config.chat_template) if config.chat_template is not None else None
+    return ConversationEncoder(tokenizer, chat_template=template, loss=config.sft_loss)
 
 
 def preprocess(config: PreprocessConfig) -> PreprocessReport:
@@ -649,6 +869,12 @@ def preprocess(config: PreprocessConfig) -> PreprocessReport:
         raise ValueError(f"--append-eod: the {config.tokenizer_type} tokenizer has no eod/eos token")
     # The same rule as Megatron-LM: uint16 below 65500 tokens, else int32.
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
+    if config.sft:
+        conversation_encoder = build_conversation_encoder(config, tokenizer)
+        encode = _ConversationBatchEncoder(conversation_encoder, dtype)
+    else:
+        encode = _DocumentEncoder(config, tokenizer, dtype)
+    file_formats, sft_totals = _FileFormats(), Counter()
     finals = config.output_prefixes()
     os.makedirs(os.path.dirname(os.path.abspath(config.output_prefix)), exist_ok=True)
     for final in finals.values():
@@ -666,12 +892,14 @@ def preprocess(config: PreprocessConfig) -> PreprocessReport:
     progress = Progress(sum(os.path.getsize(p) for p in paths), config.log_interval)
     builders: dict[str, list["IndexedDatasetBuilder"]] = {}
     try:
-        with _Workers(config, tokenizer, dtype, _read_batches(paths, config)) as workers:
+        with _Workers(config, encode, _read_batches(paths, config)) as workers:
             # Opened after the fork, so that no worker holds the outputs open.
             for key, prefixes in part_prefixes.items():
                 builders[key] = [IndexedDatasetBuilder(p + ".bin", dtype=dtype) for p in prefixes]
             for batch, result in workers.results():
                 report.input_bytes += batch.nbytes
+                if result.sft is not None:
+                    file_formats.check(batch, result)
                 for offset, reason in result.errors:
                     if not config.skip_invalid:
                         raise InputError(f"{batch.path}:{batch.first_line + offset}: {reason}")
@@ -683,11 +911,18 @@ def preprocess(config: PreprocessConfig) -> PreprocessReport:
                 for key, key_result in result.keys.items():
                     with _naming(finals[key] + ".bin"):
                         _write(builders[key], key_result, partition_of_doc)
-                first = result.keys[config.json_keys[0]]
+                first = result.keys[next(iter(finals))]
                 report.documents += len(result.document_lines)
                 report.empty_documents += result.empty_documents
                 report.sequences += len(first.sequence_lengths)
-                report.tokens += len(first.tokens)
+                # A conversation's tokens are stored twice: its ids, then its mask.
+                report.tokens += len(first.tokens) // (2 if result.sft is not None else 1)
+                if result.sft is not None:
+                    sft_totals["conversations"] += len(result.document_lines)
+                    sft_totals["tokens"] += int(first.document_tokens.sum()) // 2
+                    sft_totals["trained_tokens"] += int(result.sft.trained_tokens.sum())
+                    batch_max = int(result.sft.max_token_id.max(initial=0))
+                    sft_totals["max_token_id"] = max(sft_totals["max_token_id"], batch_max)
                 progress.update(report.documents, report.input_bytes, report.tokens, batch.position)
         for key, prefixes in part_prefixes.items():
             with _naming(f"{finals[key]}.bin/.idx"):
@@ -701,8 +936,13 @@ def preprocess(config: PreprocessConfig) -> PreprocessReport:
                         with collect_only_new_objects():  # add_index ends in a full gc.collect()
                             merged.add_index(prefix)
                     merged.finalize(finals[key] + tmp + ".idx")
+        if config.sft:
+            report.sft = _sft_sidecar(config, conversation_encoder, file_formats, sft_totals)
+            with _naming(finals[SFT_KEY] + ".json"), open(finals[SFT_KEY] + tmp + ".json", "w") as f:
+                json.dump(report.sft, f, indent=2)
+                f.write("\n")
         for final in finals.values():
-            _publish(final + tmp, final)
+            _publish(final + tmp, final, sidecar=config.sft)
     finally:
         for key, prefixes in part_prefixes.items():
             for builder in builders.get(key, []):
@@ -710,10 +950,56 @@ def preprocess(config: PreprocessConfig) -> PreprocessReport:
                 with suppress(OSError):
                     builder.data_file.close()
             for prefix in prefixes + [finals[key] + tmp]:
-                _remove(prefix + ".bin", prefix + ".idx")
+                _remove(prefix + ".bin", prefix + ".idx", prefix + ".json")
     report.seconds = time.perf_counter() - start
     progress.close(report.summary())
     return report
+
+
+SHOW_HEADER = (
+    "# Trained tokens (loss mask 1: the model learns to predict them) are between [[ and ]]; the rest is context."
+)
+
+
+def show_conversation(config: PreprocessConfig, line_number: int) -> str:
+    """Line `line_number` (1-based, over the `--input` files in order) as the model sees it: each of its
+    conversations rendered, the trained spans between `[[` and `]]`, with token counts. Writes nothing.
+
+        print(show_conversation(PreprocessConfig(input="chat.jsonl", output_prefix="-", sft=True,
+                                                 tokenizer_type="HuggingFaceTokenizer",
+                                                 tokenizer_options={"tokenizer_model": "tok"}), 3))
+    """
+    seen = 0
+    for path in expand_inputs(config.input):
+        with open_input(path) as f:
+            for number, raw in enumerate(f, start=1):
+                seen += 1
+                if seen == line_number:
+                    return _show_line(config, path, number, raw)
+    raise InputError(f"--show {line_number}: --input {config.input} has {seen} lines")
+
+
+def _show_line(config: PreprocessConfig, path: str, number: int, raw: bytes) -> str:
+    tokenizer = build_tokenizer(config.tokenizer_type, **config.tokenizer_options)
+    encoder = build_conversation_encoder(config, tokenizer)
+    record, reason = _parse_record(raw.rstrip(b"\n"))
+    if reason is None and (input_format := detect_format(record)) is None:
+        reason = f"unknown format: expected {describe_formats()}"
+    try:
+        if reason is not None:
+            raise ConversationError(reason)
+        conversations = read_conversations(record, input_format)
+        shown = [(encoder.show(c), encoder.encode_one(c)) for c in conversations]
+    except ConversationError as error:
+        raise InputError(f"{path}:{number}: {error}") from None
+    template = "plain text (no chat template)" if encoder.chat_template is None else (
+        f"chat template sha256 {encoder.chat_template_sha256[:12]}")
+    out = [SHOW_HEADER, f"# {path}:{number}: {input_format} record, {len(shown)} conversation(s), "
+           f"--sft-loss {config.sft_loss}, {template}"]
+    for index, (text, encoded) in enumerate(shown, start=1):
+        out.append(f"# conversation {index}: {len(encoded.ids)} tokens, {encoded.trained_tokens} trained")
+        out.append(text)
+    return "\n".join(out)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -723,7 +1009,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_tokenizer_args(parser)
     group = parser.add_argument_group(title="input data")
     group.add_argument("--input", required=True, help="a JSONL file or a glob of them; .gz is read as gzip")
-    group.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract (default: text)")
+    group.add_argument("--json-keys", nargs="+", help="keys to extract (default: text)")
     group.add_argument("--split-sentences", action="store_true", help="write one sequence per sentence")
     group.add_argument("--keep-newlines", action="store_true", help="keep newlines between split sentences")
     group.add_argument(
@@ -748,8 +1034,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--keep-empty", action="store_true",
         help="accepted for old scripts: empty documents are written by default",
     )
+    group = parser.add_argument_group(title="conversations (supervised fine-tuning)")
+    group.add_argument(
+        "--sft", action="store_true",
+        help="read conversations (messages, ShareGPT conversations, prompt/completion|response, alpaca), render "
+        "them with the chat template and write ids and loss masks to PREFIX_sft_document.bin/.idx/.json",
+    )
+    group.add_argument("--chat-template", metavar="FILE", help="a jinja chat template replacing the tokenizer's")
+    group.add_argument(
+        "--sft-loss", choices=LOSS_MODES, default="assistant",
+        help="trained tokens: every assistant turn (default), the last assistant turn, or all tokens",
+    )
+    group.add_argument(
+        "--show", type=int, metavar="N",
+        help="with --sft: print line N of --input as the model sees it, trained spans marked, and write nothing",
+    )
     group = parser.add_argument_group(title="output data")
-    group.add_argument("--output-prefix", required=True, help="path prefix of the outputs, without suffix")
+    group.add_argument("--output-prefix", help="path prefix of the outputs, without suffix (required but with --show)")
     group.add_argument(
         "--dataset-impl", choices=["mmap"], default="mmap",
         help="accepted for old scripts; mmap is the only format megatron-core reads",
@@ -773,15 +1074,25 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """The `preprocess_data` command; exit status 1 with one `error:` line on bad input, a dead
     worker or a full disk (the traceback too with MEGATRON_PATCH_DEBUG=1)."""
-    args = build_parser().parse_args(argv)
-    # The workers are stopped and the temporary files removed on a SIGTERM as on Ctrl-C.
-    unwind_on_sigterm()
-    preprocess(PreprocessConfig(
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.sft:
+        document_flags = (("--split-sentences", args.split_sentences), ("--append-eod", args.append_eod),
+                          ("--json-keys", args.json_keys is not None))
+        given = [flag for flag, value in document_flags if value]
+        if given:
+            parser.error(f"{', '.join(given)}: not with --sft, which takes whole conversations and ends them as the "
+                         "chat template does; drop them")
+    elif args.show is not None or args.chat_template is not None:
+        parser.error("--show and --chat-template work on conversations: add --sft")
+    if args.output_prefix is None and args.show is None:
+        parser.error("the following arguments are required: --output-prefix")
+    config = PreprocessConfig(
         input=args.input,
-        output_prefix=args.output_prefix,
+        output_prefix=args.output_prefix or "",
         tokenizer_type=args.tokenizer_type,
         tokenizer_options=tokenizer_options(args),
-        json_keys=args.json_keys,
+        json_keys=args.json_keys or ["text"],
         append_eod=args.append_eod,
         split_sentences=args.split_sentences,
         keep_newlines=args.keep_newlines,
@@ -792,5 +1103,14 @@ def main(argv: list[str] | None = None) -> int:
         log_interval=args.log_interval,
         skip_invalid=args.skip_invalid,
         reject_empty=args.reject_empty,
-    ))
+        sft=args.sft,
+        chat_template=args.chat_template,
+        sft_loss=args.sft_loss,
+    )
+    if args.show is not None:
+        print(show_conversation(config, args.show))
+        return 0
+    # The workers are stopped and the temporary files removed on a SIGTERM as on Ctrl-C.
+    unwind_on_sigterm()
+    preprocess(config)
     return 0
