@@ -292,14 +292,15 @@ class ConversationEncoder:
         # The Rust pipeline apply_chat_template(tokenize=True) runs, with the offsets that map spans to tokens.
         self._backend = getattr(hf, "backend_tokenizer", None)
         if chat_template is not None:
-            from transformers.utils.chat_template_utils import _compile_jinja_template, render_jinja_template
+            from transformers.utils.chat_template_utils import render_jinja_template
+
+            from megatron_patch.compat import compile_chat_template
 
             self._render_jinja = render_jinja_template
-            # The template as apply_chat_template compiles it (its sandbox, filters and `{% generation %}` tag;
-            # transformers 5.0-5.25 name it so, cached by its text). Rendered directly it skips the copies of the
-            # messages and of the special tokens render_jinja_template makes on every call, a third of a prefix
-            # render; what those copies change (reasoning fields aliased) sends a conversation through it instead.
-            self._compiled = _compile_jinja_template(chat_template)
+            # Rendered directly, the compiled template skips the copies of the messages and of the special tokens
+            # render_jinja_template makes on every call, a third of a prefix render; what those copies change
+            # (reasoning fields aliased) sends a conversation through it instead.
+            self._compiled = compile_chat_template(chat_template)
 
     # --- rendering -------------------------------------------------------------------------------------------
 
