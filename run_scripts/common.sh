@@ -196,7 +196,7 @@ _rapidformer_flags() {
   # The package names a checkpoint directory's files (its tracker, its model's description); the recipes ask it.
   if [[ -z $load ]] && "$PYTHON" -m megatron_patch.checkpoint tracker "$checkpoints" >/dev/null; then
     load=$checkpoints
-    note "resuming from $checkpoints (it holds a checkpoint; give --load or another --output-dir to start anew)"
+    note "resuming from $checkpoints (it holds a checkpoint; another --output-dir starts anew)"
   fi
   FLAGS=()
   if [[ -n $load ]] && description=$("$PYTHON" -m megatron_patch.checkpoint description "$load"); then

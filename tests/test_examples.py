@@ -168,8 +168,8 @@ def test_pretrain_gpt_continues_a_converted_hugging_face_model(job):
 def _finetune_converted_llama(assets, data, root, converted):
     converted_llama = converted.result()
     return _train(
-        "gpt/finetune_gpt.py", "--load", converted_llama["dir"], *converted_llama["tokenizer"],
-        "--data-path", converted_llama["sft"], "--seq-length", "32", "--micro-batch-size", "8", "--epochs", "2",
+        "gpt/finetune_gpt.py", "--sft", "--load", converted_llama["dir"], *converted_llama["tokenizer"],
+        "--data-path", converted_llama["sft"], "--seq-length", "32", "--global-batch-size", "4", "--epochs", "2",
         "--lr", "3e-3", "--log-interval", "1")
 
 
@@ -183,20 +183,6 @@ def test_finetune_gpt_learns_responses_of_a_converted_model(job):
     # prompt's keyword.
     assert metrics[-1]["loss"] < math.log(4) / 4, metrics
     assert metrics[-1]["ppl"] == pytest.approx(math.exp(metrics[-1]["loss"]), rel=1e-3)
-
-
-def test_sft_sample_masks_exactly_the_response_predictions():
-    from megatron_patch.training.gpt import sft_sample
-
-    prompt, response, eod = [11, 12, 13], [21, 22], 0
-    sample = sft_sample(len(prompt), prompt + response + [eod], seq_length=8, pad=eod)
-    labels, mask = sample["labels"].tolist(), sample["loss_mask"].tolist()
-    # Input position i predicts token i + 1: the masked-in labels are the response and the end of document.
-    assert [label for label, keep in zip(labels, mask) if keep] == response + [eod]
-    assert sample["tokens"].tolist()[:5] == prompt + response and len(labels) == 8
-    # A response cut by the sequence length keeps what fits.
-    cut = sft_sample(len(prompt), prompt + response + [eod], seq_length=4, pad=eod)
-    assert [label for label, keep in zip(cut["labels"].tolist(), cut["loss_mask"].tolist()) if keep] == response
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -36,26 +36,24 @@ def test_ci_runs_the_readme_test_command():
 
 
 def _user_inputs(work: Path, tmp_path_factory) -> None:
-    """What the README says is the user's: a Hugging Face model at hf/qwen2 (here a tiny random Qwen2 with a
-    tokenizer trained on the stdlib corpus), a GLUE-style task, prompt/response pairs, and for the cluster's dry
-    run a SentencePiece tokenizer with documents preprocessed by it."""
+    """What the README says is the user's: a Hugging Face chat model at hf/qwen2 (here a tiny random Qwen2 with a
+    tokenizer trained on the stdlib corpus and Qwen2's ChatML template), a GLUE-style task, conversations, and for
+    the cluster's dry run a SentencePiece tokenizer with documents preprocessed by it."""
     import transformers
     from conftest_data import data_assets
     from seed_scripts.assets import _write_glue
-    from test_examples import _write_sft
+    from sft_assets import VOCAB, chat_tokenizer, conversations, write_jsonl
 
     from megatron_patch.data.preprocess import PreprocessConfig, preprocess
 
-    tokenizer_dir = data_assets(tmp_path_factory).options["HuggingFaceTokenizer"]["tokenizer_model"]
     hf = work / "hf" / "qwen2"
     torch.manual_seed(0)
     transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
-        vocab_size=1000, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=64, max_position_embeddings=64, tie_word_embeddings=False)).save_pretrained(hf)
-    for name in os.listdir(tokenizer_dir):
-        shutil.copy(os.path.join(tokenizer_dir, name), hf)
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, max_position_embeddings=256, tie_word_embeddings=False)).save_pretrained(hf)
+    chat_tokenizer(data_assets(tmp_path_factory), str(hf))
     _write_glue(str(work / "data" / "glue"))
-    _write_sft(str(work / "data" / "sft"))
+    write_jsonl(str(work / "data" / "chat.jsonl"), conversations(80, seed=0))
     sentencepiece = data_assets(tmp_path_factory).options["Llama2Tokenizer"]["tokenizer_model"]
     (work / "llama2").mkdir()
     shutil.copy(sentencepiece, work / "llama2" / "tokenizer.model")
@@ -95,5 +93,9 @@ def test_every_readme_command_runs_as_written(tmp_path, tmp_path_factory):
     assert re.search(r"routing of layer 1 at iteration \d+ \| load_balancing_loss: ", everything)  # the MoE run
     assert "per GPU" in everything.lower() or "gib" in everything.lower()  # the dry run's plan
     assert re.search(r"accuracy: [0-9.]+", everything)  # the classifier's epoch metrics
+    assert "[[" in everything and "# conversation 1:" in everything  # --show marked the trained tokens
+    sft = [float(loss) for loss in re.findall(r"epoch \d+ \| loss: ([0-9.]+)", everything)]
+    assert len(sft) == 2 and sft[1] < sft[0], sft  # the SFT run's dev loss, after each epoch
+    assert (work / "hf" / "qwen2-sft" / "config.json").is_file()
     assert "def main(" in outputs[-2]  # the export generated text from the prompt
     assert len(re.findall(r"accuracy: [0-9.]+", outputs[-1])) == 2  # the exported BERT fine-tuned, two epochs

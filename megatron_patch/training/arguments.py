@@ -176,7 +176,8 @@ def _check_data_path(flags: argparse.Namespace, tokens: bool) -> None:
     and models are built: for ``--task pretraining`` and for user scripts (the recipes) whose ``--data-path`` names
     prefixes. With ``tokens`` (the launcher's check) their token ids too, against the tokenizer the flags name: a
     run on data of another tokenizer is refused before any rank starts, not after the model is built."""
-    if flags.data_path and not flags.mock_data and (
+    # --sft data is checked by _check_sft_run (its .jsonl files are prepared first).
+    if flags.data_path and not flags.mock_data and not flags.sft and (
             flags.task == "pretraining" or (flags.user_script and _names_prefixes(flags))):
         from megatron_patch.data.data_path import check_data_path, check_token_ids
 
@@ -266,12 +267,13 @@ def run_config(flags: argparse.Namespace, world_size: int | None, *, layout: boo
                 parallel.check_backend(built)
             if launcher and model.loaded is not None and not (flags.finetune or flags.no_load_optim):
                 _check_resume_layout(flags, parallel, data_parallel_size, distributed)
-        return from_flags(
+        config = from_flags(
             RunConfig, values, local_rank=_environment("LOCAL_RANK", flags.local_rank or 0),
             rank=_environment("RANK", 0), world_size=world_size, model=model, parallel=parallel,
+            # SFT's loss is per trained token over the global batch, so that packing changes no token's weight.
             training=from_flags(TrainingConfig, values, data_parallel_size=data_parallel_size,
-                                memory_optimization=memory,
-                                use_distributed_optimizer=distributed),
+                                memory_optimization=memory, use_distributed_optimizer=distributed,
+                                calculate_per_token_loss=flags.calculate_per_token_loss or flags.sft),
             data=from_flags(DataConfig, values, seq_length=model.value("seq_length"),
                             dataset_path=flags.dataset_path or (flags.data_path[0] if flags.data_path else None),
                             dataset_name=flags.dataset_name or flags.data_name),
@@ -282,6 +284,26 @@ def run_config(flags: argparse.Namespace, world_size: int | None, *, layout: boo
             flag_notices=tuple(notices))
     except ValueError as error:  # a section's, the layout's or the model's refusal, naming the flags
         _refuse(str(error))
+    if launcher and config.data.sft:
+        _check_sft_run(config)
+    return config
+
+
+def _check_sft_run(config: RunConfig) -> None:
+    """An ``--sft`` run's data prepared and packed before any rank starts (training/sft.py), wrong input refused."""
+    from megatron_patch.errors import UserError
+    from megatron_patch.tokenizer.registry import build_tokenizer
+    from megatron_patch.training.sft import check_sft_run
+
+    try:
+        prefixes = check_sft_run(config)
+        vocab = build_tokenizer(config.tokenizer_type, **dict(config.tokenizer_options)).vocab_size
+    except (UserError, OSError, ValueError) as error:
+        _refuse(str(error))
+    for prefix, largest in prefixes.items():
+        if largest is not None and largest >= vocab:
+            _refuse(f"--data-path {prefix}: token id {largest} is beyond the {vocab} tokens of --tokenizer-type "
+                    f"{config.tokenizer_type}; prepare the conversations with the tokenizer the run uses")
 
 
 def parse_flags(argv: list[str] | None = None) -> argparse.Namespace:

@@ -320,6 +320,30 @@ class DataConfig:
     num_workers: int = flag(default=0, type=int)
     dataloader_type: str = flag(default="single", help="single: samples in order, a resume continuing at the "
                                                        "consumed sample (Megatron-LM's default; the only one here)")
+    sft: bool = flag(default=False, help="supervised fine-tuning on conversations (examples/gpt/finetune_gpt.py): "
+                                         "--data-path names prefixes written by `megatron-patch preprocess-data "
+                                         "--sft` or .jsonl files (prepared into --data-cache-path before any rank "
+                                         "starts); the loss is per trained token over the global batch")
+    train_data_path: tuple[str, ...] | None = flag(
+        nargs="*", help="with --sft: the training conversations (prefixes or .jsonl), all of them, instead of "
+                        "--data-path's --split share")
+    valid_data_path: tuple[str, ...] | None = flag(
+        nargs="*", help="with --sft: the dev conversations (prefixes or .jsonl) evaluated after each epoch and "
+                        "every --eval-interval iterations")
+    sft_packing: bool = flag(
+        "--no-sft-packing", default=True, action="store_false",
+        help="one conversation per --seq-length sample, padded; by default conversations are packed into "
+             "--seq-length sequences (best-fit decreasing), each attending to itself only, positions from 0")
+    sft_overlong: str | None = flag(
+        choices=["truncate", "skip"],
+        help="a conversation longer than --seq-length is cut to it (truncate) or left out (skip), and counted in "
+             "the log; without the flag such a conversation stops the run before it starts")
+    sft_loss: str = flag(default="assistant", choices=["assistant", "last-turn", "all"],
+                         help="the tokens a .jsonl given with --sft trains on: every assistant turn, the last "
+                              "one, or every token (preprocess-data --sft-loss)")
+    chat_template: str | None = flag(
+        metavar="FILE", help="a jinja chat template rendering the .jsonl conversations given with --sft, instead of "
+                             "the tokenizer's own (preprocess-data --chat-template)")
 
     def __post_init__(self):
         # Megatron-LM's cyclic loader reshuffles every epoch and its external one leaves batching to the user script;
@@ -327,7 +351,13 @@ class DataConfig:
         _refusals([(self.dataloader_type != "single",
                     f"--dataloader-type {self.dataloader_type}: samples come here in Megatron-LM's 'single' order "
                     "(megatron-core's datasets are shuffled already, and a resume continues at the consumed sample); "
-                    "drop the flag or give single")])
+                    "drop the flag or give single"),
+                   ((self.train_data_path or self.valid_data_path) and not self.sft,
+                    "--train-data-path/--valid-data-path name supervised fine-tuning data here: add --sft (pretraining "
+                    "takes --data-path with --split)"),
+                   (self.sft and self.train_data_path and self.data_path,
+                    "--sft: give either --data-path (split by --split) or --train-data-path/--valid-data-path, not "
+                    "both")])
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -562,7 +592,16 @@ class RunConfig:
     """One line per given flag that does nothing here (ignored_flags.flag_notices), logged once by the engine."""
 
     def __post_init__(self):
-        _refusals([(self.lora.lora_rank is not None and self.checkpointing.load is None,
+        _refusals([(self.data.sft and self.data.sft_packing and self.training.micro_batch_size != 1,
+                    f"--sft packs conversations into one --seq-length sequence per microbatch: give --micro-batch-size "
+                    f"1 (not {self.training.micro_batch_size}) and a longer --seq-length, or --no-sft-packing"),
+                   (self.data.sft and self.data.sft_packing and self.parallel.context_parallel_size > 1,
+                    "--sft packing with --context-parallel-size > 1 is not built here (each packed conversation would "
+                    "have to split evenly over the context-parallel ranks): give --no-sft-packing"),
+                   (self.data.sft and self.data.sft_packing and self.model.value("mtp_num_layers"),
+                    "--sft packing with --mtp-num-layers is not built here (multi-token prediction would look across "
+                    "the packed conversations): give --no-sft-packing"),
+                   (self.lora.lora_rank is not None and self.checkpointing.load is None,
                     "--lora-rank trains adapters on a base model: give --load BASE --finetune"),
                    (self.training.exit_signal_handler and self.checkpointing.save is None,
                     "--exit-signal-handler saves on SIGTERM: give --save DIR"),

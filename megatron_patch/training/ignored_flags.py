@@ -73,7 +73,7 @@ _ROUTER = ("this router option of megatron-core's MoE layer is not exposed here;
 _WINDOW = "sliding-window attention is not built here"
 _GPT_OSS = "gpt-oss's attention and activation variants are not built here"
 _PMP_DATA = ("Pai-Megatron-Patch's dataset switch: give Megatron .bin/.idx prefixes with --data-path (--mock-data "
-             "for synthetic data)")
+             "for synthetic data; --sft for conversations)")
 REFUSED_FLAGS = {
     "--qk-nope-head-dim": "Pai-Megatron-Patch's name: give --qk-head-dim N (Megatron-LM's)",
     "--qk-rope-head-dim": "Pai-Megatron-Patch's name: give --qk-pos-emb-head-dim N (Megatron-LM's)",
@@ -120,7 +120,7 @@ REFUSED_FLAGS = {
     "--extra-vocab-size": "Pai-Megatron-Patch's padding of the vocabulary: give --vocab-extra-ids N or "
                           "--make-vocab-size-divisible-by N",
     "--padded-vocab-size": "the vocabulary is padded from the tokenizer's size (--make-vocab-size-divisible-by)",
-    **dict.fromkeys(["--dataset", "--train-data-path", "--valid-data-path", "--train-mode"], _PMP_DATA),
+    **dict.fromkeys(["--dataset", "--train-mode"], _PMP_DATA),
     "--max-padding-length": "Pai-Megatron-Patch's SFT padding: sequences are --seq-length long here",
     "--pretrained-checkpoint": "give --load DIR (add --finetune to start at iteration 0)",
 }
