@@ -14,7 +14,6 @@ run as its own process, and its output kept in ``<output-dir>/logs/<step>.log``.
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import shlex
@@ -23,6 +22,8 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+
+from megatron_patch.errors import FlagParser
 
 # A file only the quick start writes: a rerun may replace a directory that has it, and no other.
 MARKER = ".megatron-patch-quickstart"
@@ -255,7 +256,7 @@ def run_quickstart(output_dir: str, gpus: int = 0) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="megatron-patch quickstart", description=__doc__.splitlines()[0])
+    parser = FlagParser(prog="megatron-patch quickstart", description=__doc__.splitlines()[0])
     parser.add_argument("--output-dir", default="quickstart-output",
                         help="where every step writes (an earlier quick start there is replaced)")
     parser.add_argument("--gpus", type=int, default=0, metavar="N",

@@ -83,3 +83,16 @@ def test_a_split_left_empty_is_refused_from_the_index_headers(data, capsys, monk
             "samples are asked for") in line, line
     assert "torch.distributed.run" in launcher.launch_command([*TINY, "--data-path", data, "--split", "90,5,5"])
     assert "torch.distributed.run" in launcher.launch_command([*TINY, "--data-path", data, "--eval-iters", "0"])
+
+
+def test_a_hugging_face_load_is_refused_for_a_task_and_passed_to_a_user_script(data, capsys, monkeypatch):
+    os.mkdir("hf")
+    with open("hf/config.json", "w") as f:
+        f.write("{}")
+    line = _refused([*TINY, "--split", "90,10,0", "--data-path", data, "--load", "hf"], capsys, monkeypatch)
+    assert "--load hf holds a Hugging Face model (config.json), not a Megatron checkpoint" in line, line
+    with open("finetuner.py", "w") as f:
+        f.write("")
+    user = ["--user-script", "finetuner.py", "--nproc-per-node", "1", "--pretrained-model-name-or-path", "hf",
+            "--micro-batch-size", "2", "--epochs", "1"]
+    assert "torch.distributed.run" in launcher.launch_command([*user, "--load", "hf"])

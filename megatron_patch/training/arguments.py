@@ -33,6 +33,7 @@ import os
 import sys
 
 from megatron_patch.checkpoint.format import find_info, read_tracker
+from megatron_patch.errors import FlagParser, did_you_mean, option_strings
 from megatron_patch.model.config import (
     _SWITCH_FLAGS, _VALUE_FLAGS, HF_SIZE_KEYS, add_model_arguments, hf_size_key, model_flag_values, switch_name,
 )
@@ -44,16 +45,54 @@ from megatron_patch.training.config import (
 )
 from megatron_patch.training.ignored_flags import add_ignored_flags, flag_notices, refusal
 
+# What ``rapidformer --help`` opens with, before its ~650 lines of flags (tests/test_prelaunch.py parses each).
+HELP_EXAMPLES = (
+    ("pretrain a GPT at TP=2 on 2 processes; rerun the same line to resume from ckpt/gpt",
+     "--task pretraining --nproc-per-node 2 --model-name tiny-gpt2 --tensor-model-parallel-size 2 "
+     "--data-path data/gpt_text_document --tokenizer-type GPT2BPETokenizer --vocab-file tok/gpt2/vocab.json "
+     "--merge-file tok/gpt2/merges.txt --micro-batch-size 4 --global-batch-size 8 --train-iters 100 --lr 3e-3 "
+     "--split 98,2,0 --save ckpt/gpt --load ckpt/gpt"),
+    ("fine-tune a Hugging Face BERT on a GLUE task, no code (black-box)",
+     "--task sequence_classification --nproc-per-node 2 --pretrained-model-name-or-path hf/bert "
+     "--data-path data/glue --data-name mrpc --epochs 3 --micro-batch-size 8 --lr 2e-5 --zero-1-memory-optimization"),
+    ("run your own Pretrainer/Finetuner subclass or training loop (white-box)",
+     "--user-script my_finetuner.py --nproc-per-node 2 --pretrained-model-name-or-path hf/bert "
+     "--data-path data/glue --data-name mrpc --epochs 3 --micro-batch-size 8 --mixed-precision"),
+)
+
+
+def _help_text(width: int = 110) -> str:
+    import textwrap
+
+    lines = [*textwrap.wrap("Train megatron-core, plain torch and Hugging Face models: black-box with --task, or "
+                            "white-box with --user-script (a Pretrainer/Finetuner subclass or a no-trainer script).",
+                            width, break_on_hyphens=False), "", "examples:"]
+    for what, command in HELP_EXAMPLES:
+        # Wrapped between flags, never between a flag and its value, each line continued as a shell reads it.
+        wrapped = ["  rapidformer"]
+        for pair in command.replace(" --", "\0--").split("\0"):
+            if len(wrapped[-1]) + len(pair) + 3 > width:
+                wrapped[-1] += " \\"
+                wrapped.append("     ")
+            wrapped[-1] += " " + pair
+        lines += [f"  # {what}", *wrapped]
+    lines += ["", "megatron-patch train takes the same flags; rapidformer --version prints the versions in use."]
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full parser (also what ``rapidformer --help`` prints): the flags the RunConfig's fields declare, the
     model's (``model.config``), the layout's and precision's (``model.parallel``) and the tokenizer's."""
+    from megatron_patch.cli import PrintVersions
+
     # "megatron-patch train" when that command runs the launcher (cli._forward), so its usage line says so.
     called = os.path.basename(sys.argv[0])
-    parser = argparse.ArgumentParser(
-        prog=called if called.startswith("megatron-patch ") else "rapidformer", allow_abbrev=False,
-        description="Train megatron-core, plain torch and Hugging Face models: black-box with --task, or "
-                    "white-box with --user-script (a Pretrainer/Finetuner subclass or a no-trainer script).",
-    )
+    prog = called if called.startswith("megatron-patch ") else "rapidformer"
+    # A usage line of its own: argparse's lists every flag, ~120 lines in front of the examples.
+    parser = FlagParser(prog=prog, allow_abbrev=False, usage=f"{prog} (--task TASK | --user-script FILE) [FLAGS]",
+                        description=_help_text(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action=PrintVersions, help="print the versions of this package, Python, torch, "
+                        "megatron-core, Transformer Engine and apex, then exit")
     add_flags(parser, RunConfig, "rapidformer")
     memory = parser.add_argument_group("memory optimization (one of)")
     for dest, mode in MEMORY_FLAGS.items():
@@ -131,8 +170,10 @@ def _loaded_model(flags: argparse.Namespace) -> ModelSpec | None:
     """
     found = find_info(flags.load) if flags.load else None
     if found is None:
-        if flags.load and read_tracker(flags.load) is None and os.path.isfile(os.path.join(flags.load, "config.json")):
-            # Without this refusal the run warned that --load holds no checkpoint and trained random weights.
+        if flags.load and not flags.user_script and read_tracker(flags.load) is None \
+                and os.path.isfile(os.path.join(flags.load, "config.json")):
+            # Without this refusal the run warned that --load holds no checkpoint and trained random weights. A
+            # user script's --load is the script's to read: the seed's Finetuner loads from_pretrained(args.load).
             _refuse(f"--load {flags.load} holds a Hugging Face model (config.json), not a Megatron checkpoint: "
                     f"convert it with `megatron-patch convert hf-to-megatron --hf-dir {flags.load} --save-dir "
                     "CONVERTED` and pass --load CONVERTED --finetune (or fine-tune it as it is with "
@@ -413,12 +454,14 @@ def parse_flags(argv: list[str] | None = None) -> argparse.Namespace:
         Traceback (most recent call last):
         SystemExit: rapidformer: error: unrecognized arguments: --lr-decay (see rapidformer --help)
     """
-    flags, unknown = build_parser().parse_known_args(argv)
+    parser = build_parser()
+    flags, unknown = parser.parse_known_args(argv)
     if refusal(unknown):
         _refuse(refusal(unknown))
     if unknown:
-        _refuse(f"unrecognized arguments: {' '.join([item for item in unknown if item.startswith('-')] or unknown)} "
-                "(see rapidformer --help)")
+        meant = did_you_mean(unknown, option_strings(parser))
+        _refuse(f"unrecognized arguments: {' '.join([item for item in unknown if item.startswith('-')] or unknown)}"
+                f"{meant or ' (see rapidformer --help)'}")
     return flags
 
 

@@ -24,12 +24,12 @@ expert-parallel and expert-data-parallel groups and counts the experts' memory t
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import os
 import sys
 
+from megatron_patch.errors import FlagParser
 from megatron_patch.model import ModelConfig, num_parameters
 from megatron_patch.model.flops import expert_parameters, layer_parameters, mtp_parameters
 from megatron_patch.model.lora import LoraSettings
@@ -356,7 +356,7 @@ def build_plan(argv: list[str], nnodes: int = 1, train_tokens: int | None = None
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = FlagParser(
         prog="python -m megatron_patch.training.plan", allow_abbrev=False,
         description="Print the plan of a rapidformer launch (layout, batches, memory per GPU) and exit; every "
                     "other flag is a rapidformer flag (see rapidformer --help).")
