@@ -125,8 +125,6 @@ def run_step(number: int, title: str, argv: list[str], log_path: str) -> str:
     """Run ``megatron-patch ARGV`` as its own process, its output shown and kept in ``log_path``; return it."""
     print(f"\n[{number}/{STEPS}] {title}\n+ megatron-patch {shlex.join(argv)}", flush=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # lines as they come, not when a pipe's buffer fills
-    # The deprecation notices megatron-core and torch print on every run are not the user's to act on here.
-    env.setdefault("PYTHONWARNINGS", "ignore")
     # One thread per process: torchrun's own default when it starts several, set here so it need not announce it.
     env.setdefault("OMP_NUM_THREADS", "1")
     output = []

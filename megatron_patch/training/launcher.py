@@ -188,6 +188,10 @@ def run_torchrun(command: list[str], fate=None, left: Callable[[], str] | None =
     # not start, which would take it for a launcher that died and end themselves.
     outer = os.environ.get(_LAUNCHER_PID)
     os.environ[_LAUNCHER_PID] = str(os.getpid())
+    # torchrun's own default for several processes a node, set here so that it need not print a 4-line banner
+    # about it (torch/distributed/run.py, ``config_from_args``); a value of the user's is kept.
+    threads_given = "OMP_NUM_THREADS" in os.environ
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     forward = RanksForward()
     failed = False
     try:
@@ -221,6 +225,8 @@ def run_torchrun(command: list[str], fate=None, left: Callable[[], str] | None =
         print(f"rapidformer: {stopped}", file=sys.stderr, flush=True)
         return 128 + int(error.sigval)
     finally:
+        if not threads_given:
+            os.environ.pop("OMP_NUM_THREADS", None)
         if outer is None:
             os.environ.pop(_LAUNCHER_PID, None)
         else:
@@ -275,7 +281,13 @@ def _run_rank(argv: list[str]) -> int:
     # lives on, and such a rank joined node 0's and trained on without its node (issue 42).
     compat.die_with_parent(int(os.environ.get(_LAUNCHER_PID, os.getppid())))
     import_libraries()
+    import torch
+
+    from megatron_patch.startup import quiet_cpu_noise
     from megatron_patch.training import mpu
+
+    if not torch.cuda.is_available():
+        quiet_cpu_noise()
 
     mpu.install()
     # Parsed once here; the engine the task or the user script creates takes this parse (arguments.parse_run).

@@ -242,10 +242,13 @@ class Plan:
                 f"LoRA saves {saved:.2f} GiB per GPU against full fine-tuning "
                 f"({sum(self.full_memory_gib().values()):.2f} GiB)",
             ]
+        # A CPU run (the recipes' --cpu hides every GPU) has processes, and a tiny model's MiB showed as "0.00 GiB".
+        where = "process" if os.environ.get("CUDA_VISIBLE_DEVICES") == "" else "GPU"
+        unit, scale = ("GiB", 1) if sum(memory.values()) >= 0.1 else ("MiB", 1024)
         lines += [
-            f"memory per GPU: {sum(memory.values()):.2f} GiB = weights {memory['weights']:.2f} + gradients "
-            f"{memory['gradients']:.2f} + optimizer {memory['optimizer']:.2f} GiB; activations, buffers and "
-            "the CUDA context not included",
+            f"memory per {where}: {scale * sum(memory.values()):.2f} {unit} = weights {scale * memory['weights']:.2f} "
+            f"+ gradients {scale * memory['gradients']:.2f} + optimizer {scale * memory['optimizer']:.2f} {unit}; "
+            f"activations, buffers{' and the CUDA context' if where == 'GPU' else ''} not included",
         ]
         return "\n".join(lines)
 
