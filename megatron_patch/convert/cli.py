@@ -25,12 +25,12 @@ import argparse
 import os
 import signal
 
-from megatron_patch.errors import UserError, one_line_errors, unwind_on_sigterm
+from megatron_patch.errors import FlagParser, UserError, one_line_errors, unwind_on_sigterm
 from megatron_patch.startup import paused_collector
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="megatron-patch convert", description=__doc__.split("\n")[0])
+    parser = FlagParser(prog="megatron-patch convert", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
 
     to_mcore = commands.add_parser("hf-to-megatron", help="Hugging Face directory -> Megatron checkpoint")

@@ -120,12 +120,12 @@ def remove_killed_staging(final_dir: str) -> None:
 
 
 class _Progress:
-    """Tensors and bytes done, on one tqdm bar (stderr)."""
+    """Tensors and bytes done, on one tqdm bar (stderr, a terminal only: its \\r redraws garble a log)."""
 
     def __init__(self, desc: str, total_bytes: int, total_tensors: int, enabled: bool):
         from tqdm import tqdm
 
-        self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc=desc, disable=not enabled,
+        self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc=desc, disable=not enabled or not sys.stderr.isatty(),
                         file=sys.stderr, dynamic_ncols=True)
         self.total_tensors, self.tensors = total_tensors, 0
 

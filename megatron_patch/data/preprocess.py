@@ -47,7 +47,7 @@ import numpy
 from megatron_patch.data.jsonl import InputError, expand_inputs, open_input
 from megatron_patch.data.progress import Progress
 from megatron_patch.data.sentences import SentenceSplitter
-from megatron_patch.errors import UserError, one_line_errors, unwind_on_sigterm
+from megatron_patch.errors import FlagParser, UserError, one_line_errors, unwind_on_sigterm
 from megatron_patch.staging import killed_leftovers, staging_tag, tag_pattern
 from megatron_patch.tokenizer import (
     add_tokenizer_args,
@@ -717,7 +717,7 @@ def preprocess(config: PreprocessConfig) -> PreprocessReport:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = FlagParser(
         description="Tokenize JSONL into Megatron .bin/.idx files (Megatron-LM's preprocess_data flags).",
     )
     add_tokenizer_args(parser)

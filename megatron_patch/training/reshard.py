@@ -30,7 +30,7 @@ from megatron_patch.checkpoint.format import (
     RELEASE, TRACKER_FILE, checkpoint_dir, checkpoint_format, find_info, read_args_state, read_tracker,
 )
 from megatron_patch.checkpoint.integrity import verify_checkpoint
-from megatron_patch.errors import UserError, one_line_errors, unwind_on_sigterm
+from megatron_patch.errors import FlagParser, UserError, one_line_errors, unwind_on_sigterm
 
 PROG = "megatron-patch checkpoint"
 # Megatron-LM's args that hold the layout: a resharded checkpoint records its own.
@@ -39,7 +39,7 @@ _LAYOUT_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "v
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0].strip("`: "))
+    parser = FlagParser(prog=PROG, description=__doc__.splitlines()[0].strip("`: "))
     commands = parser.add_subparsers(dest="command", required=True)
     reshard = commands.add_parser(
         "reshard", help="rewrite the latest checkpoint's distributed-optimizer state to load at another TP/PP")
