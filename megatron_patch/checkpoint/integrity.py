@@ -26,6 +26,7 @@ import json
 import logging
 import mmap
 import os
+import pickle
 import queue
 import re
 import shutil
@@ -98,6 +99,31 @@ def save_checksummed(obj, path: str) -> dict:
     with _ChecksummedFile(path) as f:
         torch.save(obj, f)
     return f.checksum()
+
+
+def load_plain_values(path: str):
+    """Read a checkpoint file of tensors and plain values (``rng/rank_*.pt``, ``trainer_state.pt``) with
+    ``weights_only=True``, so that a checkpoint from elsewhere runs no code when it loads.
+
+    Example::
+
+        load_plain_values("ckpt/iter_0000100/rng/rank_00000.pt")["world_size"]     # 2
+
+    Such a file saved before NumPy's RNG state was stored as a tensor holds it as a NumPy array, which
+    megatron-core's ``register_safe_globals`` (megatron/core/safe_globals.py, 0.16 and 0.19) admits; any other
+    type is refused, naming the file.
+    """
+    from megatron.core.safe_globals import register_safe_globals
+
+    register_safe_globals()
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        # Named from the pickle's opcodes, which torch reads without running any of them.
+        calls = ", ".join(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+        raise CorruptCheckpointError(f"checkpoint file {path} would call {calls} when loaded, where this trainer "
+                                     "saves tensors and plain values only; not loaded: use a checkpoint from a "
+                                     "source you trust") from None
 
 
 def _checksum_entry(size: int, crc: int) -> dict:
@@ -379,7 +405,7 @@ def _verify_rng_files(path: str) -> None:
     for name in names:
         _require(path, os.path.join("rng", name), zipped=True)
     first = _require(path, os.path.join("rng", names[0]) if names else rng_file(0))
-    for rank in range(torch.load(first, weights_only=False)["world_size"]):
+    for rank in range(load_plain_values(first)["world_size"]):
         _require(path, rng_file(rank))
 
 
