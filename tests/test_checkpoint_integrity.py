@@ -257,3 +257,36 @@ def test_a_checkpoint_file_that_would_run_code_is_refused_by_name_and_runs_nothi
         assert errors[name] is not None and f"{name} would call posix.system when loaded" in errors[name], errors
     assert not os.path.exists(tmp_path / "marker")
     assert errors["old numpy state"] is None and numpy_restored
+
+
+def test_an_unverified_load_reads_its_files_ahead_in_name_order_until_it_ends(tmp_path, monkeypatch):
+    """--no-verify-checksums: a thread reads the files into the page cache as the verified load's checksums do
+    (in the order the load reads them), and stops when the load has ended."""
+    import threading
+    import time
+
+    from megatron_patch.checkpoint import integrity
+
+    for name, size in (("__1_0.distcp", 3000), ("__0_0.distcp", 5000), (".metadata", 10)):
+        (tmp_path / name).write_bytes(b"x" * size)
+    opened, reading = [], threading.Event()
+
+    def recording_open(file, *args, **kwargs):
+        opened.append(os.path.basename(file))
+        reading.set()
+        time.sleep(0.2)  # the load is still reading the first file when it ends
+        return open(file, *args, **kwargs)
+
+    monkeypatch.setattr(integrity, "_READ_AHEAD_CHUNK", 1000)
+    monkeypatch.setattr(integrity, "open", recording_open, raising=False)
+    stop = integrity.read_ahead_meanwhile(str(tmp_path))
+    reading.wait(10)
+    stop()
+    time.sleep(0.5)
+    assert opened == [".metadata"]
+    opened.clear()
+    integrity.read_ahead_meanwhile(str(tmp_path))
+    deadline = time.monotonic() + 10
+    while len(opened) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert opened == [".metadata", "__0_0.distcp", "__1_0.distcp"]

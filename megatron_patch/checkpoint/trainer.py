@@ -44,8 +44,8 @@ from megatron_patch.checkpoint.format import (
     fsync_path, read_tracker, rng_file, write_args_file, write_tracker,
 )
 from megatron_patch.checkpoint.integrity import (
-    CorruptCheckpointError, checksum_files, fsync_tree, load_plain_values, make_staging_dir, publish, remove_old,
-    save_checksummed, verify_checkpoint, verify_checksums_meanwhile, write_checksums,
+    CorruptCheckpointError, checksum_files, fsync_tree, load_plain_values, make_staging_dir, publish,
+    read_ahead_meanwhile, remove_old, save_checksummed, verify_checkpoint, verify_checksums_meanwhile, write_checksums,
 )
 
 # The trainer's log (training/engine.py sets it up: the last rank prints INFO), so each save is said once.
@@ -248,9 +248,10 @@ def _load(root: str, read_state: Callable, megatron: bool, load_converted: Calla
 
 
 def _read_verified(path: str, read_state: Callable, with_optimizer: bool, finetune: bool, checksums: bool) -> None:
-    """``read_state`` of ``path`` while its checksums are compared (``integrity.verify_checksums_meanwhile``); a
-    damaged file is named before any error the load met on it."""
-    finish = verify_checksums_meanwhile(path) if checksums else lambda: None
+    """``read_state`` of ``path`` while its checksums are compared (``integrity.verify_checksums_meanwhile``), or
+    without ``checksums`` while its files are read ahead (``integrity.read_ahead_meanwhile``); a damaged file is
+    named before any error the load met on it."""
+    finish = verify_checksums_meanwhile(path) if checksums else read_ahead_meanwhile(path)
     try:
         read_state(path, with_optimizer, finetune)
     except Exception:
