@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy
 
+from megatron_patch.data.data_path import record_largest_token_id
 from megatron_patch.data.jsonl import InputError, expand_inputs, open_input
 from megatron_patch.data.progress import Progress
 from megatron_patch.data.sentences import SentenceSplitter
@@ -703,6 +704,7 @@ def preprocess(config: PreprocessConfig) -> PreprocessReport:
                     merged.finalize(finals[key] + tmp + ".idx")
         for final in finals.values():
             _publish(final + tmp, final)
+            record_largest_token_id(final)  # so that a run checks its token ids without reading the .bin
     finally:
         for key, prefixes in part_prefixes.items():
             for builder in builders.get(key, []):
