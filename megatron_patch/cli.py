@@ -13,7 +13,7 @@ import os
 import sys
 from typing import Callable, NoReturn
 
-from megatron_patch.errors import DEBUG_ENV
+from megatron_patch.errors import DEBUG_ENV, FlagParser
 from megatron_patch.startup import show_known_noise
 
 
@@ -57,7 +57,7 @@ TOOLS = {
 }
 
 
-class _Versions(argparse.Action):
+class PrintVersions(argparse.Action):
     """``--version``: ``compat.installed_versions()``, looked up only when the flag is given."""
 
     def __init__(self, option_strings, dest=argparse.SUPPRESS, help=None):
@@ -71,8 +71,8 @@ class _Versions(argparse.Action):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="megatron-patch", description="Train GPT and BERT on megatron-core.")
-    parser.add_argument("--version", action=_Versions, help="print the versions of this package, Python, torch, "
+    parser = FlagParser(prog="megatron-patch", description="Train GPT and BERT on megatron-core.")
+    parser.add_argument("--version", action=PrintVersions, help="print the versions of this package, Python, torch, "
                         "megatron-core, Transformer Engine and apex, then exit")
     parser.add_argument("--debug", action="store_true",
                         help="print the traceback behind an error and the upstream warnings silenced by default "

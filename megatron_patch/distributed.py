@@ -11,10 +11,12 @@ Example::
 NCCL with one GPU per local rank when CUDA is there, gloo on the CPU otherwise (with megatron_patch.compat's
 CPU shim applied first). Re-initialising with another layout in the same processes is allowed: the process group
 is kept and megatron-core's model-parallel groups are rebuilt, which lets the test harness reuse its workers.
+A conversion in a script's own process runs in ``one_rank_world()``, which leaves no group behind.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import multiprocessing
@@ -158,6 +160,45 @@ def initialize_distributed(
         data_parallel_size=data_parallel_size,
         device=device,
     )
+
+
+def start_one_rank_world() -> bool:
+    """Start a process group of this process alone when there is none and torchrun's ``WORLD_SIZE`` names no larger
+    world (whose ranks meet through ``initialize_distributed``); whether it started one.
+
+    Example::
+
+        start_one_rank_world()    # True in a plain ``python convert.py``; False in a torchrun rank
+    """
+    if torch.distributed.is_initialized() or env_int("WORLD_SIZE", 1) != 1:
+        return False
+    # A store in this process's memory: a world of one has no one to meet, so it binds no port (29500 may be
+    # another job's) and sets no MASTER_PORT that a launch from this process would inherit.
+    torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                                         store=torch.distributed.HashStore(), rank=0, world_size=1)
+    return True
+
+
+@contextlib.contextmanager
+def one_rank_world():
+    """Run the block (or, as a decorator, the function) in a process group of this process alone when there is
+    none; on the way out that group and megatron-core's are destroyed and torch's generators are as they were, so a
+    conversion followed by training in the same process finds nothing of it (a torchrun rank keeps its world).
+
+    Example::
+
+        with one_rank_world():
+            model = build_reference_model(config, padded_vocab_size=128)
+            load_into_reference_model(model, "ckpt", info)
+    """
+    started = start_one_rank_world()
+    try:
+        # initialize_distributed seeds torch's generators (and megatron-core's) for the conversion's model.
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+            yield
+    finally:
+        if started:
+            destroy_distributed()
 
 
 def destroy_distributed() -> None:

@@ -14,10 +14,13 @@ it) the traceback is printed first.
 
 Below it, ``unwind_on_sigterm`` (a SIGTERM that runs the cleanup) and two helpers for such messages:
 ``first_problems`` (a long list cut to one line) and ``read_json`` (a damaged JSON file as a UserError naming it).
+Every command's parser is a ``FlagParser``, which names the flag meant after a misspelled one.
 """
 
 from __future__ import annotations
 
+import argparse
+import difflib
 import errno
 import functools
 import json
@@ -32,6 +35,53 @@ DEBUG_ENV = "MEGATRON_PATCH_DEBUG"
 
 class UserError(Exception):
     """Bad input or a bad environment: the message names the file, line or flag, and the fix."""
+
+
+def did_you_mean(words: list[str], options: list[str]) -> str:
+    """`` (did you mean --x?)`` for the unknown flags among ``words`` that are close to one of ``options``, or "".
+
+    Example::
+
+        >>> did_you_mean(["--micro-batch-szie", "4"], ["--micro-batch-size", "--global-batch-size"])
+        ' (--micro-batch-szie: did you mean --micro-batch-size?)'
+    """
+    meant = []
+    for word in words:
+        flag = word.split("=", 1)[0]
+        close = difflib.get_close_matches(flag, options, n=1) if flag.startswith("--") and flag not in options else []
+        meant += [f"{flag}: did you mean {close[0]}?"] if close else []
+    return f" ({'; '.join(meant)})" if meant else ""
+
+
+def option_strings(parser: argparse.ArgumentParser) -> list[str]:
+    """The ``--flags`` of ``parser`` and of its subcommands' parsers."""
+    found = [option for option in parser._option_string_actions if option.startswith("--")]
+    for action in parser._subparsers._group_actions if parser._subparsers else ():
+        for sub in getattr(action, "choices", {}).values():
+            found += option_strings(sub)
+    return found
+
+
+class FlagParser(argparse.ArgumentParser):
+    """argparse's parser whose "unrecognized arguments" error names the flag meant (difflib over its own and its
+    subcommands' flags).
+
+    Example::
+
+        FlagParser(prog="megatron-patch preprocess-data").parse_args(["--ouput-prefix", "data/c"])
+        # megatron-patch preprocess-data: error: unrecognized arguments: --ouput-prefix data/c (--ouput-prefix: did
+        # you mean --output-prefix?)
+    """
+
+    _given: list[str] = []
+
+    def parse_known_args(self, args=None, namespace=None):
+        # Kept for error(): a misspelled required flag is reported as a missing one, before the unknown ones.
+        self._given = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
+    def error(self, message: str):
+        super().error(message + did_you_mean(self._given, option_strings(self)))
 
 
 def debugging() -> bool:

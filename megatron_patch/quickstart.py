@@ -14,7 +14,6 @@ run as its own process, and its output kept in ``<output-dir>/logs/<step>.log``.
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import shlex
@@ -23,6 +22,8 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+
+from megatron_patch.errors import FlagParser
 
 # A file only the quick start writes: a rerun may replace a directory that has it, and no other.
 MARKER = ".megatron-patch-quickstart"
@@ -124,8 +125,6 @@ def run_step(number: int, title: str, argv: list[str], log_path: str) -> str:
     """Run ``megatron-patch ARGV`` as its own process, its output shown and kept in ``log_path``; return it."""
     print(f"\n[{number}/{STEPS}] {title}\n+ megatron-patch {shlex.join(argv)}", flush=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # lines as they come, not when a pipe's buffer fills
-    # The deprecation notices megatron-core and torch print on every run are not the user's to act on here.
-    env.setdefault("PYTHONWARNINGS", "ignore")
     # One thread per process: torchrun's own default when it starts several, set here so it need not announce it.
     env.setdefault("OMP_NUM_THREADS", "1")
     output = []
@@ -255,7 +254,7 @@ def run_quickstart(output_dir: str, gpus: int = 0) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="megatron-patch quickstart", description=__doc__.splitlines()[0])
+    parser = FlagParser(prog="megatron-patch quickstart", description=__doc__.splitlines()[0])
     parser.add_argument("--output-dir", default="quickstart-output",
                         help="where every step writes (an earlier quick start there is replaced)")
     parser.add_argument("--gpus", type=int, default=0, metavar="N",

@@ -56,6 +56,9 @@ KNOWN_WARNINGS = (
     (UserWarning, r"torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to (save|load) "
                   r"in a single process",
      "torch DCP (distributed/checkpoint/utils.py) in a converter's single process, where that is the intent"),
+    (UserWarning, r"absl.logging is not installed",
+     "megatron-core 0.19's hyper_comm_grid.py warns at import, in every process, that it logs through the standard "
+     "logging module instead of absl's; nothing here reads absl's logs"),
     (UserWarning, r"The argument order of load has been changed",
      "torch 2.11's DCP warns at every dcp.load with keyword arguments (distributed/checkpoint/logger.py:90), which is "
      "how the converters call it"),
@@ -82,6 +85,28 @@ KNOWN_LOG_RECORDS = (
      "megatron-core 0.16.1's MegatronLegacyTokenizer logs it at every tokenizer built; our tokenizers "
      "(tokenizer/base.py) do not use it, Megatron-LM's own do"),
 )
+
+
+# Upstream warnings that mean something on GPUs only: (category, message, why), silenced on a machine without CUDA.
+KNOWN_CPU_WARNINGS = (
+    (UserWarning, r"When using (async grad allreduce|sequence parallelism) it is recommended to set the environment "
+                  r"variable CUDA_DEVICE_MAX_CONNECTIONS",
+     "megatron-core's tensor_parallel/layers.py (linear_with_grad_accumulation_and_async_allreduce, 0.16.1 and 0.19) "
+     "asks for CUDA's connection count once per rank; a CPU run has no CUDA streams to order"),
+)
+
+
+def quiet_cpu_noise() -> None:
+    """Silence ``KNOWN_CPU_WARNINGS`` unless debugging: for a rank that runs on CPU.
+
+    Example::
+
+        if not torch.cuda.is_available():
+            quiet_cpu_noise()
+    """
+    if not debugging():
+        for category, message, _ in KNOWN_CPU_WARNINGS:
+            warnings.filterwarnings("ignore", message=message, category=category)
 
 
 def quiet_known_noise() -> None:

@@ -192,3 +192,101 @@ def test_plain_model_checkpoints_are_checksummed_too(tmp_path):
     [(recorded, found, error)] = run_on_ranks(_save_and_load_hf_model, 1, args=(save,), timeout=300)
     assert recorded == found and "model.safetensors" in found
     assert error is not None and "model.safetensors does not match its CRC-32" in error
+
+
+class _RunsCode:
+    """Pickled as a call of ``os.system``: what a checkpoint shared by someone else could hold."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def _plant(path, name, obj) -> None:
+    """Replace ``path``'s file ``name`` by ``obj`` saved with torch.save, its checksum recorded as a save would."""
+    import torch
+
+    torch.save(obj, os.path.join(path, name))
+    checksums = json.load(open(os.path.join(path, "checksums.json")))
+    checksums["files"][name] = _file_checksums(path)[name]
+    with open(os.path.join(path, "checksums.json"), "w") as f:
+        json.dump(checksums, f)
+
+
+def _load_planted_checkpoints(rank, world_size, root):
+    """Save a tiny Hugging Face model's checkpoint; load copies of it whose RNG file and trainer_state.pt would run
+    code, and one whose RNG file NumPy's state is an array (as saved before it was a tensor). Returns each load's
+    error (None when it loaded) and whether NumPy's generator came back to the saved state."""
+    import numpy
+    import torch
+    import transformers
+
+    from megatron_patch.checkpoint.plain import load_plain_checkpoint, save_plain_checkpoint
+    from megatron_patch.distributed import initialize_distributed
+
+    initialize_distributed(seed=1)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16,
+                                                                 n_positions=8))
+    optimizer = torch.optim.Adam(model.parameters())
+    saved = numpy.random.get_state()
+    path = save_plain_checkpoint(os.path.join(root, "ckpt"), 1, model, optimizer, None)
+    errors = {}
+    for name in (RNG_FILE.replace("00001", "00000"), "trainer_state.pt", "old numpy state"):
+        copy = shutil.copytree(os.path.dirname(path), os.path.join(root, name.replace("/", "_")))
+        planted = _iter_dir(copy, 1)
+        if name == "old numpy state":
+            state = torch.load(os.path.join(planted, "rng", "rank_00000.pt"), weights_only=True)
+            _plant(planted, os.path.join("rng", "rank_00000.pt"), {**state, "numpy": saved})
+        else:
+            _plant(planted, name, _RunsCode(os.path.join(root, "marker")))
+        numpy.random.seed(0)
+        try:
+            load_plain_checkpoint(copy, model, optimizer, None)
+            errors[name] = None
+        except CorruptCheckpointError as error:
+            errors[name] = str(error)
+    restored = numpy.random.get_state()
+    return errors, bool((restored[1] == saved[1]).all() and restored[2:] == saved[2:])
+
+
+def test_a_checkpoint_file_that_would_run_code_is_refused_by_name_and_runs_nothing(tmp_path):
+    [(errors, numpy_restored)] = run_on_ranks(_load_planted_checkpoints, 1, args=(str(tmp_path),), timeout=300)
+    for name in ("rng/rank_00000.pt", "trainer_state.pt"):
+        assert errors[name] is not None and f"{name} would call posix.system when loaded" in errors[name], errors
+    assert not os.path.exists(tmp_path / "marker")
+    assert errors["old numpy state"] is None and numpy_restored
+
+
+def test_an_unverified_load_reads_its_files_ahead_in_name_order_until_it_ends(tmp_path, monkeypatch):
+    """--no-verify-checksums: a thread reads the files into the page cache as the verified load's checksums do
+    (in the order the load reads them), and stops when the load has ended."""
+    import threading
+    import time
+
+    from megatron_patch.checkpoint import integrity
+
+    for name, size in (("__1_0.distcp", 3000), ("__0_0.distcp", 5000), (".metadata", 10)):
+        (tmp_path / name).write_bytes(b"x" * size)
+    opened, reading = [], threading.Event()
+
+    def recording_open(file, *args, **kwargs):
+        opened.append(os.path.basename(file))
+        reading.set()
+        time.sleep(0.2)  # the load is still reading the first file when it ends
+        return open(file, *args, **kwargs)
+
+    monkeypatch.setattr(integrity, "_READ_AHEAD_CHUNK", 1000)
+    monkeypatch.setattr(integrity, "open", recording_open, raising=False)
+    stop = integrity.read_ahead_meanwhile(str(tmp_path))
+    reading.wait(10)
+    stop()
+    time.sleep(0.5)
+    assert opened == [".metadata"]
+    opened.clear()
+    integrity.read_ahead_meanwhile(str(tmp_path))
+    deadline = time.monotonic() + 10
+    while len(opened) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert opened == [".metadata", "__0_0.distcp", "__1_0.distcp"]

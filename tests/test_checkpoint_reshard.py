@@ -14,8 +14,10 @@ flag and there was no ``checkpoint`` command.
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -113,6 +115,28 @@ def test_a_resharded_checkpoint_resumes_as_a_fully_reshardable_save_of_the_run(s
     assert sharding(resharded) == ("dp_reshardable" if target else "fully_reshardable")
     assert not [name for name in os.listdir(root) if ".reshard-" in name]  # the intermediate one is gone
     assert train("--load", resharded, *layout) == train("--load", fully, *layout)
+
+
+def test_what_a_killed_reshard_left_beside_save_dir_the_next_one_removes(saved, tmp_path):
+    """A SIGKILL (the out-of-memory killer, a scheduler's hard limit) runs no cleanup: the intermediate fully
+    reshardable checkpoint stays beside --save-dir until the next reshard into it."""
+    _, _, default, _ = saved
+    out = str(tmp_path / "out")
+    argv = [sys.executable, "-m", "megatron_patch.cli", "checkpoint", "reshard", "--load-dir", default, "--save-dir",
+            out, "--target-tensor-parallel-size", "1"]
+    killed = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not [name for name in os.listdir(tmp_path) if name.startswith("out.reshard-")]:
+        assert time.monotonic() < deadline and killed.poll() is None, "no staging directory appeared"
+        time.sleep(0.05)
+    os.killpg(killed.pid, signal.SIGKILL)  # the command and its ranks
+    killed.wait()
+    [left] = [name for name in os.listdir(tmp_path) if name.startswith("out.reshard-")]
+    status, log = command("checkpoint", "reshard", "--load-dir", default, "--save-dir", out,
+                          "--target-tensor-parallel-size", "1")
+    assert status == 0, log[-3000:]
+    assert f"note: removed {tmp_path / left}, left by process {killed.pid}, a reshard that was killed" in log
+    assert sorted(os.listdir(tmp_path)) == ["out"]
 
 
 @pytest.mark.parametrize("args, message", [

@@ -73,7 +73,7 @@ def test_model_flag_contradicting_the_loaded_checkpoint_is_refused(llama):
 
 @pytest.mark.parametrize("command", ["verify", "hf-to-megatron"])
 def test_verify_relaunches_itself_on_two_ranks(llama, tmp_path, command):
-    """``verify`` at TP=2, alone or ending a conversion (whose own process group holds MASTER_PORT meanwhile)."""
+    """``verify`` at TP=2, alone or ending a conversion (whose own process group exists meanwhile)."""
     hf, converted = llama
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
     argv = (["verify", "--hf-dir", hf, "--megatron-dir", converted, "--tensor-model-parallel-size", "2"]
@@ -86,3 +86,35 @@ def test_verify_relaunches_itself_on_two_ranks(llama, tmp_path, command):
     assert "torch.distributed.run --nproc-per-node=2" in done.stdout
     [line] = [line for line in done.stdout.splitlines() if line.startswith("logits:")]  # one rank reports
     assert line.endswith("PASS") and "top-1 100.0%" in line, line
+
+
+# A user's script: convert, then train in the same process. The conversion's one-rank world held MASTER_PORT and
+# left it in the environment, so the launch that followed failed with EADDRINUSE (issue 53).
+_CONVERT_THEN_TRAIN = """
+import os, sys, torch
+from megatron_patch.convert.core import hf_to_megatron
+from megatron_patch.training.launcher import main
+
+hf, converted, logs = sys.argv[1:]
+generator = torch.get_rng_state()
+hf_to_megatron(hf, converted, progress=False)
+left = [what for what, there in (("MASTER_PORT", "MASTER_PORT" in os.environ),
+        ("a process group", torch.distributed.is_initialized()),
+        ("a reseeded torch generator", not torch.equal(torch.get_rng_state(), generator))) if there]
+assert not left, f"the conversion left {left}"
+sys.exit(main(["--task", "pretraining", "--mock-data", "--nproc-per-node", "2", "--load", converted,
+               "--tokenizer-type", "NullTokenizer", "--vocab-size", "99", "--seq-length", "16", "--train-iters", "2",
+               "--micro-batch-size", "1", "--global-batch-size", "2", "--lr", "1e-3", "--log-interval", "1",
+               "--eval-iters", "0", "--log-dir", logs]))
+"""
+
+
+def test_a_script_converts_and_then_trains_in_the_same_process(tmp_path):
+    hf = make_hf_model("llama-gqa", str(tmp_path / "hf"))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    done = subprocess.run([sys.executable, "-c", _CONVERT_THEN_TRAIN, hf, str(tmp_path / "converted"),
+                           str(tmp_path / "logs")], capture_output=True, text=True, timeout=300,
+                          env={**env, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    with open(tmp_path / "logs" / "iterations.jsonl") as f:
+        assert len(f.readlines()) == 2

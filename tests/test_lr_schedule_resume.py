@@ -42,6 +42,9 @@ def saved(tmp_path_factory):
 def test_changed_schedule_without_either_flag_is_refused_in_one_line(saved):
     status, log = train("--train-iters", "4", "--load", str(saved))
     assert status != 0
+    # Said by the launcher from the checkpoint's scheduler state, before any rank starts (the ranks said it after
+    # the model was built, 17 s in, among torch-elastic's lines).
+    assert "torch.distributed.run" not in log and len(log.splitlines()) <= 3, log
     [line] = [line for line in log.splitlines() if "learning-rate schedule differs" in line]
     assert "total number of iterations 2.0 in the checkpoint, 4.0 from the flags" in line
     assert "--override-opt_param-scheduler" in line and "--use-checkpoint-opt_param-scheduler" in line

@@ -323,11 +323,15 @@ def construct_engine(rank, world_size, argv):
     return stream.getvalue(), {name: str(value) for name, value in settings.items()}
 
 
-def test_log_starts_with_megatron_lm_arguments_block_once_from_rank_0():
+def test_megatron_lm_arguments_block_is_written_to_the_log_dir_once_from_rank_0(tmp_path):
     argv = ["--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "0.001", "--train-iters", "3",
-            "--swiglu", "--profile"]
-    (first, settings), (second, _) = run_on_ranks(construct_engine, 2, args=(argv,))
+            "--swiglu", "--profile", "--log-dir", str(tmp_path)]
+    (printed, settings), (second, _) = run_on_ranks(construct_engine, 2, args=(argv,))
     assert "arguments" not in second
+    # One line points to the block, which --debug alone prints (issue 53: it was ~210 of a run's ~220 lines).
+    assert printed.splitlines()[0] == f"[rapidformer] arguments: {tmp_path / 'arguments.txt'}", printed
+    assert "end of arguments" not in printed
+    first = (tmp_path / "arguments.txt").read_text()
     lines = first.splitlines()
     begin = lines.index("------------------------ arguments ------------------------")
     end = lines.index("-------------------- end of arguments ---------------------")
@@ -340,8 +344,8 @@ def test_log_starts_with_megatron_lm_arguments_block_once_from_rank_0():
     assert "  micro_batch_size " + "." * 32 + " 2" in lines
     assert "  num_microbatches " + "." * 32 + " 2" in lines  # an effective setting derived at start-up
     assert "  swiglu " + "." * 42 + " True" in lines
-    # The notices follow the block, from rank 0 only.
-    assert any(line.startswith("[rapidformer] ignored on this machine: --profile") for line in lines[end + 1:])
+    # The notices follow, from rank 0 only.
+    assert any(line.startswith("[rapidformer] ignored on this machine: --profile") for line in printed.splitlines())
 
 
 @pytest.mark.parametrize("impl", ["transformer_engine", "local"])

@@ -98,8 +98,9 @@ def test_the_dry_run_plans_the_expert_groups_and_memory_and_shows_the_command_th
     assert per_gpu.endswith(f"routed experts / (expert TP 1 x EP 2) = {experts // 2:,})")
     assert _number(per_gpu) == total - experts // 2
     # fp32 on CPU without the distributed optimizer: 4 bytes of weights, 4 of gradients and 8 of Adam's moments.
-    memory = [float(x) for x in re.findall(r"(\d+\.\d+)", _field(dry, "memory per GPU"))[:1]]
-    assert memory == pytest.approx([(total - experts // 2) * 16 / 2 ** 30], abs=0.006)
+    # Per process on CPU, and in MiB: the tiny model's GiB showed as 0.00.
+    memory = [float(x) for x in re.findall(r"(\d+\.\d+) MiB", _field(dry, "memory per process"))[:1]]
+    assert memory == pytest.approx([(total - experts // 2) * 16 / 2 ** 20], abs=0.006)
     would_run = dry.split("the command it would run:\n", 1)[1].splitlines()[0]
     printed = next(line for line in run["output"].splitlines() if line.startswith("+ "))
     assert printed == would_run

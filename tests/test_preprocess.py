@@ -114,7 +114,8 @@ def test_round_trip_and_megatron_lm_bytes(assets, tmp_path, tokenizer_type, work
         DType.optimal_dtype(tokenizer.vocab_size),
     )
     _assert_same_bytes(out, reference)
-    assert sorted(os.listdir(tmp_path / "out")) == ["corpus_text_document.bin", "corpus_text_document.idx"]
+    assert sorted(os.listdir(tmp_path / "out")) == ["corpus_text_document.bin", "corpus_text_document.idx",
+                                                   "corpus_text_document.tokens.json"]
 
 
 def _assert_same_bytes(prefix, reference):
@@ -404,7 +405,8 @@ def test_command_line_tool_writes_megatron_lm_bytes(assets, tmp_path, case):
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     out = f"{prefix}_text_{level}"
-    assert sorted(os.listdir(tmp_path / "out")) == [f"corpus_text_{level}.bin", f"corpus_text_{level}.idx"]
+    assert sorted(os.listdir(tmp_path / "out")) == [f"corpus_text_{level}.bin", f"corpus_text_{level}.idx",
+                                                   f"corpus_text_{level}.tokens.json"]
 
     tokenizer = build_tokenizer(tokenizer_type, **options)
     documents = [split(t) for t in texts]
@@ -523,7 +525,7 @@ def test_interrupted_run_leaves_no_outputs_and_keeps_previous_ones(tmp_path, mon
     path.write_bytes(GOOD * 10)
     preprocess(_null_config(path, tmp_path / "out", partitions=2))
     before = {n: (tmp_path / n).read_bytes() for n in os.listdir(tmp_path) if n.startswith("out")}
-    assert sorted(before) == ["out_text_document.bin", "out_text_document.idx"]
+    assert sorted(before) == ["out_text_document.bin", "out_text_document.idx", "out_text_document.tokens.json"]
     path.write_bytes(GOOD * 100)
 
     # Ctrl-C arrives while reading the 9th batch, after earlier batches were written to temporary files.

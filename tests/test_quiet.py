@@ -74,3 +74,32 @@ def test_usage_line_names_the_subcommand(command):
     result = subprocess.run([sys.executable, "-m", "megatron_patch.cli", command, "--help"], capture_output=True,
                             text=True, timeout=120)
     assert result.stdout.startswith(f"usage: megatron-patch {command} "), result.stdout[:200]
+
+
+# What a recipe printed on every run before issue 53: torchrun's OMP_NUM_THREADS banner, megatron-core 0.19's absl
+# notice, the CUDA_DEVICE_MAX_CONNECTIONS advice on CPU, the ~210-line arguments block, progress redrawn with \r.
+NOISE = re.compile(r"OMP_NUM_THREADS|absl|CUDA_DEVICE_MAX_CONNECTIONS|end of arguments|\r|Warning")
+
+
+def test_a_two_rank_recipe_prints_none_of_the_noise(tmp_path):
+    from test_prelaunch import _write_prefix
+
+    _write_prefix(str(tmp_path / "c_text_document"), 300)
+    recipe = [os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "gpt",
+                           "run_pretrain_gpt.sh"), "--cpu", "--nproc-per-node", "2", "--tp", "2", "--tokenizer-type",
+              "NullTokenizer", "--data-path", str(tmp_path / "c_text_document"), "--micro-batch-size", "2",
+              "--global-batch-size", "4", "--train-iters", "3", "--output-dir", str(tmp_path / "out")]
+    environment = {k: v for k, v in os.environ.items()
+                   if k not in ("OMP_NUM_THREADS", "PYTHONWARNINGS", "MEGATRON_PATCH_DEBUG", "MASTER_PORT")}
+    environment["PYTHON"] = sys.executable
+    outputs = []
+    for extra in (["--dry-run"], []):
+        result = subprocess.run(["bash", *recipe, *extra, "--", "--vocab-size", "64", "--split", "90,10,0"],
+                                capture_output=True, text=True, timeout=300, env=environment)
+        assert result.returncode == 0, result.stdout + result.stderr
+        outputs.append(result.stdout + result.stderr)
+    dry, run = outputs
+    assert "0.00 GiB" not in dry and "memory per process: " in dry, dry
+    assert not [line for line in run.splitlines() if NOISE.search(line)], run
+    assert len(run.splitlines()) < 20, run
+    assert (tmp_path / "out" / "logs" / "arguments.txt").read_text().count("end of arguments") == 1

@@ -229,3 +229,18 @@ def test_the_launcher_pid_reaches_its_ranks_only(monkeypatch, outer):
     command[command.index("-m", 3):] = ["--no-python", sys.executable, "-c", script]
     assert launcher.run_torchrun(command) == 0
     assert os.environ.get(launcher._LAUNCHER_PID) == outer
+
+
+def test_finetuner_script_reads_a_hugging_face_load(assets):
+    """The seed's Finetuner loads ``from_pretrained(args.load)``: with ``--load`` naming the Hugging Face directory
+    (the workaround users added before ``args.load`` fell back to ``--pretrained-model-name-or-path``), the script
+    reads it and the trainer does not take it for a missing checkpoint. One epoch; the document's own line, without
+    --load, learns in test_sequence_classification_reports_accuracy_and_f1_per_epoch."""
+    script = os.path.join(SCRIPTS, "rapidformer_finetune_huggingface_bert_trainer.py")
+    flags = _finetune_flags(assets, "--zero-1-memory-optimization")
+    flags[flags.index("--epochs") + 1] = "1"
+    code, output = _rapidformer("--user-script", script, "--task", "sequence_classification", *flags,
+                                "--load", assets.bert_dir)
+    assert code == 0, output[-4000:]
+    assert len(_epoch_metrics(output)) == 1, output[-3000:]
+    assert "random weights" not in output

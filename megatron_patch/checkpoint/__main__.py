@@ -14,11 +14,11 @@ model it holds, so a recipe need not name one.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 from megatron_patch.checkpoint.format import ARGS_FILE, TRACKER_FILE
+from megatron_patch.errors import FlagParser
 
 FILES = {"tracker": TRACKER_FILE, "description": ARGS_FILE}
 
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         >>> main(["tracker", "/nonexistent"])
         1
     """
-    parser = argparse.ArgumentParser(prog="python -m megatron_patch.checkpoint",
+    parser = FlagParser(prog="python -m megatron_patch.checkpoint",
                                      description="Print the path of a checkpoint directory's tracker or description "
                                                  "file; exit status 1 when it has none.")
     parser.add_argument("file", choices=FILES, help=", ".join(f"{kind}: {name}" for kind, name in FILES.items()))

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from megatron_patch.checkpoint import trainer
-from megatron_patch.checkpoint.integrity import save_checksummed, write_rank_checksums
+from megatron_patch.checkpoint.integrity import load_plain_values, save_checksummed, write_rank_checksums
 
 
 def save_plain_checkpoint(root: str, iteration: int, model: torch.nn.Module, optimizer, scheduler, *,
@@ -142,7 +142,7 @@ def _load_plain(path: str, model, optimizer, scheduler, with_optimizer: bool) ->
     else:
         state = torch.load(os.path.join(path, "model.pt"), weights_only=True)
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
-    trainer = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
+    trainer = load_plain_values(os.path.join(path, "trainer_state.pt"))
     if with_optimizer:
         _load_plain_optimizer_state(model, optimizer, trainer["optimizer"])
         if getattr(optimizer, "scaler", None) is not None and trainer.get("grad_scaler"):

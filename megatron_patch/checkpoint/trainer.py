@@ -44,8 +44,8 @@ from megatron_patch.checkpoint.format import (
     fsync_path, read_tracker, rng_file, write_args_file, write_tracker,
 )
 from megatron_patch.checkpoint.integrity import (
-    CorruptCheckpointError, checksum_files, fsync_tree, make_staging_dir, publish, remove_old, save_checksummed,
-    verify_checkpoint, verify_checksums_meanwhile, write_checksums,
+    CorruptCheckpointError, checksum_files, fsync_tree, load_plain_values, make_staging_dir, publish,
+    read_ahead_meanwhile, remove_old, save_checksummed, verify_checkpoint, verify_checksums_meanwhile, write_checksums,
 )
 
 # The trainer's log (training/engine.py sets it up: the last rank prints INFO), so each save is said once.
@@ -126,11 +126,16 @@ def _publish_when_written(root: str, staging: str, path: str, iteration: int, in
 def _rng_state() -> dict:
     """Every generator a step draws from, as Megatron-LM saves them: Python's and NumPy's (data code), torch's
     (dropout outside tensor-parallel regions), the GPU's, and megatron-core's tensor-parallel tracker (dropout
-    inside them, different per TP rank); and the world size, which a resume must match to restore them."""
+    inside them, different per TP rank); and the world size, which a resume must match to restore them. Tensors
+    and plain values only, so the file loads with ``weights_only=True``: NumPy's key array is a tensor here (int64,
+    which holds its uint32 values exactly); Python's state is a tuple of ints already."""
     from megatron.core import tensor_parallel
 
+    name, keys, position, has_gauss, cached_gaussian = numpy.random.get_state()
     return {
-        "python": random.getstate(), "numpy": numpy.random.get_state(), "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": (name, torch.from_numpy(keys.astype(numpy.int64)), position, has_gauss, cached_gaussian),
+        "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
         "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
         "world_size": torch.distributed.get_world_size(),
@@ -141,7 +146,9 @@ def _set_rng_state(state: dict) -> None:
     from megatron.core import tensor_parallel
 
     random.setstate(state["python"])
-    numpy.random.set_state(state["numpy"])
+    name, keys, position, has_gauss, cached_gaussian = state["numpy"]
+    # A tensor, or a NumPy array in a checkpoint saved before the state was stored as tensors.
+    numpy.random.set_state((name, numpy.asarray(keys).astype(numpy.uint32), position, has_gauss, cached_gaussian))
     torch.set_rng_state(state["torch"])
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -177,7 +184,7 @@ def _load_rng(path: str, rank: int, logger) -> None:
                        "(as --no-load-rng)")
         return
     file = os.path.join(path, rng_file(rank))
-    state = torch.load(file, weights_only=False) if os.path.isfile(file) else None
+    state = load_plain_values(file) if os.path.isfile(file) else None
     if state is None or state["world_size"] != torch.distributed.get_world_size():
         logger.warning(f"{path}: no RNG state for this world size; keeping the seeded RNG (as --no-load-rng)")
         return
@@ -241,9 +248,10 @@ def _load(root: str, read_state: Callable, megatron: bool, load_converted: Calla
 
 
 def _read_verified(path: str, read_state: Callable, with_optimizer: bool, finetune: bool, checksums: bool) -> None:
-    """``read_state`` of ``path`` while its checksums are compared (``integrity.verify_checksums_meanwhile``); a
-    damaged file is named before any error the load met on it."""
-    finish = verify_checksums_meanwhile(path) if checksums else lambda: None
+    """``read_state`` of ``path`` while its checksums are compared (``integrity.verify_checksums_meanwhile``), or
+    without ``checksums`` while its files are read ahead (``integrity.read_ahead_meanwhile``); a damaged file is
+    named before any error the load met on it."""
+    finish = verify_checksums_meanwhile(path) if checksums else read_ahead_meanwhile(path)
     try:
         read_state(path, with_optimizer, finetune)
     except Exception:

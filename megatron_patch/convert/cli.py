@@ -25,12 +25,12 @@ import argparse
 import os
 import signal
 
-from megatron_patch.errors import UserError, one_line_errors, unwind_on_sigterm
+from megatron_patch.errors import FlagParser, UserError, one_line_errors, unwind_on_sigterm
 from megatron_patch.startup import paused_collector
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="megatron-patch convert", description=__doc__.split("\n")[0])
+    parser = FlagParser(prog="megatron-patch convert", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
 
     to_mcore = commands.add_parser("hf-to-megatron", help="Hugging Face directory -> Megatron checkpoint")
@@ -97,17 +97,19 @@ def _verify_here(args) -> int:
     import_megatron_core()
     compat.apply()
     from megatron_patch.convert.verify import verify_on_rank
+    from megatron_patch.distributed import one_rank_world
 
-    results = verify_on_rank(args.hf_dir, args.megatron_dir, args.tensor_model_parallel_size,
-                             args.pipeline_model_parallel_size, text=args.text, dtype=args.dtype,
-                             ep=args.expert_model_parallel_size)
-    # On the process group's device: NCCL reduces CUDA tensors only.
-    failed = torch.zeros(1, device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
-    if results is not None:
-        for comparison in results:
-            print(comparison.line(), flush=True)
-        failed += not all(c.passed for c in results)
-    torch.distributed.all_reduce(failed)  # every rank exits with the verdict
+    with one_rank_world():
+        results = verify_on_rank(args.hf_dir, args.megatron_dir, args.tensor_model_parallel_size,
+                                 args.pipeline_model_parallel_size, text=args.text, dtype=args.dtype,
+                                 ep=args.expert_model_parallel_size)
+        # On the process group's device: NCCL reduces CUDA tensors only.
+        failed = torch.zeros(1, device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
+        if results is not None:
+            for comparison in results:
+                print(comparison.line(), flush=True)
+            failed += not all(c.passed for c in results)
+        torch.distributed.all_reduce(failed)  # every rank exits with the verdict
     return int(failed.item() > 0)
 
 
@@ -121,14 +123,7 @@ def verify(args) -> int:
     world = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.expert_model_parallel_size
     # Not already a rank of such a world (torchrun's): a conversion's own one-rank world, or none, starts one.
     if world > 1 and os.environ.get("WORLD_SIZE") != str(world):
-        import torch
-
         from megatron_patch.cli import launch
-        from megatron_patch.distributed import free_port
-
-        if torch.distributed.is_initialized():
-            # This process's own one-rank world (the conversion) still listens on MASTER_PORT.
-            os.environ["MASTER_PORT"] = str(free_port())
 
         forwarded = ["verify", "--hf-dir", args.hf_dir, "--megatron-dir", args.megatron_dir,
                      "--tensor-model-parallel-size", str(args.tensor_model_parallel_size),

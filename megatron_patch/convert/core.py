@@ -47,7 +47,7 @@ from megatron_patch.convert.families import (
 from megatron_patch.convert.hf_io import HFReader, ShardedSafetensorsWriter, copy_tokenizer_files, read_hf_config
 from megatron_patch.convert.startup import import_megatron_core
 from megatron_patch.convert.transforms import Shapes, apply_to_hf, apply_to_mcore, row_runs
-from megatron_patch.distributed import free_port, initialize_distributed
+from megatron_patch.distributed import initialize_distributed, one_rank_world, start_one_rank_world
 from megatron_patch.errors import UserError, first_problems
 from megatron_patch.layout import LayoutError
 from megatron_patch.model.config import ModelConfig
@@ -120,12 +120,12 @@ def remove_killed_staging(final_dir: str) -> None:
 
 
 class _Progress:
-    """Tensors and bytes done, on one tqdm bar (stderr)."""
+    """Tensors and bytes done, on one tqdm bar (stderr, a terminal only: its \\r redraws garble a log)."""
 
     def __init__(self, desc: str, total_bytes: int, total_tensors: int, enabled: bool):
         from tqdm import tqdm
 
-        self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc=desc, disable=not enabled,
+        self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc=desc, disable=not enabled or not sys.stderr.isatty(),
                         file=sys.stderr, dynamic_ncols=True)
         self.total_tensors, self.tensors = total_tensors, 0
 
@@ -140,7 +140,8 @@ class _Progress:
 
 def build_reference_model(model_config: ModelConfig, padded_vocab_size: int, dtype: torch.dtype = torch.float32,
                           allocate_only: bool = False, meta: bool = False):
-    """megatron-core's model at TP=1, PP=1 in this process (a world of one rank).
+    """megatron-core's model at TP=1, PP=1 in this process (a world of one rank, started when there is none: inside
+    ``distributed.one_rank_world()`` it is destroyed when the block ends, as the conversions here do).
 
     ``allocate_only`` skips the random initialisation of a model whose every tensor is about to be overwritten
     (it is built on the meta device, then given uninitialised memory): seconds saved per billion parameters.
@@ -149,8 +150,7 @@ def build_reference_model(model_config: ModelConfig, padded_vocab_size: int, dty
     from megatron_patch.model.builder import build_model_chunks
     from megatron_patch.model.parallel import ParallelConfig
 
-    if not torch.distributed.is_initialized():
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
+    start_one_rank_world()
     initialize_distributed(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, seed=1234)
     # megatron-core's local layers even where Transformer Engine is installed: the conversion tables name their
     # tensors, the model stays in this process's memory, and their checkpoints load into TE's layers.
@@ -390,6 +390,7 @@ class _ReadAhead:
         self._ready.clear()
 
 
+@one_rank_world()
 def hf_to_megatron(
     hf_dir: str,
     save_dir: str,
@@ -547,6 +548,7 @@ def _check_expert_target(m: ModelConfig, ckpt_format: str, tp: int, ep: int) -> 
                               f"TP={tp}, EP={ep}); use --ckpt-format torch_dist, which loads at any TP/PP/EP")
 
 
+@one_rank_world()
 def megatron_to_hf(
     load_dir: str,
     save_dir: str,

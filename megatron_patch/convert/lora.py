@@ -24,6 +24,7 @@ import torch
 from megatron_patch.checkpoint.format import DTYPES, read_info, weights_dir
 from megatron_patch.checkpoint.lora import adapters_only, base_only, is_adapter_key
 from megatron_patch.convert.transforms import ROW_MOVES, apply_to_hf
+from megatron_patch.distributed import one_rank_world
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 
@@ -99,6 +100,7 @@ def write_peft_adapter(out_dir: str, state: dict[str, torch.Tensor], rules, shap
         json.dump(config, f, indent=2)
 
 
+@one_rank_world()
 def peft_to_megatron(peft_dir: str, base_dir: str, save_dir: str, overwrite: bool = False):
     """Convert a PEFT LoRA adapter directory for a Hugging Face model into a LoRA checkpoint on ``base_dir`` (that
     model converted by ``hf-to-megatron``); return its ``LoraSettings`` (the flags to train it with).

@@ -21,7 +21,6 @@ similarity is outside the threshold for the dtype.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 
@@ -206,15 +205,13 @@ def megatron_outputs(chunks, info: CheckpointInfo, inputs: dict, wanted: set[str
 
 
 def build_and_load(megatron_dir: str, info: CheckpointInfo, tp: int, pp: int, dtype: str, ep: int = 1):
-    """This rank's chunks at TP x PP x EP with the checkpoint's weights, in a freshly initialised process group."""
-    from megatron_patch.distributed import free_port, initialize_distributed
+    """This rank's chunks at TP x PP x EP with the checkpoint's weights, in torchrun's world or, in a process of its
+    own, a world of one rank (destroyed at the end of a ``distributed.one_rank_world()`` block around the call)."""
+    from megatron_patch.distributed import initialize_distributed, start_one_rank_world
     from megatron_patch.model.builder import build_model_chunks
     from megatron_patch.model.parallel import ParallelConfig
 
-    if not torch.distributed.is_initialized():
-        # A one-rank world of its own (torchrun's ranks have MASTER_PORT): not the default 29500, which another
-        # process on this host may hold.
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
+    start_one_rank_world()
     initialize_distributed(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                            expert_model_parallel_size=ep, seed=1234)
     config = info.model_config.replace(hidden_dropout=0.0, attention_dropout=0.0)

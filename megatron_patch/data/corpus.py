@@ -7,11 +7,12 @@ sorted order, so the same Python version always gives the same corpus. Tests, be
 the quick start build on it instead of downloading a data set.
 """
 
-import argparse
 import json
 import os
 import sysconfig
 from typing import Iterator
+
+from megatron_patch.errors import FlagParser
 
 
 def iter_stdlib_sources(root: str | None = None) -> Iterator[tuple[str, str]]:
@@ -87,7 +88,7 @@ def _write_documents(f, sources, max_docs: int | None, max_bytes: int | None, ma
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Write the Python standard library's sources as JSONL.")
+    parser = FlagParser(description="Write the Python standard library's sources as JSONL.")
     parser.add_argument("--output", required=True, help="the JSONL file to write")
     parser.add_argument("--max-docs", type=int, help="stop after this many documents")
     parser.add_argument("--max-mb", type=float, help="stop after about this many MB of JSONL")

@@ -9,6 +9,7 @@ Example::
 The ranks build the blend with megatron-core's own parser (``datasets.parse_data_path``), after these checks.
 """
 
+import json
 import os
 import struct
 from typing import Sequence
@@ -80,21 +81,79 @@ def read_index(prefix: str) -> tuple[numpy.dtype, int, int]:
 
 def check_token_ids(prefixes: Sequence[str], vocab_size: int) -> None:
     """Refuse data with a token id the tokenizer's ``vocab_size`` does not reach (the embedding lookup failed deep
-    in the first step: 'IndexError: index out of range in self'), naming the file; one pass over each .bin.
+    in the first step: 'IndexError: index out of range in self'), naming the file; ``largest_token_id`` of each.
 
     Example::
 
         check_token_ids(["data/corpus_text_document"], tokenizer.vocab_size)
     """
     for prefix in prefixes:
-        dtype, _, _ = read_index(prefix)
-        if not os.path.getsize(prefix + ".bin"):
-            continue
-        largest = int(numpy.memmap(prefix + ".bin", dtype=dtype, mode="r").max())
+        largest = largest_token_id(prefix)
         if largest >= vocab_size:
             raise DataError(f"--data-path {prefix}: {prefix}.bin holds token id {largest}, beyond this tokenizer's "
                             f"{vocab_size} tokens: the data was tokenized with another tokenizer; give that "
                             "tokenizer's flags, or preprocess the data again with this one")
+
+
+# preprocess-data records the largest token id of PREFIX.bin in PREFIX.tokens.json, with the .bin's size and
+# modification time: a .bin written or changed since (Megatron-LM's preprocess_data.py under the same prefix) does
+# not match them, and is read instead.
+_RECORD = ".tokens.json"
+_RECORD_FORMAT = {"format": "megatron_patch token ids", "version": 1}
+# The largest token ids the launcher read from .bin files without a record, by prefix, handed to its ranks in the
+# environment torchrun passes on, so that a start reads such data once, not once more per node.
+_READ_ENV = "MEGATRON_PATCH_LARGEST_TOKEN_IDS"
+
+
+def record_largest_token_id(prefix: str) -> None:
+    """Write ``PREFIX.tokens.json``: the largest token id in ``PREFIX.bin`` (-1 for none) and the .bin's size and
+    modification time, which ``largest_token_id`` checks before it trusts the record.
+
+    Example::
+
+        record_largest_token_id("data/corpus_text_document")
+        # data/corpus_text_document.tokens.json: {"format": ..., "version": 1, "largest_token_id": 49151, "bin": [...]}
+    """
+    with open(prefix + _RECORD, "w") as f:
+        json.dump({**_RECORD_FORMAT, "largest_token_id": _read_largest(prefix), "bin": _bin_identity(prefix)}, f)
+
+
+def largest_token_id(prefix: str) -> int:
+    """The largest token id in ``PREFIX.bin`` (-1 for none): from its ``PREFIX.tokens.json`` when that describes
+    this .bin, from the launcher when it read this .bin already, else read in full (data written by Megatron-LM).
+
+    Example::
+
+        largest_token_id("data/corpus_text_document")     # 49151
+    """
+    identity = _bin_identity(prefix)
+    try:
+        with open(prefix + _RECORD) as f:
+            record = json.load(f)
+        if {key: record.get(key) for key in _RECORD_FORMAT} == _RECORD_FORMAT and record.get("bin") == identity:
+            return int(record["largest_token_id"])
+    except (OSError, ValueError, TypeError, KeyError):  # none, or one cut short: the .bin tells
+        pass
+    read = json.loads(os.environ.get(_READ_ENV, "{}"))
+    key = os.path.abspath(prefix)
+    if key in read and read[key][1:] == identity:
+        return read[key][0]
+    largest = _read_largest(prefix)
+    os.environ[_READ_ENV] = json.dumps({**read, key: [largest, *identity]})
+    return largest
+
+
+def _bin_identity(prefix: str) -> list[int]:
+    stat = os.stat(prefix + ".bin")
+    return [stat.st_size, stat.st_mtime_ns]
+
+
+def _read_largest(prefix: str) -> int:
+    """One pass over ``PREFIX.bin``."""
+    dtype, _, _ = read_index(prefix)
+    if not os.path.getsize(prefix + ".bin"):
+        return -1
+    return int(numpy.memmap(prefix + ".bin", dtype=dtype, mode="r").max())
 
 
 def data_path_words(data_path: Sequence[str]) -> list[str]:

@@ -23,7 +23,7 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.utils import get_blend_from_list
 
-from megatron_patch.data.data_path import EmptyDataError, check_data_path, check_token_ids, data_path_words
+from megatron_patch.data.data_path import DataError, EmptyDataError, check_data_path, check_token_ids, data_path_words
 
 # megatron-core's BERT sample index (helpers.cpp, LONG_SENTENCE_LEN) skips a document of several sentences when one
 # of them has more tokens than this.
@@ -105,8 +105,8 @@ def _check_splits(cls, config, num_samples: Sequence[int | None]) -> None:
             if bounds is None or not samples:
                 continue
             first, last = int(round(bounds[0] * count)), int(round(bounds[1] * count))
-            if last <= first:
-                raise ValueError(
+            if last <= first:  # a user's mistake, said without a traceback (the launcher says it first)
+                raise DataError(
                     f"--split {config.split} leaves the {name} split of {prefix} empty ({count} "
                     f"{'sequences' if cls is GPTDataset else 'documents'} in all) but {samples} {name} "
                     "samples are asked for; give that split a larger share, or ask for 0 samples"

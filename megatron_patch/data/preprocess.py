@@ -61,10 +61,11 @@ from megatron_patch.data.conversations import (
     load_chat_template,
     read_conversations,
 )
+from megatron_patch.data.data_path import record_largest_token_id
 from megatron_patch.data.jsonl import InputError, expand_inputs, open_input
 from megatron_patch.data.progress import Progress
 from megatron_patch.data.sentences import SentenceSplitter
-from megatron_patch.errors import UserError, one_line_errors, unwind_on_sigterm
+from megatron_patch.errors import FlagParser, UserError, one_line_errors, unwind_on_sigterm
 from megatron_patch.staging import killed_leftovers, staging_tag, tag_pattern
 from megatron_patch.tokenizer import (
     add_tokenizer_args,
@@ -943,6 +944,7 @@ def preprocess(config: PreprocessConfig) -> PreprocessReport:
                 f.write("\n")
         for final in finals.values():
             _publish(final + tmp, final, sidecar=config.sft)
+            record_largest_token_id(final)  # so that a run checks its token ids without reading the .bin
     finally:
         for key, prefixes in part_prefixes.items():
             for builder in builders.get(key, []):
@@ -1003,7 +1005,7 @@ def _show_line(config: PreprocessConfig, path: str, number: int, raw: bytes) -> 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = FlagParser(
         description="Tokenize JSONL into Megatron .bin/.idx files (Megatron-LM's preprocess_data flags).",
     )
     add_tokenizer_args(parser)

@@ -15,11 +15,11 @@ Kinds and what they write into `--output-dir` (and the `--tokenizer-type` that r
   bos/eos and `<pad>` (HuggingFaceTokenizer)
 """
 
-import argparse
 import os
 from typing import Callable, Iterator
 
 from megatron_patch.data.jsonl import expand_inputs, iter_jsonl_texts
+from megatron_patch.errors import FlagParser
 from megatron_patch.tokenizer.gpt2 import EOD_TOKEN
 
 BERT_SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -119,7 +119,7 @@ def train_tokenizer(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Train a tokenizer from JSONL with tokenizers/sentencepiece.")
+    parser = FlagParser(description="Train a tokenizer from JSONL with tokenizers/sentencepiece.")
     parser.add_argument("--kind", required=True, choices=sorted(TRAINERS))
     parser.add_argument("--input", required=True, help="a JSONL file or glob (.gz allowed)")
     parser.add_argument("--output-dir", required=True)

@@ -33,6 +33,7 @@ import os
 import sys
 
 from megatron_patch.checkpoint.format import find_info, read_tracker
+from megatron_patch.errors import FlagParser, did_you_mean, option_strings
 from megatron_patch.model.config import (
     _SWITCH_FLAGS, _VALUE_FLAGS, HF_SIZE_KEYS, add_model_arguments, hf_size_key, model_flag_values, switch_name,
 )
@@ -44,16 +45,54 @@ from megatron_patch.training.config import (
 )
 from megatron_patch.training.ignored_flags import add_ignored_flags, flag_notices, refusal
 
+# What ``rapidformer --help`` opens with, before its ~650 lines of flags (tests/test_prelaunch.py parses each).
+HELP_EXAMPLES = (
+    ("pretrain a GPT at TP=2 on 2 processes; rerun the same line to resume from ckpt/gpt",
+     "--task pretraining --nproc-per-node 2 --model-name tiny-gpt2 --tensor-model-parallel-size 2 "
+     "--data-path data/gpt_text_document --tokenizer-type GPT2BPETokenizer --vocab-file tok/gpt2/vocab.json "
+     "--merge-file tok/gpt2/merges.txt --micro-batch-size 4 --global-batch-size 8 --train-iters 100 --lr 3e-3 "
+     "--split 98,2,0 --save ckpt/gpt --load ckpt/gpt"),
+    ("fine-tune a Hugging Face BERT on a GLUE task, no code (black-box)",
+     "--task sequence_classification --nproc-per-node 2 --pretrained-model-name-or-path hf/bert "
+     "--data-path data/glue --data-name mrpc --epochs 3 --micro-batch-size 8 --lr 2e-5 --zero-1-memory-optimization"),
+    ("run your own Pretrainer/Finetuner subclass or training loop (white-box)",
+     "--user-script my_finetuner.py --nproc-per-node 2 --pretrained-model-name-or-path hf/bert "
+     "--data-path data/glue --data-name mrpc --epochs 3 --micro-batch-size 8 --mixed-precision"),
+)
+
+
+def _help_text(width: int = 110) -> str:
+    import textwrap
+
+    lines = [*textwrap.wrap("Train megatron-core, plain torch and Hugging Face models: black-box with --task, or "
+                            "white-box with --user-script (a Pretrainer/Finetuner subclass or a no-trainer script).",
+                            width, break_on_hyphens=False), "", "examples:"]
+    for what, command in HELP_EXAMPLES:
+        # Wrapped between flags, never between a flag and its value, each line continued as a shell reads it.
+        wrapped = ["  rapidformer"]
+        for pair in command.replace(" --", "\0--").split("\0"):
+            if len(wrapped[-1]) + len(pair) + 3 > width:
+                wrapped[-1] += " \\"
+                wrapped.append("     ")
+            wrapped[-1] += " " + pair
+        lines += [f"  # {what}", *wrapped]
+    lines += ["", "megatron-patch train takes the same flags; rapidformer --version prints the versions in use."]
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full parser (also what ``rapidformer --help`` prints): the flags the RunConfig's fields declare, the
     model's (``model.config``), the layout's and precision's (``model.parallel``) and the tokenizer's."""
+    from megatron_patch.cli import PrintVersions
+
     # "megatron-patch train" when that command runs the launcher (cli._forward), so its usage line says so.
     called = os.path.basename(sys.argv[0])
-    parser = argparse.ArgumentParser(
-        prog=called if called.startswith("megatron-patch ") else "rapidformer", allow_abbrev=False,
-        description="Train megatron-core, plain torch and Hugging Face models: black-box with --task, or "
-                    "white-box with --user-script (a Pretrainer/Finetuner subclass or a no-trainer script).",
-    )
+    prog = called if called.startswith("megatron-patch ") else "rapidformer"
+    # A usage line of its own: argparse's lists every flag, ~120 lines in front of the examples.
+    parser = FlagParser(prog=prog, allow_abbrev=False, usage=f"{prog} (--task TASK | --user-script FILE) [FLAGS]",
+                        description=_help_text(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action=PrintVersions, help="print the versions of this package, Python, torch, "
+                        "megatron-core, Transformer Engine and apex, then exit")
     add_flags(parser, RunConfig, "rapidformer")
     memory = parser.add_argument_group("memory optimization (one of)")
     for dest, mode in MEMORY_FLAGS.items():
@@ -131,8 +170,10 @@ def _loaded_model(flags: argparse.Namespace) -> ModelSpec | None:
     """
     found = find_info(flags.load) if flags.load else None
     if found is None:
-        if flags.load and read_tracker(flags.load) is None and os.path.isfile(os.path.join(flags.load, "config.json")):
-            # Without this refusal the run warned that --load holds no checkpoint and trained random weights.
+        if flags.load and not flags.user_script and read_tracker(flags.load) is None \
+                and os.path.isfile(os.path.join(flags.load, "config.json")):
+            # Without this refusal the run warned that --load holds no checkpoint and trained random weights. A
+            # user script's --load is the script's to read: the seed's Finetuner loads from_pretrained(args.load).
             _refuse(f"--load {flags.load} holds a Hugging Face model (config.json), not a Megatron checkpoint: "
                     f"convert it with `megatron-patch convert hf-to-megatron --hf-dir {flags.load} --save-dir "
                     "CONVERTED` and pass --load CONVERTED --finetune (or fine-tune it as it is with "
@@ -171,6 +212,22 @@ def _names_prefixes(flags: argparse.Namespace) -> bool:
     return not (flags.data_name or flags.dataset_name or any(os.path.exists(word) for word in words))
 
 
+def _check_prefix_words(words: list[str]) -> None:
+    """Refuse a ``--data-path`` word that is a data file rather than its prefix, or preprocess's ``--output-prefix``
+    where ``_text_document`` completes it to files that exist, naming the prefix to give: megatron-core appends
+    ``.bin``/``.idx`` itself (the rank said ``.bin.bin not found``), and preprocess-data adds ``_text_document``."""
+    for word in words:
+        for suffix in (".bin", ".idx"):
+            prefix = word[:-len(suffix)]
+            if word.endswith(suffix) and os.path.isfile(prefix + ".bin"):
+                _refuse(f"--data-path {word} names a data file; give its prefix, without {suffix}: "
+                        f"--data-path {prefix}")
+        completed = word + "_text_document"
+        if not os.path.isfile(word + ".bin") and os.path.isfile(completed + ".bin"):
+            _refuse(f"--data-path {word}: {word}.bin not found but {completed}.bin is (preprocess-data adds "
+                    f"_text_document to its --output-prefix): give --data-path {completed}")
+
+
 def _check_data_path(flags: argparse.Namespace, tokens: bool) -> None:
     """Pretraining's ``--data-path`` prefixes, their files found and their ``.idx`` read now, before torchrun starts
     and models are built: for ``--task pretraining`` and for user scripts (the recipes) whose ``--data-path`` names
@@ -179,9 +236,10 @@ def _check_data_path(flags: argparse.Namespace, tokens: bool) -> None:
     # --sft data is checked by _check_sft_run (its .jsonl files are prepared first).
     if flags.data_path and not flags.mock_data and not flags.sft and (
             flags.task == "pretraining" or (flags.user_script and _names_prefixes(flags))):
-        from megatron_patch.data.data_path import check_data_path, check_token_ids
+        from megatron_patch.data.data_path import check_data_path, check_token_ids, data_path_words
 
         try:
+            _check_prefix_words(data_path_words(flags.data_path))
             prefixes = check_data_path(flags.data_path)
             if tokens and flags.tokenizer_type is not None:
                 check_token_ids(prefixes, _tokenizer_size(flags))
@@ -213,6 +271,103 @@ def _check_resume_layout(flags: argparse.Namespace, parallel, data_parallel_size
         check_resume_layout(flags.load, requested, distributed)
     except UserError as error:
         _refuse(str(error))
+
+
+def _check_load_exists(flags: argparse.Namespace) -> None:
+    """Refuse a ``--load`` directory that does not exist (a typo trained random weights and exited 0, its one
+    notice lost in the log), except where it is ``--save`` too: the first run of a job that resumes or starts. A
+    user script's ``--load`` may be a Hugging Face hub name for the script to read (``bert-base-cased``,
+    ``Qwen/Qwen2-0.5B``): one or two words whose first is no local directory."""
+    load = flags.load
+    if not load or os.path.exists(load) or (flags.save and os.path.abspath(load) == os.path.abspath(flags.save)):
+        return
+    words = os.path.normpath(load).split(os.sep)
+    if flags.user_script and not os.path.isabs(load) and not load.startswith(".") and len(words) <= 2 \
+            and not os.path.isdir(words[0]):
+        return
+    _refuse(f"--load {load}: no such directory; give the directory a run saved to with --save (or --load and "
+            f"--save the same directory to resume when it holds a checkpoint and start otherwise)")
+
+
+def _check_resume_schedule(flags: argparse.Namespace, training: TrainingConfig) -> None:
+    """Refuse a resume whose flags change ``--load``'s learning-rate schedule (a longer ``--train-iters``) unless
+    ``--override-opt_param-scheduler`` or ``--use-checkpoint-opt_param-scheduler`` says which wins: the ranks'
+    ``schedule.ResumableScheduler`` refuses it after the model is built; here it is the same scheduler, built on a
+    one-parameter optimizer and handed the checkpoint's state. Megatron checkpoints only (a plain model's scheduler
+    counts iterations its script chooses), and only the schedule of ``--train-iters`` or ``--train-samples``."""
+    if not flags.load or flags.finetune or flags.no_load_optim or not (training.train_iters or training.train_samples):
+        return
+    from megatron_patch.checkpoint.format import _args_source, checkpoint_dir, checkpoint_format, read_args_state
+
+    iteration = read_tracker(flags.load)
+    weights = checkpoint_dir(flags.load, iteration) if isinstance(iteration, int) else None
+    fmt = checkpoint_format(weights) if weights and os.path.isdir(weights) else None
+    if fmt not in ("torch_dist", "torch"):
+        return
+    try:
+        stored = read_args_state(_args_source(weights, fmt)).get("opt_param_scheduler")
+    except Exception:  # noqa: BLE001  (a damaged checkpoint: the ranks' load names the file)
+        return
+    if not stored:
+        return
+    import torch
+
+    from megatron_patch.errors import UserError
+    from megatron_patch.training.schedule import build_scheduler
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=training.lr or 0.0)
+    try:
+        build_scheduler(training, optimizer, training.train_iters, unit=training.global_batch_size
+                        ).load_state_dict(stored)
+    except UserError as error:
+        _refuse(f"--load {flags.load}: {error}")
+
+
+def _split_bounds(split: str) -> list[tuple[float, float] | None]:
+    """``--split``'s train/valid/test shares as megatron-core reads them (``parse_and_normalize_split`` and
+    ``convert_split_vector_to_split_matrix``, datasets/utils.py and blended_megatron_dataset_config.py, 0.16.1 and
+    0.19): weights padded to three and normalized, cumulative bounds, None for a zero share."""
+    weights = [float(w) for w in split.replace("/", ",").split(",")]
+    weights = (weights + [0.0] * 3)[:3]
+    total = sum(weights)
+    bounds, start = [], 0.0
+    for weight in weights:
+        end = start + weight / total
+        bounds.append((start, end) if weight else None)
+        start = end
+    return bounds
+
+
+def _check_splits(flags: argparse.Namespace, config: RunConfig, family: str | None) -> None:
+    """Refuse a ``--split`` that leaves a split asked for samples without data, from the ``.idx`` headers, as the
+    ranks' ``datasets._check_splits`` does after the model is built: the default 969,30,1 leaves a small corpus's
+    test split empty. The samples asked for are the Pretrainer's (``trainers.Pretrainer.train``). A BERT model's
+    split counts documents, a GPT's sequences (no fewer), so a model the launcher cannot name is checked at the
+    larger count and never refused wrongly."""
+    if not flags.data_path or flags.mock_data or flags.sft or not (flags.task == "pretraining" or flags.user_script) \
+            or (flags.user_script and not _names_prefixes(flags)):
+        return
+    from megatron_patch.data.data_path import check_data_path, read_index
+
+    training, logging = config.training, config.logging
+    gbs = training.global_batch_size
+    evals = (training.train_iters // logging.eval_interval + 1) if logging.eval_interval and training.train_iters \
+        else 0
+    asked = [training.train_samples or (training.train_iters or 0) * gbs, evals * logging.eval_iters * gbs,
+             logging.eval_iters * gbs]
+    try:
+        bounds = _split_bounds(flags.split)
+    except (ValueError, ZeroDivisionError):
+        _refuse(f"--split {flags.split}: give three weights such as 969,30,1 (train, valid, test)")
+    for prefix in check_data_path(flags.data_path):
+        _, sequences, documents = read_index(prefix)
+        count = documents if family == "bert" else sequences
+        for name, share, samples in zip(("train", "valid", "test"), bounds, asked):
+            if share is not None and samples and round(share[1] * count) <= round(share[0] * count):
+                _refuse(f"--split {flags.split} leaves the {name} split of {prefix} empty ({count} "
+                        f"{'documents' if family == 'bert' else 'sequences'}) but {samples} {name} samples are "
+                        f"asked for; give it a larger share (e.g. --split 90,5,5) or ask for none"
+                        + (" (--eval-iters 0)" if name != "train" else ""))
 
 
 def _environment(name: str, default: int) -> int:
@@ -247,6 +402,8 @@ def run_config(flags: argparse.Namespace, world_size: int | None, *, layout: boo
         given["seq_length"] = positions
     model = _loaded_model(flags) or ModelSpec(name=flags.model_name, family=flags.model_family,
                                               fields=tuple(given.items()))
+    if launcher:
+        _check_load_exists(flags)
     _check_data_path(flags, tokens=launcher)
     try:
         precision = precision_of(flags)
@@ -286,6 +443,9 @@ def run_config(flags: argparse.Namespace, world_size: int | None, *, layout: boo
         _refuse(str(error))
     if launcher and config.data.sft:
         _check_sft_run(config)
+    if launcher and layout:
+        _check_resume_schedule(flags, config.training)
+        _check_splits(flags, config, built.family if built else None)
     return config
 
 
@@ -315,12 +475,14 @@ def parse_flags(argv: list[str] | None = None) -> argparse.Namespace:
         Traceback (most recent call last):
         SystemExit: rapidformer: error: unrecognized arguments: --lr-decay (see rapidformer --help)
     """
-    flags, unknown = build_parser().parse_known_args(argv)
+    parser = build_parser()
+    flags, unknown = parser.parse_known_args(argv)
     if refusal(unknown):
         _refuse(refusal(unknown))
     if unknown:
-        _refuse(f"unrecognized arguments: {' '.join([item for item in unknown if item.startswith('-')] or unknown)} "
-                "(see rapidformer --help)")
+        meant = did_you_mean(unknown, option_strings(parser))
+        _refuse(f"unrecognized arguments: {' '.join([item for item in unknown if item.startswith('-')] or unknown)}"
+                f"{meant or ' (see rapidformer --help)'}")
     return flags
 
 

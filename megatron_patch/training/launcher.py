@@ -48,7 +48,8 @@ def torchrun_settings() -> list[str]:
 
     with paused_collector():  # asking torchrun's parser can be the launcher's first import of torch (startup.py)
         shutdown = torchrun_shutdown_flags(SHUTDOWN_SECONDS)
-    return ["--signals-to-handle=SIGINT,SIGHUP,SIGQUIT", *shutdown]
+    # SIGTERM and SIGINT are the launcher's (signals.RanksForward): torchrun's handler would stop the ranks at once.
+    return ["--signals-to-handle=SIGHUP,SIGQUIT", *shutdown]
 
 
 def processes_per_node(requested: int | None) -> int:
@@ -162,7 +163,8 @@ def run_torchrun(command: list[str], fate=None, left: Callable[[], str] | None =
         run_torchrun(torchrun_command("my_module", ["--flag", "1"], nproc_per_node=2))
 
     The first SIGTERM goes on to the ranks and the job ends as they do (0 after their save with
-    ``--exit-signal-handler``, 143 if they stopped on it); a second one stops them (status 143). A failed job is
+    ``--exit-signal-handler``, 143 if they stopped on it); a second one stops them (status 143). A Ctrl-C does the
+    same, as SIGTERM to the ranks, and ends in 130 with the checkpoint to resume from. A failed job is
     summed up in one line; torchrun's own table names the first rank to exit as the "root cause", which after a hang
     is a rank that waited for it. With a ``nodes.JobFate`` (a job of several nodes) the line names the node that
     failed first, on every node. A job stopped by a signal says which, and ``left()`` what it left to resume
@@ -186,10 +188,19 @@ def run_torchrun(command: list[str], fate=None, left: Callable[[], str] | None =
     # not start, which would take it for a launcher that died and end themselves.
     outer = os.environ.get(_LAUNCHER_PID)
     os.environ[_LAUNCHER_PID] = str(os.getpid())
+    # torchrun's own default for several processes a node, set here so that it need not print a 4-line banner
+    # about it (torch/distributed/run.py, ``config_from_args``); a value of the user's is kept.
+    threads_given = "OMP_NUM_THREADS" in os.environ
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     forward = RanksForward()
     failed = False
     try:
         torchrun.run(args)
+        if forward.signum == signal.SIGINT:
+            # The ranks saved on a Ctrl-C and ended together: the run did not finish, and its resume is said.
+            failed = True
+            print(f"rapidformer: stopped by Ctrl-C (SIGINT){_left(left)}", file=sys.stderr, flush=True)
+            return 128 + signal.SIGINT
     except ChildFailedError as error:
         failed = True
         if forward.forwarded:
@@ -207,13 +218,15 @@ def run_torchrun(command: list[str], fate=None, left: Callable[[], str] | None =
         return 1
     except SignalException as error:
         failed = True
-        # Ctrl-C (SIGINT) or a second SIGTERM: torchrun's agent stopped the ranks where they were.
+        # A second Ctrl-C or SIGTERM (or SIGHUP, SIGQUIT): torchrun's agent stopped the ranks where they were.
         stopped = f"stopped by signal {int(error.sigval)} ({signal.Signals(error.sigval).name}){_left(left)}"
         if fate:
             fate.failed(stopped)
         print(f"rapidformer: {stopped}", file=sys.stderr, flush=True)
         return 128 + int(error.sigval)
     finally:
+        if not threads_given:
+            os.environ.pop("OMP_NUM_THREADS", None)
         if outer is None:
             os.environ.pop(_LAUNCHER_PID, None)
         else:
@@ -268,7 +281,13 @@ def _run_rank(argv: list[str]) -> int:
     # lives on, and such a rank joined node 0's and trained on without its node (issue 42).
     compat.die_with_parent(int(os.environ.get(_LAUNCHER_PID, os.getppid())))
     import_libraries()
+    import torch
+
+    from megatron_patch.startup import quiet_cpu_noise
     from megatron_patch.training import mpu
+
+    if not torch.cuda.is_available():
+        quiet_cpu_noise()
 
     mpu.install()
     # Parsed once here; the engine the task or the user script creates takes this parse (arguments.parse_run).

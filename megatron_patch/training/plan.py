@@ -24,12 +24,12 @@ expert-parallel and expert-data-parallel groups and counts the experts' memory t
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import os
 import sys
 
+from megatron_patch.errors import FlagParser
 from megatron_patch.model import ModelConfig, num_parameters
 from megatron_patch.model.flops import expert_parameters, layer_parameters, mtp_parameters
 from megatron_patch.model.lora import LoraSettings
@@ -242,10 +242,13 @@ class Plan:
                 f"LoRA saves {saved:.2f} GiB per GPU against full fine-tuning "
                 f"({sum(self.full_memory_gib().values()):.2f} GiB)",
             ]
+        # A CPU run (the recipes' --cpu hides every GPU) has processes, and a tiny model's MiB showed as "0.00 GiB".
+        where = "process" if os.environ.get("CUDA_VISIBLE_DEVICES") == "" else "GPU"
+        unit, scale = ("GiB", 1) if sum(memory.values()) >= 0.1 else ("MiB", 1024)
         lines += [
-            f"memory per GPU: {sum(memory.values()):.2f} GiB = weights {memory['weights']:.2f} + gradients "
-            f"{memory['gradients']:.2f} + optimizer {memory['optimizer']:.2f} GiB; activations, buffers and "
-            "the CUDA context not included",
+            f"memory per {where}: {scale * sum(memory.values()):.2f} {unit} = weights {scale * memory['weights']:.2f} "
+            f"+ gradients {scale * memory['gradients']:.2f} + optimizer {scale * memory['optimizer']:.2f} {unit}; "
+            f"activations, buffers{' and the CUDA context' if where == 'GPU' else ''} not included",
         ]
         return "\n".join(lines)
 
@@ -356,7 +359,7 @@ def build_plan(argv: list[str], nnodes: int = 1, train_tokens: int | None = None
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = FlagParser(
         prog="python -m megatron_patch.training.plan", allow_abbrev=False,
         description="Print the plan of a rapidformer launch (layout, batches, memory per GPU) and exit; every "
                     "other flag is a rapidformer flag (see rapidformer --help).")

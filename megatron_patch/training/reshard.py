@@ -23,14 +23,16 @@ import dataclasses
 import logging
 import math
 import os
+import re
 import shutil
-import tempfile
+import sys
 
 from megatron_patch.checkpoint.format import (
     RELEASE, TRACKER_FILE, checkpoint_dir, checkpoint_format, find_info, read_args_state, read_tracker,
 )
 from megatron_patch.checkpoint.integrity import verify_checkpoint
-from megatron_patch.errors import UserError, one_line_errors, unwind_on_sigterm
+from megatron_patch.errors import FlagParser, UserError, one_line_errors, unwind_on_sigterm
+from megatron_patch.staging import killed_leftovers, staging_tag, tag_pattern
 
 PROG = "megatron-patch checkpoint"
 # Megatron-LM's args that hold the layout: a resharded checkpoint records its own.
@@ -39,7 +41,7 @@ _LAYOUT_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "v
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0].strip("`: "))
+    parser = FlagParser(prog=PROG, description=__doc__.splitlines()[0].strip("`: "))
     commands = parser.add_subparsers(dest="command", required=True)
     reshard = commands.add_parser(
         "reshard", help="rewrite the latest checkpoint's distributed-optimizer state to load at another TP/PP")
@@ -140,10 +142,12 @@ def reshard(args: argparse.Namespace) -> int:
         return 0
     from megatron_patch.cli import launch
 
+    _remove_killed_staging(args.save_dir)
     staging = ""
     if plan.target is not None and not plan.fully_reshardable:
-        staging = tempfile.mkdtemp(prefix=f"{os.path.basename(os.path.abspath(args.save_dir))}.reshard-",
-                                   dir=os.path.dirname(os.path.abspath(args.save_dir)))
+        # Named by this process, so that the next reshard into --save-dir removes it if this one is killed.
+        staging = os.path.abspath(args.save_dir) + staging_tag("reshard")
+        os.makedirs(staging)
     try:
         status = launch("megatron_patch.training.reshard", plan.world, [
             "reshard", "--load-dir", args.load_dir, "--save-dir", args.save_dir, "--staging", staging,
@@ -159,6 +163,15 @@ def reshard(args: argparse.Namespace) -> int:
         print(f"{PROG}: {plan.root} (iteration {plan.iteration}, {saved}) written to {args.save_dir} at {written}; "
               f"resume with --load {args.save_dir}", flush=True)
     return status
+
+
+def _remove_killed_staging(save_dir: str) -> None:
+    """Remove the staging directories that reshards into ``save_dir`` left beside it when they were killed on this
+    host (a SIGKILL runs no cleanup, and each holds a whole checkpoint with its optimizer state)."""
+    parent, base = os.path.split(os.path.abspath(save_dir))
+    for path, pid, _ in killed_leftovers(parent, re.escape(base) + tag_pattern("reshard")):
+        shutil.rmtree(path, ignore_errors=True)
+        print(f"note: removed {path}, left by process {pid}, a reshard that was killed", file=sys.stderr, flush=True)
 
 
 def _reshard_here(plan: _Plan, staging: str | None) -> None:

@@ -174,6 +174,10 @@ class _Trainer:
                 checkpoints.load, load_optim=not checkpoints.no_load_optim, load_rng=not checkpoints.no_load_rng,
                 finetune=checkpoints.finetune, load_fallback=checkpoints.load_fallback,
                 verify_checksums=not checkpoints.no_verify_checksums, logger=self.engine.logger)
+        elif os.path.isfile(os.path.join(checkpoints.load or "", "config.json")):
+            # A user script's Hugging Face model (the launcher refuses one for --task): the script loads it.
+            self.engine.logger.info(f" --load {checkpoints.load} holds a Hugging Face model (config.json): left to "
+                                    "the script (get_args().load), not loaded as a checkpoint")
         elif checkpoints.load:
             self.engine.logger.warning(no_checkpoint_notice(checkpoints.load))
         if self.iteration:
