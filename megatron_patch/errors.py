@@ -34,6 +34,11 @@ class UserError(Exception):
     """Bad input or a bad environment: the message names the file, line or flag, and the fix."""
 
 
+class CorruptCheckpointError(UserError, RuntimeError):
+    """A checkpoint directory with a missing, truncated or damaged file (a save that died half-way, a damaged disk
+    or copy), or a file whose pickle would run code (``unpickle``)."""
+
+
 def debugging() -> bool:
     return os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
