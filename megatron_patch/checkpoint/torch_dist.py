@@ -171,7 +171,7 @@ def load_dist(chunks, ckpt_dir: str) -> None:
 
     for chunk in chunks:
         check_dist_checkpoint(chunk, ckpt_dir)
-        with reading_into_place():
+        with reading_into_place(), compat.refusals_raised():
             state = dist_checkpointing.load(chunk.sharded_state_dict(), ckpt_dir, **compat.dist_load_options())
         chunk.load_state_dict(state, strict=False)
 
