@@ -24,7 +24,8 @@ the CPU); where they differ, a workaround asks the installed release for the fea
 - checkpoint workarounds: the distributed optimizer's Adam state, its loading and its resharding metadata,
   megatron-core's sharded-key renaming and its collections (``initialise_adam_state``, ``restore_adam_step``,
   ``distrib_optimizer_metadata``, ``by_sharded_key``, ``collect_only_new_objects``,
-  ``write_results_in_this_process``, ``async_save_options``, ``common_state_source``);
+  ``write_results_in_this_process``, ``async_save_options``, ``common_state_source``), and torch DCP's and
+  megatron-core's readers of a checkpoint's pickles made to run no code (``read_checkpoints_running_no_code``);
 - APIs 0.19 moved: the batch ramp-up (``init_num_microbatches_calculator``), the dense MLP spec
   (``dense_mlp_submodule``), the MoE aux-loss tracker (``take_moe_aux_losses``), torchrun's flags
   (``torchrun_shutdown_flags``).

@@ -48,7 +48,12 @@ def load_plain_values(file, name: str | None = None, *, map_location="cpu"):
 
 def unsafe_pickle(file, name: str | None = None) -> CorruptCheckpointError:
     """The refusal of the ``torch.save`` file ``file`` (a path or a file object; ``name`` names it), whose pickle
-    calls what the weights-only unpickler does not admit, naming the calls."""
+    calls what the weights-only unpickler does not admit, naming the calls.
+
+    Example::
+
+        raise unsafe_pickle("ckpt/iter_0000100/mp_rank_00/model_optim_rng.pt")   # ... would call posix.system ...
+    """
     if hasattr(file, "seek"):
         file.seek(0)
     # Named from the pickle's opcodes, which torch reads without running any of them.
