@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import importlib
+import pathlib
 import pickle
 
 import torch
@@ -80,7 +81,7 @@ class _DcpMetadataUnpickler(pickle.Unpickler):
     """DCP's ``.metadata``: a plain pickle (``FileSystemWriter.finish``'s ``pickle.dump``), not a ``torch.save``
     file, so torch's weights-only unpickler does not read it. Resolves only what such a pickle holds: the classes of
     :data:`_DCP_METADATA_MODULES`, ``torch.Size``, dtypes and layouts (``torch.serialization._get_layout``, by
-    name); anything else raises with its name.
+    name), ``pathlib`` paths; anything else raises with its name.
 
     Example::
 
@@ -96,6 +97,10 @@ class _DcpMetadataUnpickler(pickle.Unpickler):
             return getattr(torch, name)
         elif (module, name) == ("torch.serialization", "_get_layout"):
             return torch.serialization._get_layout
+        elif module.split(".")[0] == "pathlib":  # StorageMeta.checkpoint_id of a save given a Path (conversions')
+            found = getattr(importlib.import_module(module), name, None)
+            if isinstance(found, type) and issubclass(found, pathlib.PurePath):
+                return found
         raise _Refused(f"{module}.{name}")
 
 
