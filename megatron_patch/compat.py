@@ -24,7 +24,8 @@ the CPU); where they differ, a workaround asks the installed release for the fea
 - checkpoint workarounds: the distributed optimizer's Adam state, its loading and its resharding metadata,
   megatron-core's sharded-key renaming and its collections (``initialise_adam_state``, ``restore_adam_step``,
   ``distrib_optimizer_metadata``, ``by_sharded_key``, ``collect_only_new_objects``,
-  ``write_results_in_this_process``, ``async_save_options``, ``common_state_source``);
+  ``write_results_in_this_process``, ``async_save_options``, ``common_state_source``), and torch DCP's and
+  megatron-core's readers of a checkpoint's pickles made to run no code (``read_checkpoints_running_no_code``);
 - APIs 0.19 moved: the batch ramp-up (``init_num_microbatches_calculator``), the dense MLP spec
   (``dense_mlp_submodule``), the MoE aux-loss tracker (``take_moe_aux_losses``), torchrun's flags
   (``torchrun_shutdown_flags``).
@@ -33,6 +34,7 @@ the CPU); where they differ, a workaround asks the installed release for the fea
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import ctypes
 import functools
 import gc
@@ -602,6 +604,7 @@ def apply() -> None:
     global _fallback_fixes_applied
     apply_cpu_shim()
     _writer_queue_dies_with_its_process()
+    read_checkpoints_running_no_code()
     if not _fallback_fixes_applied and not (transformer_engine_available() or apex_available()):
         _skip_step_on_optimizer_load()
         _save_a_zero_optimizer_step()
@@ -1158,14 +1161,17 @@ def load_common_state_object(ckpt_dir: str) -> dict:
     from megatron.core.safe_globals import register_safe_globals
 
     register_safe_globals()  # Megatron-LM's args Namespace and enums, for torch.load(weights_only=True)
+    read_checkpoints_running_no_code()
     if megatron_core_at_least("0.19"):
         from megatron.core.dist_checkpointing import serialization
 
-        return serialization.load_common_state_dict(ckpt_dir)
+        with refusals_raised():
+            return serialization.load_common_state_dict(ckpt_dir)
     key = ShardedObject("common_state", None, (1,), (0,)).unique_key
     state = {key: io.BytesIO()}
-    torch.distributed.checkpoint.load(state, storage_reader=torch.distributed.checkpoint.FileSystemReader(ckpt_dir),
-                                      no_dist=True)
+    with refusals_raised():
+        torch.distributed.checkpoint.load(state, storage_reader=torch.distributed.checkpoint.FileSystemReader(ckpt_dir),
+                                          no_dist=True)
     loaded = state[key]
     if isinstance(loaded, io.BytesIO):  # bytes where DCP did not unpickle the object itself (0.19's own check)
         loaded.seek(0)
@@ -1196,6 +1202,133 @@ def dist_load_options() -> dict:
             return load_common_state_object(str(checkpoint_dir))
 
     return {"common_strategy": CommonFileOrObject()}
+
+
+# The torch DCP reader reading now (set by ``read_checkpoints_running_no_code``'s ``read_data``), so that the
+# planner's ``load_bytes``, given a stored object's bytes alone, names the directory of the file they came from.
+_DCP_READER = contextvars.ContextVar("dcp_reader", default=None)
+_checkpoint_reads_patched = False
+
+
+def read_checkpoints_running_no_code() -> None:
+    """Let every file a torch_dist load reads be read as tensors and plain values only, so that a checkpoint from
+    elsewhere runs no code when it loads; a file whose pickle would call anything else is refused, naming it and
+    the call (``unpickle.load_dcp_metadata``, ``unpickle.load_plain_values``). Idempotent.
+
+    Example::
+
+        read_checkpoints_running_no_code()
+        dist_checkpointing.load(state, "ckpt/iter_0000100")   # a .metadata that would call os.system is refused
+
+    Checked on torch 2.11 and 2.13 with megatron-core 0.16.1 and 0.19.2, where these read pickles with no limit
+    on what they call:
+
+    - ``FileSystemReader.read_metadata`` (torch/distributed/checkpoint/filesystem.py) unpickles ``.metadata`` with
+      ``pickle.load``: replaced by the same reading through ``unpickle.load_dcp_metadata``; megatron-core's
+      ``CachedMetadataFileSystemReader.read_metadata`` calls it;
+    - ``DefaultLoadPlanner.load_bytes`` (default_planner.py) reads each stored object (``BYTE_IO``: megatron-core's
+      ShardedObjects, 0.19's "common_state") with ``torch.load(weights_only=False)``: replaced by the same, read
+      weights-only; megatron-core's ``MCoreLoadPlanner`` inherits it. ``FileSystemReader.read_data`` is wrapped
+      only to tell it the file;
+    - megatron-core reads common.pt with ``torch.load`` left to torch's default, which
+      ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` turns off and whose refusal is many lines: 0.16.1's
+      ``TorchCommonLoadStrategy.load_common`` and 0.19's ``load_common`` (dist_checkpointing/strategies/common.py,
+      which ``serialization.load_common_state_dict`` calls by the name it imported) read it weights-only here.
+
+    ``apply`` calls it; so does :func:`load_common_state_object`, which the launcher calls before any rank starts.
+    """
+    global _checkpoint_reads_patched
+    if _checkpoint_reads_patched:
+        return
+    from torch.distributed.checkpoint import default_planner
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    from megatron_patch.unpickle import load_dcp_metadata, load_plain_values
+
+    def read_metadata(self, *args, **kwargs):
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as metadata_file:
+            metadata = load_dcp_metadata(metadata_file, str(path))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    dcp_read_data = FileSystemReader.read_data
+
+    @functools.wraps(dcp_read_data)
+    def read_data(self, plan, planner):
+        reading = _DCP_READER.set(self)
+        try:
+            return dcp_read_data(self, plan, planner)
+        finally:
+            _DCP_READER.reset(reading)
+
+    def load_bytes(self, read_item, value):
+        reader, fqn = _DCP_READER.get(), read_item.dest_index.fqn
+        file = self.metadata.storage_data[read_item.storage_index].relative_path
+        file = os.path.join(reader.path, file) if reader is not None else file  # another reader: its name alone
+        # No map_location, as DCP's own torch.load: an object's tensors go where they were saved from.
+        loaded = load_plain_values(value, f"{file} (its object {fqn})", map_location=None)
+        if self.flatten_state_dict:
+            default_planner.set_element(self.original_state_dict, self.mappings[fqn], loaded)
+        else:
+            self.state_dict[fqn] = loaded
+
+    FileSystemReader.read_metadata = read_metadata
+    FileSystemReader.read_data = read_data
+    default_planner.DefaultLoadPlanner.load_bytes = load_bytes
+    _read_common_pt_weights_only(load_plain_values)
+    _checkpoint_reads_patched = True
+
+
+@contextlib.contextmanager
+def refusals_raised():
+    """Let a refusal of a checkpoint's file (``unpickle``'s CorruptCheckpointError) raised inside a torch DCP load
+    leave the block as itself: DCP raises what any rank's reading raised wrapped in one ``CheckpointException``
+    (torch/distributed/checkpoint/utils.py, ``_DistWrapper.all_gather``, torch 2.11 and 2.13), whose message is
+    every rank's traceback.
+
+    Example::
+
+        with refusals_raised():
+            dist_checkpointing.load(state, "ckpt/iter_0000100")   # CorruptCheckpointError: checkpoint file ...
+    """
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from megatron_patch.errors import CorruptCheckpointError
+
+    try:
+        yield
+    except CheckpointException as error:
+        refused = [failure for failure, _ in error.failures.values() if isinstance(failure, CorruptCheckpointError)]
+        if refused:
+            raise refused[0] from None
+        raise
+
+
+def _read_common_pt_weights_only(load_plain_values) -> None:
+    """megatron-core's reading of a torch_dist checkpoint's common.pt (``read_checkpoints_running_no_code``), by
+    ``load_plain_values``; a path that is not a local file (an MSC one, a missing file) left to megatron-core."""
+    from megatron.core.dist_checkpointing import serialization
+
+    def read(megatron_load_common, checkpoint_dir):
+        path = os.path.join(checkpoint_dir, COMMON_STATE_FILE)
+        return load_plain_values(path) if os.path.isfile(path) else megatron_load_common(checkpoint_dir)
+
+    if megatron_core_at_least("0.19"):
+        serialization.load_common = functools.partial(read, serialization.load_common)
+        return
+    from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
+
+    megatron_load_common = TorchCommonLoadStrategy.load_common
+
+    @functools.wraps(megatron_load_common)
+    def load_common(self, checkpoint_dir):
+        return read(functools.partial(megatron_load_common, self), checkpoint_dir)
+
+    TorchCommonLoadStrategy.load_common = load_common
 
 
 def optimizer_parts(optimizer):

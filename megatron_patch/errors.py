@@ -84,6 +84,11 @@ class FlagParser(argparse.ArgumentParser):
         super().error(message + did_you_mean(self._given, option_strings(self)))
 
 
+class CorruptCheckpointError(UserError, RuntimeError):
+    """A checkpoint directory with a missing, truncated or damaged file (a save that died half-way, a damaged disk
+    or copy), or a file whose pickle would run code (``unpickle``)."""
+
+
 def debugging() -> bool:
     return os.environ.get(DEBUG_ENV, "") not in ("", "0")
 

@@ -209,8 +209,13 @@ def _plant(path, name, obj) -> None:
     import torch
 
     torch.save(obj, os.path.join(path, name))
+    _record_checksums(path, name)
+
+
+def _record_checksums(path, *names) -> None:
     checksums = json.load(open(os.path.join(path, "checksums.json")))
-    checksums["files"][name] = _file_checksums(path)[name]
+    found = _file_checksums(path)
+    checksums["files"].update({name: found[name] for name in names})
     with open(os.path.join(path, "checksums.json"), "w") as f:
         json.dump(checksums, f)
 
@@ -257,6 +262,105 @@ def test_a_checkpoint_file_that_would_run_code_is_refused_by_name_and_runs_nothi
         assert errors[name] is not None and f"{name} would call posix.system when loaded" in errors[name], errors
     assert not os.path.exists(tmp_path / "marker")
     assert errors["old numpy state"] is None and numpy_restored
+
+
+def _plant_metadata(path, obj) -> None:
+    """Replace DCP's ``.metadata`` (a plain pickle, not a torch.save file) by ``obj`` pickled."""
+    import pickle
+
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump(obj, f)
+    _record_checksums(path, ".metadata")
+
+
+def _plant_stored_objects(path, obj) -> str:
+    """Point every object DCP's ``.metadata`` indexes (its BYTE_IO items: megatron-core's ShardedObjects) at ``obj``'s
+    torch.save bytes, appended to ``__0_0.distcp``; returns that file."""
+    import dataclasses
+    import io
+    import pickle
+
+    import torch
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        metadata = pickle.load(f)  # the index this test's own run saved
+    planted = io.BytesIO()
+    torch.save(obj, planted)
+    name = "__0_0.distcp"
+    offset = os.path.getsize(os.path.join(path, name))
+    with open(os.path.join(path, name), "ab") as f:
+        f.write(planted.getvalue())
+    objects = {fqn for fqn, item in metadata.state_dict_metadata.items() if isinstance(item, BytesStorageMetadata)}
+    assert objects
+    for index, info in metadata.storage_data.items():
+        if index.fqn in objects:
+            metadata.storage_data[index] = dataclasses.replace(info, relative_path=name, offset=offset,
+                                                               length=len(planted.getvalue()))
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump(metadata, f)
+    _record_checksums(path, name, ".metadata")
+    return os.path.join(path, name)
+
+
+def _resume_and_read_metadata(rank, world_size, argv, path):
+    """The error of a resume with ``argv`` and of torch DCP's own reading of ``path``'s .metadata (None: loaded)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    errors = []
+    for load in (lambda: train_gpt(rank, world_size, argv), lambda: FileSystemReader(path).read_metadata()):
+        try:
+            load()
+            errors.append(None)
+        except CorruptCheckpointError as error:
+            errors.append(str(error))
+    return errors
+
+
+def test_a_torch_dist_file_that_would_run_code_is_refused_by_name_and_runs_nothing(assets, tmp_path):
+    """DCP's .metadata (unpickled by torch's reader with pickle.load), an object stored in a .distcp (read by
+    DCP's load_bytes with weights_only=False) and common.pt (megatron-core's), each planted with a pickle calling
+    os.system: the resume refuses it naming the file, torch DCP's own reader of .metadata too, and nothing runs."""
+    save = str(tmp_path / "ckpt")
+    run_on_ranks(train_gpt, 1, args=(_flags(assets, "--train-iters", "1", "--save", save),), timeout=300)
+    marker = str(tmp_path / "marker")
+    for plant in (".metadata", "stored object", "common.pt"):
+        copy = shutil.copytree(save, str(tmp_path / plant.replace(".", "")))
+        path = _iter_dir(copy, 1)
+        if plant == ".metadata":
+            _plant_metadata(path, _RunsCode(marker))
+            file = os.path.join(path, ".metadata")
+        elif plant == "stored object":
+            file = _plant_stored_objects(path, _RunsCode(marker))
+        else:
+            _plant(path, "common.pt", _RunsCode(marker))
+            file = os.path.join(path, "common.pt")
+        [(resumed, read)] = run_on_ranks(_resume_and_read_metadata, 1,
+                                         args=(_flags(assets, "--train-iters", "1", "--load", copy), path),
+                                         timeout=300)
+        assert resumed is not None and f"checkpoint file {file}" in resumed, (plant, resumed)
+        assert "would call posix.system when loaded" in resumed and "\n" not in resumed, resumed
+        if plant == ".metadata":
+            assert read is not None and read in resumed, read
+        else:
+            assert read is None, read
+    assert not os.path.exists(marker)
+
+
+def test_a_legacy_rank_file_that_would_run_code_is_refused_by_name_and_runs_nothing(tmp_path):
+    """Megatron-LM's per-rank ``model_optim_rng.pt`` (``--ckpt-format torch``), read for its args."""
+    from megatron_patch.checkpoint.format import find_info
+
+    import torch
+
+    root = tmp_path / "legacy"
+    os.makedirs(root / "iter_0000001" / "mp_rank_00")
+    _set_tracker(str(root), 1)
+    file = str(root / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt")
+    torch.save(_RunsCode(str(tmp_path / "marker")), file)
+    with pytest.raises(CorruptCheckpointError, match=f"checkpoint file {file} would call posix.system when loaded"):
+        find_info(str(root))
+    assert not os.path.exists(tmp_path / "marker")
 
 
 def test_an_unverified_load_reads_its_files_ahead_in_name_order_until_it_ends(tmp_path, monkeypatch):

@@ -348,7 +348,8 @@ def load_megatron_file(path: str, *, mapped: bool = False) -> dict:
     (megatron/core/safe_globals.py: Megatron-LM's ``args`` Namespace, its enums, numpy's RNG state in
     ``rng_state``). Registered again here, not through torch's ``safe_globals`` context manager: on exit that
     unregisters what it was given, megatron-core's registrations included (its import registers them once), and
-    megatron-core's own ``dist_checkpointing.load`` of a common.pt then fails.
+    megatron-core's own ``dist_checkpointing.load`` of a common.pt then fails. A pickle that would call anything
+    else is refused, naming the file and the call (``unpickle.unsafe_pickle``).
 
     Example::
 
@@ -366,9 +367,10 @@ def load_megatron_file(path: str, *, mapped: bool = False) -> dict:
     try:
         mapped = mapped and zipfile.is_zipfile(path)  # a truncated zip is read, and its error named, as before
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mapped)
-    except pickle.UnpicklingError as error:
-        raise CheckpointMismatch(f"{path} holds a type no Megatron checkpoint holds ({str(error).splitlines()[-1]}); "
-                                 "load it only if you trust its source, then re-save it") from None
+    except pickle.UnpicklingError:
+        from megatron_patch.unpickle import unsafe_pickle  # here: it imports torch
+
+        raise unsafe_pickle(path) from None
     except RuntimeError as error:  # torch.load's reader on a truncated or overwritten zip
         raise CheckpointMismatch(f"{path} does not load ({str(error).split('. ')[0]}): it is truncated or damaged; "
                                  "copy it again from the run that saved it") from None

@@ -26,7 +26,6 @@ import json
 import logging
 import mmap
 import os
-import pickle
 import queue
 import re
 import shutil
@@ -43,7 +42,8 @@ from isal.isal_zlib import crc32
 
 from megatron_patch import compat
 from megatron_patch.checkpoint.format import checkpoint_dir, complete_iterations, fsync_path, rng_file
-from megatron_patch.errors import UserError
+from megatron_patch.errors import CorruptCheckpointError
+from megatron_patch.unpickle import load_dcp_metadata, load_plain_values
 
 CHECKSUMS = "checksums.json"
 _CHECKSUMS_FORMAT = {"format": "megatron_patch checkpoint checksums", "version": 1, "algorithm": "crc32"}
@@ -54,11 +54,6 @@ _STAGING = re.compile(r"iter_(\d{7})\.tmp-")
 # for the files ahead made the load slower than none here (bench/checkpoint_io.py's checkpoint: 0.72 s against
 # 0.64 s, median of 15), reading them as the verified load's checksums do made it faster (0.57 s).
 _READ_AHEAD_CHUNK = 8 << 20
-
-
-class CorruptCheckpointError(UserError, RuntimeError):
-    """A checkpoint directory with a missing, truncated or damaged file (a save that died half-way, a damaged disk
-    or copy)."""
 
 
 class _ChecksummedFile:
@@ -104,31 +99,6 @@ def save_checksummed(obj, path: str) -> dict:
     with _ChecksummedFile(path) as f:
         torch.save(obj, f)
     return f.checksum()
-
-
-def load_plain_values(path: str):
-    """Read a checkpoint file of tensors and plain values (``rng/rank_*.pt``, ``trainer_state.pt``) with
-    ``weights_only=True``, so that a checkpoint from elsewhere runs no code when it loads.
-
-    Example::
-
-        load_plain_values("ckpt/iter_0000100/rng/rank_00000.pt")["world_size"]     # 2
-
-    Such a file saved before NumPy's RNG state was stored as a tensor holds it as a NumPy array, which
-    megatron-core's ``register_safe_globals`` (megatron/core/safe_globals.py, 0.16 and 0.19) admits; any other
-    type is refused, naming the file.
-    """
-    from megatron.core.safe_globals import register_safe_globals
-
-    register_safe_globals()
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
-        # Named from the pickle's opcodes, which torch reads without running any of them.
-        calls = ", ".join(torch.serialization.get_unsafe_globals_in_checkpoint(path))
-        raise CorruptCheckpointError(f"checkpoint file {path} would call {calls} when loaded, where this trainer "
-                                     "saves tensors and plain values only; not loaded: use a checkpoint from a "
-                                     "source you trust") from None
 
 
 def _checksum_entry(size: int, crc: int) -> dict:
@@ -459,11 +429,12 @@ def _require(path: str, name: str, zipped: bool = False) -> str:
 def _verify_distcp_sizes(path: str) -> None:
     """torch_dist's ``.metadata`` records each tensor's file, offset and length; a ``.distcp`` shorter than its
     last record was cut off."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    _require(path, ".metadata")
+    metadata = _require(path, ".metadata")
     try:
-        storage = FileSystemReader(path).read_metadata().storage_data
+        with open(metadata, "rb") as f:
+            storage = load_dcp_metadata(f, metadata).storage_data
+    except CorruptCheckpointError:  # load_dcp_metadata's refusal, already naming the file
+        raise
     except Exception as error:  # any unpickling failure means the same thing: a damaged .metadata
         raise CorruptCheckpointError(f"checkpoint {path} is corrupted: .metadata does not load ({error!r})") from None
     needed: dict[str, int] = {}

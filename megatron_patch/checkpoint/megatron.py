@@ -177,7 +177,7 @@ def load_megatron_checkpoint(root: str, chunks: list, optimizer, scheduler, *, f
         state = _megatron_state(chunks, optimizer, scheduler, is_loading=True, with_optimizer=with_optimizer,
                                 metadata=metadata)
         load_options = dict(compat.dist_load_options(), **_parallel_load_strategy(path) if fully_parallel else {})
-        with reading_into_place():
+        with reading_into_place(), compat.refusals_raised():
             if finetune:
                 # --finetune may put a new head on the loaded weights (a classifier on a pretrained BERT): tensors
                 # the checkpoint lacks keep their initialisation, as Megatron-LM's tasks/finetune_utils.py loads its

@@ -18,7 +18,8 @@ from typing import Callable
 import torch
 
 from megatron_patch.checkpoint import trainer
-from megatron_patch.checkpoint.integrity import load_plain_values, save_checksummed, write_rank_checksums
+from megatron_patch.checkpoint.integrity import save_checksummed, write_rank_checksums
+from megatron_patch.unpickle import load_plain_values
 
 
 def save_plain_checkpoint(root: str, iteration: int, model: torch.nn.Module, optimizer, scheduler, *,

@@ -174,7 +174,7 @@ def load_dist(chunks, ckpt_dir: str) -> None:
     # All chunks in one load, as Megatron-LM's "model0", "model1", ...: dist_checkpointing checks that the ranks of
     # a load cover each tensor whole, and under virtual pipelining one chunk per rank holds only some of the layers.
     sharded = {f"model{index}": chunk.sharded_state_dict() for index, chunk in enumerate(chunks)}
-    with reading_into_place():
+    with reading_into_place(), compat.refusals_raised():
         state = dist_checkpointing.load(sharded, ckpt_dir, **compat.dist_load_options())
     for index, chunk in enumerate(chunks):
         chunk.load_state_dict(state[f"model{index}"], strict=False)

@@ -44,9 +44,10 @@ from megatron_patch.checkpoint.format import (
     fsync_path, read_tracker, rng_file, write_args_file, write_tracker,
 )
 from megatron_patch.checkpoint.integrity import (
-    CorruptCheckpointError, checksum_files, fsync_tree, load_plain_values, make_staging_dir, publish,
-    read_ahead_meanwhile, remove_old, save_checksummed, verify_checkpoint, verify_checksums_meanwhile, write_checksums,
+    CorruptCheckpointError, checksum_files, fsync_tree, make_staging_dir, publish, read_ahead_meanwhile, remove_old,
+    save_checksummed, verify_checkpoint, verify_checksums_meanwhile, write_checksums,
 )
+from megatron_patch.unpickle import load_plain_values
 
 # The trainer's log (training/engine.py sets it up: the last rank prints INFO), so each save is said once.
 _LOG = logging.getLogger("rapidformer")
