@@ -69,7 +69,8 @@ def _flags(chat, model="llama", *extra):
 
 
 def _dev(chat) -> list[tuple[list[int], list[int]]]:
-    from megatron_patch.training.sft import Conversations, split_ranges
+    from megatron_patch.data.data_path import split_ranges
+    from megatron_patch.training.sft import Conversations
 
     data = Conversations(chat["prefix"])
     begin, end = split_ranges(len(data), "75,25,0")[1]
@@ -110,7 +111,8 @@ def _records(log_dir: str) -> list[dict]:
 def test_packed_and_unpacked_train_alike(chat, tmp_path):
     """A global batch holding every training conversation, packed (one pack per microbatch) or one conversation per
     sample: the same loss and gradient norm at each step, and the same dev loss after each epoch."""
-    from megatron_patch.training.sft import Conversations, pack_best_fit, split_ranges
+    from megatron_patch.data.data_path import split_ranges
+    from megatron_patch.training.sft import Conversations, pack_best_fit
 
     data = Conversations(chat["prefix"])
     begin, end = split_ranges(len(data), "75,25,0")[0]
@@ -243,3 +245,19 @@ def test_best_fit_decreasing_places_every_item_once_within_capacity():
     # Within 1% of the bound no packing can beat: the total length over the capacity.
     assert len(packs) <= 1.01 * numpy.ceil(lengths.sum() / 4096)
     assert [p.tolist() for p in pack_best_fit(lengths, 4096)] == [p.tolist() for p in packs]  # deterministic
+
+
+@pytest.mark.parametrize("split", ["969,30,1", "98,2,0", "75,25,0", "1", "0,1", "1/1/1", "0.9,0.05,0.05"])
+def test_split_ranges_are_megatron_core_s(split):
+    """The launcher's and SFT's split, without importing megatron-core, is the one its dataset builder makes."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix, parse_and_normalize_split,
+    )
+
+    from megatron_patch.data.data_path import split_ranges
+
+    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+    for count in (0, 1, 7, 48, 100, 1001, 123457):
+        expected = [None if bounds is None else (int(round(bounds[0] * count)), int(round(bounds[1] * count)))
+                    for bounds in matrix]
+        assert split_ranges(count, split) == expected

@@ -11,6 +11,7 @@ The ranks build the blend with megatron-core's own parser (``datasets.parse_data
 
 import json
 import os
+import re
 import struct
 from typing import Sequence
 
@@ -156,6 +157,30 @@ def _read_largest(prefix: str) -> int:
     return int(numpy.memmap(prefix + ".bin", dtype=dtype, mode="r").max())
 
 
+def split_ranges(count: int, split: str) -> list[tuple[int, int] | None]:
+    """The (begin, end) documents of the train, valid and test splits of ``--split`` over ``count`` documents, None
+    for a zero share, as megatron-core splits them (``parse_and_normalize_split``,
+    ``convert_split_vector_to_split_matrix`` and ``BlendedMegatronDatasetBuilder._build_megatron_dataset_splits``,
+    0.16.1 and 0.19) but without importing it: the launcher checks the splits before any rank starts, and
+    megatron-core costs seconds to import (tests/test_sft.py compares the two).
+
+    Example::
+
+        >>> split_ranges(100, "98,2,0")
+        [(0, 98), (98, 100), None]
+    """
+    weights = [float(w) for w in re.findall(r"[.0-9]+", split)]
+    if len(weights) > 3 or not sum(weights):
+        raise ValueError(f"--split {split}: give three weights such as 969,30,1 (train, valid, test)")
+    weights = [w / sum(weights) for w in weights + [0.0] * (3 - len(weights))]
+    ranges, start = [], 0.0
+    for weight in weights:
+        end = start + weight
+        ranges.append((int(round(start * count)), int(round(end * count))) if end > start else None)
+        start = end
+    return ranges
+
+
 def data_path_words(data_path: Sequence[str]) -> list[str]:
     """The words of ``--data-path`` values; one quoted string (``"0.3 a 0.7 b"``) works too."""
     words = [word for value in data_path for word in value.split()]
@@ -164,7 +189,7 @@ def data_path_words(data_path: Sequence[str]) -> list[str]:
     return words
 
 
-def _is_number(text: str) -> bool:
+def is_number(text: str) -> bool:
     try:
         float(text)
     except ValueError:
@@ -182,9 +207,9 @@ def check_data_path(data_path: Sequence[str]) -> list[str]:
     for a dataset's name.
     """
     words = data_path_words(data_path)
-    weighted = len(words) % 2 == 0 and all(map(_is_number, words[0::2]))
+    weighted = len(words) % 2 == 0 and all(map(is_number, words[0::2]))
     prefixes = words[1::2] if weighted else words
-    if any(map(_is_number, prefixes)):
+    if any(map(is_number, prefixes)):
         raise ValueError(f"--data-path {' '.join(words)}: weights and prefixes must alternate ('0.3 a 0.7 b')")
     for prefix in prefixes:
         missing = [prefix + s for s in (".bin", ".idx") if not os.path.isfile(prefix + s)]

@@ -323,21 +323,6 @@ def _check_resume_schedule(flags: argparse.Namespace, training: TrainingConfig) 
         _refuse(f"--load {flags.load}: {error}")
 
 
-def _split_bounds(split: str) -> list[tuple[float, float] | None]:
-    """``--split``'s train/valid/test shares as megatron-core reads them (``parse_and_normalize_split`` and
-    ``convert_split_vector_to_split_matrix``, datasets/utils.py and blended_megatron_dataset_config.py, 0.16.1 and
-    0.19): weights padded to three and normalized, cumulative bounds, None for a zero share."""
-    weights = [float(w) for w in split.replace("/", ",").split(",")]
-    weights = (weights + [0.0] * 3)[:3]
-    total = sum(weights)
-    bounds, start = [], 0.0
-    for weight in weights:
-        end = start + weight / total
-        bounds.append((start, end) if weight else None)
-        start = end
-    return bounds
-
-
 def _check_splits(flags: argparse.Namespace, config: RunConfig, family: str | None) -> None:
     """Refuse a ``--split`` that leaves a split asked for samples without data, from the ``.idx`` headers, as the
     ranks' ``datasets._check_splits`` does after the model is built: the default 969,30,1 leaves a small corpus's
@@ -347,7 +332,7 @@ def _check_splits(flags: argparse.Namespace, config: RunConfig, family: str | No
     if not flags.data_path or flags.mock_data or flags.sft or not (flags.task == "pretraining" or flags.user_script) \
             or (flags.user_script and not _names_prefixes(flags)):
         return
-    from megatron_patch.data.data_path import check_data_path, read_index
+    from megatron_patch.data.data_path import check_data_path, read_index, split_ranges
 
     training, logging = config.training, config.logging
     gbs = training.global_batch_size
@@ -355,15 +340,15 @@ def _check_splits(flags: argparse.Namespace, config: RunConfig, family: str | No
         else 0
     asked = [training.train_samples or (training.train_iters or 0) * gbs, evals * logging.eval_iters * gbs,
              logging.eval_iters * gbs]
-    try:
-        bounds = _split_bounds(flags.split)
-    except (ValueError, ZeroDivisionError):
-        _refuse(f"--split {flags.split}: give three weights such as 969,30,1 (train, valid, test)")
     for prefix in check_data_path(flags.data_path):
         _, sequences, documents = read_index(prefix)
         count = documents if family == "bert" else sequences
-        for name, share, samples in zip(("train", "valid", "test"), bounds, asked):
-            if share is not None and samples and round(share[1] * count) <= round(share[0] * count):
+        try:
+            ranges = split_ranges(count, flags.split)
+        except ValueError as error:
+            _refuse(str(error))
+        for name, share, samples in zip(("train", "valid", "test"), ranges, asked):
+            if share is not None and samples and share[1] <= share[0]:
                 _refuse(f"--split {flags.split} leaves the {name} split of {prefix} empty ({count} "
                         f"{'documents' if family == 'bert' else 'sequences'}) but {samples} {name} samples are "
                         f"asked for; give it a larger share (e.g. --split 90,5,5) or ask for none"
@@ -473,7 +458,10 @@ def parse_flags(argv: list[str] | None = None) -> argparse.Namespace:
 
         >>> parse_flags(["--lr", "0.1", "--lr-decay"])
         Traceback (most recent call last):
-        SystemExit: rapidformer: error: unrecognized arguments: --lr-decay (see rapidformer --help)
+        SystemExit: rapidformer: error: unrecognized arguments: --lr-decay (--lr-decay: did you mean --lr-decay-style?)
+        >>> parse_flags(["--lr", "0.1", "--zzz"])
+        Traceback (most recent call last):
+        SystemExit: rapidformer: error: unrecognized arguments: --zzz (see rapidformer --help)
     """
     parser = build_parser()
     flags, unknown = parser.parse_known_args(argv)

@@ -37,6 +37,7 @@ import os
 import numpy
 import torch
 
+from megatron_patch.data.data_path import is_number, split_ranges
 from megatron_patch.errors import UserError
 from megatron_patch.model.forward import forward_only_step
 from megatron_patch.training.step import lm_loss_func
@@ -101,24 +102,6 @@ class Conversations:
 
     def __getitem__(self, index: int) -> tuple[numpy.ndarray, numpy.ndarray]:
         return self.dataset[2 * index], self.dataset[2 * index + 1]
-
-
-def split_ranges(count: int, split: str) -> list[tuple[int, int] | None]:
-    """The (begin, end) conversations of the train, valid and test splits of ``--split``, as megatron-core's
-    dataset builder splits documents (``BlendedMegatronDatasetBuilder._build_megatron_dataset_splits``).
-
-    Example::
-
-        >>> split_ranges(100, "98,2,0")
-        [(0, 98), (98, 100), None]
-    """
-    from megatron.core.datasets.blended_megatron_dataset_config import (
-        convert_split_vector_to_split_matrix, parse_and_normalize_split,
-    )
-
-    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
-    return [None if bounds is None else (int(round(bounds[0] * count)), int(round(bounds[1] * count)))
-            for bounds in matrix]
 
 
 def pack_best_fit(lengths: numpy.ndarray, capacity: int) -> list[numpy.ndarray]:
@@ -312,19 +295,10 @@ class SFTInputs:
 
 def _words(values) -> list[str]:
     words = [word for value in values or () for word in value.split()]
-    weights = [w for w in words if _is_number(w)]
-    if weights:
+    if any(is_number(word) for word in words):
         raise UserError(f"--sft data takes prefixes or .jsonl files without weights, got {' '.join(words)}: give "
                         "the files alone (their conversations are concatenated)")
     return words
-
-
-def _is_number(word: str) -> bool:
-    try:
-        float(word)
-    except ValueError:
-        return False
-    return True
 
 
 def sft_inputs(data) -> tuple[SFTInputs, list[str]]:
