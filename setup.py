@@ -24,11 +24,13 @@ setup(
         "numpy>=1.26",
         "einops",
         "matplotlib",
+        # The recipes write TensorBoard logs under --output-dir by default, as Megatron-LM users expect them
+        # (torch.utils.tensorboard needs the package).
+        "tensorboard",
     ],
-    # tensorboard: --tensorboard-dir writes through torch.utils.tensorboard, which needs it (tests read the events);
-    # wandb: --wandb-project, tested in W&B's offline mode. Neither is needed to train.
+    # wandb: --wandb-project, tested in W&B's offline mode; not needed to train.
     # peft: the oracle that loads our exported LoRA adapters (we write its format with safetensors + json).
-    extras_require={"test": ["pytest>=8", "pytest-timeout", "tensorboard", "wandb", "peft"]},
+    extras_require={"test": ["pytest>=8", "pytest-timeout", "wandb", "peft"]},
     entry_points={
         "console_scripts": [
             "megatron-patch=megatron_patch.cli:run",

@@ -233,13 +233,7 @@ _rapidformer_flags() {
   FLAGS+=(--save "$checkpoints" --exit-signal-handler)
   [[ -z $SAVE_INTERVAL ]] || FLAGS+=(--save-interval "$SAVE_INTERVAL")
   FLAGS+=(--log-dir "$OUTPUT_DIR/logs")
-  if "$PYTHON" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("tensorboard") is None)'; then
-    FLAGS+=(--tensorboard-dir "$OUTPUT_DIR/tensorboard")
-  elif [[ -n ${MEGATRON_PATCH_DEBUG:-} && $MEGATRON_PATCH_DEBUG != 0 ]]; then
-    # tensorboard is a test extra, not an install requirement: saying so at every run is noise, shown when debugging
-    # like the upstream warnings (megatron_patch/startup.py).
-    note "tensorboard is not installed: no $OUTPUT_DIR/tensorboard (pip install tensorboard)"
-  fi
+  FLAGS+=(--tensorboard-dir "$OUTPUT_DIR/tensorboard")
 }
 
 _quote() {  # a word as the shell reads it back; plain words stay plain (printf %q would write 98\,2)
