@@ -191,6 +191,8 @@ def test_wrong_input_is_refused_in_one_line_before_any_rank_starts(chat, tmp_pat
     assert "--micro-batch-size 1" in line and "--no-sft-packing" in line, line
     line = _refused(chat, tmp_path, "--sft", "--data-path", chat["prefix"][: -len("_sft_document")])
     assert f"give --data-path {chat['prefix']}" in line, line
+    line = _refused(chat, tmp_path, "--sft", "--data-path", chat["prefix"] + ".bin")
+    assert f"give its prefix, without .bin: --data-path {chat['prefix']}" in line, line
     line = _refused(chat, tmp_path, "--train-data-path", chat["prefix"])
     assert "add --sft" in line, line
 

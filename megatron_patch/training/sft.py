@@ -70,6 +70,10 @@ class Conversations:
         self.prefix = prefix
         record = sidecar_path(prefix)
         if not os.path.isfile(prefix + ".idx") or not os.path.isfile(prefix + ".bin"):
+            stem, suffix = os.path.splitext(prefix)
+            if suffix in (".bin", ".idx") and os.path.isfile(stem + ".idx"):
+                raise UserError(f"--sft --data-path {prefix} names a data file; give its prefix, without {suffix}: "
+                                f"--data-path {stem}")
             if os.path.isfile(prefix + SFT_SUFFIX + ".idx"):
                 raise UserError(f"--sft --data-path {prefix}: no {prefix}.bin/.idx, but {prefix}{SFT_SUFFIX}.idx "
                                 f"exists: give --data-path {prefix}{SFT_SUFFIX}")
