@@ -13,7 +13,7 @@ import os
 import sys
 from typing import Callable, NoReturn
 
-from megatron_patch.errors import DEBUG_ENV, FlagParser
+from megatron_patch.errors import DEBUG_ENV, FlagParser, PrintVersions
 from megatron_patch.startup import show_known_noise
 
 
@@ -55,19 +55,6 @@ TOOLS = {
     "checkpoint": ("megatron_patch.training.reshard",
                    "reshard a checkpoint's distributed-optimizer state to resume at another TP/PP"),
 }
-
-
-class PrintVersions(argparse.Action):
-    """``--version``: ``compat.installed_versions()``, looked up only when the flag is given."""
-
-    def __init__(self, option_strings, dest=argparse.SUPPRESS, help=None):
-        super().__init__(option_strings, dest=dest, default=argparse.SUPPRESS, nargs=0, help=help)
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        from megatron_patch.compat import installed_versions
-
-        print(installed_versions())
-        parser.exit()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,7 +33,7 @@ import os
 import sys
 
 from megatron_patch.checkpoint.format import find_info, read_tracker
-from megatron_patch.errors import FlagParser, did_you_mean, option_strings
+from megatron_patch.errors import FlagParser, PrintVersions, did_you_mean, option_strings
 from megatron_patch.model.config import (
     _SWITCH_FLAGS, _VALUE_FLAGS, HF_SIZE_KEYS, add_model_arguments, hf_size_key, model_flag_values, switch_name,
 )
@@ -83,8 +83,6 @@ def _help_text(width: int = 110) -> str:
 def build_parser() -> argparse.ArgumentParser:
     """The full parser (also what ``rapidformer --help`` prints): the flags the RunConfig's fields declare, the
     model's (``model.config``), the layout's and precision's (``model.parallel``) and the tokenizer's."""
-    from megatron_patch.cli import PrintVersions
-
     # "megatron-patch train" when that command runs the launcher (cli._forward), so its usage line says so.
     called = os.path.basename(sys.argv[0])
     prog = called if called.startswith("megatron-patch ") else "rapidformer"
