@@ -111,7 +111,8 @@ def test_damaged_checkpoints_are_named_and_fallback_resumes_exactly_from_the_int
     damage = {4: f"{flipped} does not match its CRC-32", 3: f"{RNG_FILE} is truncated", 2: f"{RNG_FILE} is missing"}
     for iteration, problem in damage.items():
         _set_tracker(save, iteration)
-        status, output = _run(_flags(assets, "--train-iters", str(iteration), "--load", save), nproc=2)
+        # The run's schedule, so that the launcher's check of it passes and the ranks' load meets the damage.
+        status, output = _run(_flags(assets, "--train-iters", str(ITERS), "--load", save), nproc=2)
         assert status != 0, output
         assert "CorruptCheckpointError" in output and f"{_iter_dir(save, iteration)} is " in output, output
         assert problem in output and "--load-fallback" in output, output
