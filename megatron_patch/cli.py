@@ -91,11 +91,13 @@ def exit_with(status: int) -> NoReturn:
     A process that ran gloo collectives (a conversion's or a verification's own world, a torchrun rank of
     ``convert verify``) ends through ``distributed.exit_rank``: after gloo, a normal interpreter exit sometimes
     aborts with "terminate called without an active exception" (SIGABRT, status -6; docs/megatron-core-on-cpu.md,
-    item 11), which turned a passed verification into a failed command. torch is looked up in ``sys.modules``, so a
-    command that never needed it (``--help``, the data tools) is not made to import it.
+    item 11), which turned a passed verification into a failed command; so does one whose own world is destroyed
+    already (``distributed.one_rank_world``). torch is looked up in ``sys.modules``, so a command that never needed
+    it (``--help``, the data tools) is not made to import it.
     """
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.distributed.is_initialized():
+    torch, distributed = sys.modules.get("torch"), sys.modules.get("megatron_patch.distributed")
+    in_a_world = torch is not None and torch.distributed.is_initialized()
+    if in_a_world or getattr(distributed, "ran_a_process_group", False):
         from megatron_patch.distributed import exit_rank
 
         exit_rank(status)

@@ -176,7 +176,14 @@ def start_one_rank_world() -> bool:
     # another job's) and sets no MASTER_PORT that a launch from this process would inherit.
     torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
                                          store=torch.distributed.HashStore(), rank=0, world_size=1)
+    global ran_a_process_group
+    ran_a_process_group = True
     return True
+
+
+ran_a_process_group = False
+"""Whether this process started a world of its own (``start_one_rank_world``), destroyed since or not: after its
+gloo collectives the interpreter's exit may still abort, so the command ends through ``exit_rank`` (cli.exit_with)."""
 
 
 @contextlib.contextmanager
