@@ -48,8 +48,7 @@ def torchrun_settings() -> list[str]:
 
     with paused_collector():  # asking torchrun's parser can be the launcher's first import of torch (startup.py)
         shutdown = torchrun_shutdown_flags(SHUTDOWN_SECONDS)
-    # SIGTERM and SIGINT are the launcher's (signals.RanksForward): torchrun's handler would stop the ranks at once.
-    return ["--signals-to-handle=SIGHUP,SIGQUIT", *shutdown]
+    return ["--signals-to-handle=SIGINT,SIGHUP,SIGQUIT", *shutdown]
 
 
 def processes_per_node(requested: int | None) -> int:
@@ -163,8 +162,7 @@ def run_torchrun(command: list[str], fate=None, left: Callable[[], str] | None =
         run_torchrun(torchrun_command("my_module", ["--flag", "1"], nproc_per_node=2))
 
     The first SIGTERM goes on to the ranks and the job ends as they do (0 after their save with
-    ``--exit-signal-handler``, 143 if they stopped on it); a second one stops them (status 143). A Ctrl-C does the
-    same, as SIGTERM to the ranks, and ends in 130 with the checkpoint to resume from. A failed job is
+    ``--exit-signal-handler``, 143 if they stopped on it); a second one stops them (status 143). A failed job is
     summed up in one line; torchrun's own table names the first rank to exit as the "root cause", which after a hang
     is a rank that waited for it. With a ``nodes.JobFate`` (a job of several nodes) the line names the node that
     failed first, on every node. A job stopped by a signal says which, and ``left()`` what it left to resume
@@ -196,11 +194,6 @@ def run_torchrun(command: list[str], fate=None, left: Callable[[], str] | None =
     failed = False
     try:
         torchrun.run(args)
-        if forward.signum == signal.SIGINT:
-            # The ranks saved on a Ctrl-C and ended together: the run did not finish, and its resume is said.
-            failed = True
-            print(f"rapidformer: stopped by Ctrl-C (SIGINT){_left(left)}", file=sys.stderr, flush=True)
-            return 128 + signal.SIGINT
     except ChildFailedError as error:
         failed = True
         if forward.forwarded:
@@ -218,7 +211,7 @@ def run_torchrun(command: list[str], fate=None, left: Callable[[], str] | None =
         return 1
     except SignalException as error:
         failed = True
-        # A second Ctrl-C or SIGTERM (or SIGHUP, SIGQUIT): torchrun's agent stopped the ranks where they were.
+        # Ctrl-C (SIGINT) or a second SIGTERM: torchrun's agent stopped the ranks where they were.
         stopped = f"stopped by signal {int(error.sigval)} ({signal.Signals(error.sigval).name}){_left(left)}"
         if fate:
             fate.failed(stopped)

@@ -6,7 +6,7 @@ Example::
     kill -TERM <pid of the launcher>      # or the scheduler's SIGTERM to the whole process group
     # -> " exiting on signal 15: saved iteration 37 to ckpt", status 0; rerun with --load ckpt to continue exactly
 
-The launcher passes the signal (and a Ctrl-C, as SIGTERM) on to its ranks once (``RanksForward``): torch's elastic agent starts each rank in a
+The launcher passes the signal on to its ranks once (``RanksForward``): torch's elastic agent starts each rank in a
 session of its own, so a signal to the launcher's process group never reaches them. A rank's handler
 (``ExitSignal``) only records the signal; the trainer asks ``any_rank_received()`` after each iteration, an
 all-reduce, so the ranks that got the signal and those that did not agree on the same last iteration (Megatron-LM's
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 
 import torch
 
@@ -43,11 +42,10 @@ class ExitSignal:
 
 
 class RanksForward:
-    """The launcher's SIGTERM and Ctrl-C (SIGINT): the first one goes to every rank (this process's children) as
-    SIGTERM, on which they finish their iteration, save and exit 0 with ``--exit-signal-handler`` (the recipes set
-    it); a second one, or one before any rank started, raises torch's ``SignalException``, on which the elastic
-    agent stops the ranks (that signal, then SIGKILL after its shutdown timeout: elastic/agent/server/api.py,
-    ``run``).
+    """The launcher's SIGTERM: the first one goes to every rank (this process's children), which finish their
+    iteration, save and exit 0 with ``--exit-signal-handler``; a second one, or one before any rank started, raises
+    torch's ``SignalException``, on which the elastic agent stops the ranks (SIGTERM, then SIGKILL after its
+    shutdown timeout: elastic/agent/server/api.py, ``run``).
 
     Example::
 
@@ -56,15 +54,12 @@ class RanksForward:
             torch.distributed.run.run(args)     # the elastic agent, in this process
         finally:
             forward.restore()
-
-    Ctrl-C reaches only the launcher (and the shell around it): torch's agent starts each rank in a session of its
-    own, away from the terminal's process group.
     """
 
-    def __init__(self, signums: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)):
-        self.signum: int | None = None  # the first one received
+    def __init__(self, signum: int = signal.SIGTERM):
+        self.signum = signum
         self.forwarded = False
-        self._previous = {signum: signal.signal(signum, self._forward) for signum in signums}
+        self._previous = signal.signal(signum, self._forward)
 
     def _forward(self, signum, frame) -> None:
         import psutil
@@ -73,18 +68,14 @@ class RanksForward:
         ranks = psutil.Process().children()
         if self.forwarded or not ranks:
             raise SignalException(f"process {os.getpid()} got signal {signum} again", sigval=signal.Signals(signum))
-        self.forwarded, self.signum = True, signum
-        if signum == signal.SIGINT:
-            print("\nrapidformer: Ctrl-C: the ranks stop after this iteration, saving it with --exit-signal-handler; "
-                  "Ctrl-C again stops them at once", file=sys.stderr, flush=True)
+        self.forwarded = True
         for rank in ranks:
             # The rank alone, not its process group: dist_checkpointing's writer processes share that group and
             # must live on to write the save this signal asks for.
             try:
-                os.kill(rank.pid, signal.SIGTERM)
+                os.kill(rank.pid, signum)
             except ProcessLookupError:  # it ended meanwhile
                 pass
 
     def restore(self) -> None:
-        for signum, previous in self._previous.items():
-            signal.signal(signum, previous)
+        signal.signal(self.signum, self._previous)
