@@ -62,10 +62,11 @@ def test_sentence_pairs_are_truncated_to_the_models_positions(bert, tmp_path, en
     status, output, _ = rapidformer(
         *entry, "--nproc-per-node", "1", "--pretrained-model-name-or-path", bert, "--data-path",
         _long_pairs(tmp_path), "--data-name", "pairs", "--epochs", "1", "--micro-batch-size", "4", "--lr", "1e-3",
-        "--log-interval", "1")
+        "--log-interval", "1", "--log-dir", str(tmp_path / "logs"))
     assert status == 0, output[-3000:]
     assert "must match the size" not in output
-    assert re.search(r"^ *seq_length \.+ 32$", output, re.M), output[-3000:]  # the model's, not None
+    arguments = (tmp_path / "logs" / "arguments.txt").read_text()  # the arguments block, written there (issue 53)
+    assert re.search(r"^ *seq_length \.+ 32$", arguments, re.M), arguments  # the model's, not None
 
 
 def test_load_of_a_hugging_face_directory_is_refused_before_launch(bert):
