@@ -3,8 +3,11 @@ conversion tests (module level, so run_on_ranks' workers can import them)."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
+import io
 import os
+import sys
 
 from megatron_patch.testing import run_on_ranks
 
@@ -123,11 +126,40 @@ def assert_bit_exact(original_dir: str, exported_dir: str) -> None:
     assert not differing, f"tensors differ after the round trip: {differing}"
 
 
+class ExitStatus(int):
+    """A command's exit status that carries what it printed, shown when a test's assertion on it fails: a worker's
+    own output goes to the pool's log, out of pytest's sight."""
+
+    def __new__(cls, status: int, output: str):
+        self = super().__new__(cls, status)
+        self.output = output
+        return self
+
+    def __getnewargs__(self):
+        return int(self), self.output
+
+    def __repr__(self):
+        return f"{int(self)} (the command printed: {self.output[-3000:]!r})" if self else "0"
+
+
+class _Tee(io.StringIO):
+    def __init__(self, stream):
+        super().__init__()
+        self.stream = stream
+
+    def write(self, text):
+        self.stream.write(text)
+        return super().write(text)
+
+
 def cli(rank, world_size, argv):
-    """``megatron-patch convert ...`` in a worker (a one-rank world)."""
+    """``megatron-patch convert ...`` in a worker (a one-rank world): its exit status, with what it printed."""
     from megatron_patch.convert.cli import main
 
-    return main(argv)
+    out, err = _Tee(sys.stdout), _Tee(sys.stderr)
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main(argv)
+    return ExitStatus(status, out.getvalue() + err.getvalue())
 
 
 def verify_layouts(rank, world_size, hf_dir, megatron_dir, layouts, resave_dir=None):

@@ -209,7 +209,9 @@ def _late_configuration_errors(assets, root, reference):
     argv = _gpt_flags(assets, "--train-iters", "2")
     no_data = _run([*argv, "--data-path", missing])
     save = reference.result()["save"]
-    tokenizer = _run([*argv, "--load", save, "--tokenizer-type", "NullTokenizer", "--vocab-size", "2000"])
+    # The flags' schedule, which the launcher would refuse first as another than the checkpoint's.
+    tokenizer = _run([*argv, "--load", save, "--tokenizer-type", "NullTokenizer", "--vocab-size", "2000",
+                      "--override-opt_param-scheduler"])
     shape = list(argv)
     shape[shape.index("--hidden-size") + 1] = "64"  # another model's shape than the checkpoint's
     model = _run([*shape, "--load", save])

@@ -944,7 +944,8 @@ def preprocess(config: PreprocessConfig) -> PreprocessReport:
                 f.write("\n")
         for final in finals.values():
             _publish(final + tmp, final, sidecar=config.sft)
-            record_largest_token_id(final)  # so that a run checks its token ids without reading the .bin
+            if not config.sft:  # an SFT prefix's sidecar records its max_token_id
+                record_largest_token_id(final)  # so that a run checks its token ids without reading the .bin
     finally:
         for key, prefixes in part_prefixes.items():
             for builder in builders.get(key, []):
