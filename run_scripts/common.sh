@@ -274,7 +274,9 @@ launch() {
   _print_command "${command[@]}" | tee -a "$log"
   # Preemption (SIGTERM to this process group) is the launcher's to handle: it passes the signal to the ranks, which
   # save, and exits 0 once they have. The shell and tee ignore it so that they wait for that, and the ranks' last
-  # lines still reach the log (the launcher sets its own handler, so it does not inherit the ignoring).
+  # lines still reach the log (the launcher sets its own handler, so it does not inherit the ignoring). A Ctrl-C
+  # reaches the terminal's whole process group: tee ignores it too, or it died at once and the launcher's lines
+  # after it (what was saved, what to resume from) went nowhere.
   trap '' TERM
-  "${command[@]}" 2>&1 | tee -a "$log"
+  "${command[@]}" 2>&1 | (trap '' INT; exec tee -a "$log")
 }

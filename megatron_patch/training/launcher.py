@@ -48,7 +48,8 @@ def torchrun_settings() -> list[str]:
 
     with paused_collector():  # asking torchrun's parser can be the launcher's first import of torch (startup.py)
         shutdown = torchrun_shutdown_flags(SHUTDOWN_SECONDS)
-    return ["--signals-to-handle=SIGINT,SIGHUP,SIGQUIT", *shutdown]
+    # SIGTERM and SIGINT are the launcher's (signals.RanksForward): torchrun's handler would stop the ranks at once.
+    return ["--signals-to-handle=SIGHUP,SIGQUIT", *shutdown]
 
 
 def processes_per_node(requested: int | None) -> int:
@@ -154,7 +155,8 @@ def prepare_nodes():
                         f"and set it on every node") from None
 
 
-def run_torchrun(command: list[str], fate=None, left: Callable[[], str] | None = None) -> int:
+def run_torchrun(command: list[str], fate=None, left: Callable[[], str] | None = None,
+                 ctrl_c_saves: bool = False) -> int:
     """Run a ``python -m torch.distributed.run ...`` command line in this process; returns the job's exit status.
 
     Example::
@@ -162,7 +164,9 @@ def run_torchrun(command: list[str], fate=None, left: Callable[[], str] | None =
         run_torchrun(torchrun_command("my_module", ["--flag", "1"], nproc_per_node=2))
 
     The first SIGTERM goes on to the ranks and the job ends as they do (0 after their save with
-    ``--exit-signal-handler``, 143 if they stopped on it); a second one stops them (status 143). A failed job is
+    ``--exit-signal-handler``, 143 if they stopped on it); a second one stops them (status 143). A Ctrl-C does the
+    same, as SIGTERM to the ranks, when they save on it (``ctrl_c_saves``), and ends in 130 with the checkpoint to
+    resume from; otherwise it stops them where they are. A failed job is
     summed up in one line; torchrun's own table names the first rank to exit as the "root cause", which after a hang
     is a rank that waited for it. With a ``nodes.JobFate`` (a job of several nodes) the line names the node that
     failed first, on every node. A job stopped by a signal says which, and ``left()`` what it left to resume
@@ -190,10 +194,15 @@ def run_torchrun(command: list[str], fate=None, left: Callable[[], str] | None =
     # about it (torch/distributed/run.py, ``config_from_args``); a value of the user's is kept.
     threads_given = "OMP_NUM_THREADS" in os.environ
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    forward = RanksForward()
+    forward = RanksForward(ctrl_c_saves)
     failed = False
     try:
         torchrun.run(args)
+        if forward.signum == signal.SIGINT:
+            # The ranks saved on a Ctrl-C and ended together: the run did not finish, and its resume is said.
+            failed = True
+            print(f"rapidformer: stopped by Ctrl-C (SIGINT){_left(left)}", file=sys.stderr, flush=True)
+            return 128 + signal.SIGINT
     except ChildFailedError as error:
         failed = True
         if forward.forwarded:
@@ -211,7 +220,8 @@ def run_torchrun(command: list[str], fate=None, left: Callable[[], str] | None =
         return 1
     except SignalException as error:
         failed = True
-        # Ctrl-C (SIGINT) or a second SIGTERM: torchrun's agent stopped the ranks where they were.
+        # A Ctrl-C the ranks do not save on, a second Ctrl-C or SIGTERM (or SIGHUP, SIGQUIT): torchrun's agent
+        # stopped the ranks where they were.
         stopped = f"stopped by signal {int(error.sigval)} ({signal.Signals(error.sigval).name}){_left(left)}"
         if fate:
             fate.failed(stopped)
@@ -360,7 +370,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rapidformer: {slurm}", flush=True)
     fate = prepare_nodes()
     print("+ " + " ".join(command), flush=True)
-    return run_torchrun(command, fate, left=functools.partial(latest_checkpoint, parse_flags(argv).save))
+    flags = parse_flags(argv)
+    return run_torchrun(command, fate, left=functools.partial(latest_checkpoint, flags.save),
+                        ctrl_c_saves=bool(flags.exit_signal_handler and flags.save))
 
 
 if __name__ == "__main__":
