@@ -131,12 +131,16 @@ def one_line_errors(prog: str, expected: tuple[type[BaseException], ...] = (User
                 # (torch.distributed.checkpoint's collectives wrap every exception in a CheckpointException): the
                 # command was stopped, not broken, and its cleanup has run.
                 stopped = _stopped_by is not None and not isinstance(error, SystemExit)
-                if not stopped and not isinstance(error, expected):
+                interrupted = isinstance(error, KeyboardInterrupt)  # Ctrl-C in a terminal: a stop, not a bug
+                if not stopped and not interrupted and not isinstance(error, expected):
                     raise
                 if debugging():
                     traceback.print_exc()
                 if stopped:
                     return 128 + _stopped_by
+                if interrupted:
+                    print(f"\n{prog}: stopped by Ctrl-C (SIGINT)", file=sys.stderr, flush=True)
+                    return 128 + signal.SIGINT
                 print(f"{prog}: error: {describe(error)}", file=sys.stderr, flush=True)
                 return 1
 

@@ -1,4 +1,4 @@
-"""Ctrl-C typed in a terminal during a recipe: the ranks save the iteration they are in and the last line names it
+"""Ctrl-C typed in a terminal during a recipe, or during any other command: the ranks save the iteration they are in and the last line names it
 and the --load to resume with; a second Ctrl-C stops them at once. (A rapidformer command without
 --exit-signal-handler stops where it is, saying what it left: test_run_reports.) Typed on a pseudo-terminal, whose line discipline
 sends SIGINT to the whole foreground process group (the shell, the launcher and tee), as a terminal does.
@@ -24,9 +24,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPT = os.path.join(ROOT, "examples", "gpt", "run_pretrain_gpt.sh")
 
 
-def _type_ctrl_c(argv: list[str], env: dict, times: int, timeout: float = 240) -> tuple[int, str, float]:
-    """Run ``argv`` on a pseudo-terminal, type Ctrl-C ``times`` times once iteration 4 is logged (the second as soon as
-    the launcher answers the first); (exit status, output, seconds from the first Ctrl-C to the exit)."""
+def _type_ctrl_c(argv: list[str], env: dict, times: int, timeout: float = 240,
+                 after: tuple[bytes, bytes] = (b" iteration 4/", b"rapidformer: Ctrl-C:")) -> tuple[int, str, float]:
+    """Run ``argv`` on a pseudo-terminal, type Ctrl-C ``times`` times, once ``after[0]`` is printed, then once
+    ``after[1]`` is (by default iteration 4's log line, then the launcher's answer to the first); (exit status,
+    output, seconds from the first Ctrl-C to the exit)."""
     pid, fd = pty.fork()
     if pid == 0:  # the child: a session leader whose controlling terminal is the pty
         os.execvpe(argv[0], argv, env)
@@ -40,7 +42,7 @@ def _type_ctrl_c(argv: list[str], env: dict, times: int, timeout: float = 240) -
             if not data:
                 break
             output += data
-        waiting_for = b" iteration 4/" if typed == 0 else b"rapidformer: Ctrl-C:"
+        waiting_for = after[min(typed, 1)]
         if typed < times and waiting_for in output:
             os.write(fd, b"\x03")
             typed += 1
@@ -87,3 +89,27 @@ def test_a_second_ctrl_c_stops_at_once(recipe):
     last = [line for line in output.splitlines() if line.strip()][-1]
     assert last.startswith("rapidformer: stopped by signal 2 (SIGINT)"), output[-3000:]
 
+
+
+def test_ctrl_c_during_preprocessing_is_one_line_and_leaves_nothing(tmp_path):
+    """Any command, here preprocess-data half-way through its input: status 130 and one line, no traceback from it
+    or its workers, and no output file under a final or temporary name."""
+    from megatron_patch.data.corpus import write_stdlib_corpus
+    from megatron_patch.data.train_tokenizer import train_tokenizer
+
+    corpus = tmp_path / "corpus.jsonl"
+    write_stdlib_corpus(str(corpus), max_docs=300)
+    train_tokenizer("gpt2-bpe", str(corpus), str(tmp_path / "gpt2"), 500)
+    corpus.write_text(corpus.read_text() * 8)  # about 50 MB: several seconds of work
+    out = tmp_path / "out"
+    out.mkdir()
+    argv = [sys.executable, "-m", "megatron_patch.cli", "preprocess-data", "--input", str(corpus), "--output-prefix",
+            str(out / "corpus"), "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(tmp_path / "gpt2" / "vocab.json"),
+            "--merge-file", str(tmp_path / "gpt2" / "merges.txt"), "--workers", "2"]
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    status, output, seconds = _type_ctrl_c(argv, env, times=1, timeout=120, after=(b"MB/s", b""))
+    assert status == 130, output[-3000:]
+    assert seconds < 10, seconds
+    assert "Traceback" not in output, output[-3000:]
+    assert output.strip().splitlines()[-1] == "megatron-patch preprocess-data: stopped by Ctrl-C (SIGINT)", output[-500:]
+    assert os.listdir(out) == []
