@@ -33,36 +33,11 @@ sys.path.insert(0, ROOT)
 from megatron_patch.data.corpus import write_stdlib_corpus  # noqa: E402
 from megatron_patch.data.jsonl import iter_jsonl_texts  # noqa: E402
 from megatron_patch.data.preprocess import main as preprocess_main  # noqa: E402
-from megatron_patch.data.train_tokenizer import _train_byte_level_bpe  # noqa: E402
+from megatron_patch.data.train_tokenizer import train_chatml  # noqa: E402
 
 PREPARATION_TARGET = 0.7
 MEDIAN_TOKENS = 300
 SIGMA = 0.8  # lognormal spread: about 1 conversation in 20 is over 3.7x the median
-
-# Qwen2-Instruct's ChatML template, as its tokenizer_config.json has it (a default system turn, no tools).
-QWEN2_CHATML = (
-    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
-    "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-
-
-def _write_tokenizer(directory: str, corpus: str) -> str:
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    backend = _train_byte_level_bpe(iter_jsonl_texts([corpus]), 8000, specials)
-    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                            additional_special_tokens=specials[1:]).save_pretrained(directory)
-    path = os.path.join(directory, "tokenizer_config.json")
-    with open(path) as f:
-        config = json.load(f)
-    config["chat_template"] = QWEN2_CHATML
-    with open(path, "w") as f:
-        json.dump(config, f)
-    return directory
-
 
 def _write_conversations(texts: list[str], count: int, words_per_token: float, chat: str, plain: str,
                          seed: int) -> None:
@@ -107,7 +82,8 @@ def measure_preparation(conversations: int = 100_000, workers: int = 2, rounds: 
         corpus = os.path.join(root, "corpus.jsonl")
         write_stdlib_corpus(corpus, max_docs=2000, max_doc_chars=4000)
         texts = list(iter_jsonl_texts([corpus]))
-        tokenizer_dir = _write_tokenizer(os.path.join(root, "tokenizer"), corpus)
+        tokenizer_dir = os.path.join(root, "tokenizer")  # Qwen2-Instruct's ChatML template
+        train_chatml(iter_jsonl_texts([corpus]), tokenizer_dir, 8000)
         from transformers import AutoTokenizer
 
         sample = " ".join(" ".join(texts).split()[:40_000])

@@ -47,6 +47,8 @@ def _forward(module: str):
 # name -> (module whose main() takes the arguments, help)
 TOOLS = {
     "make-corpus": ("megatron_patch.data.corpus", "write the Python standard library's sources as a JSONL corpus"),
+    "make-stand-ins": ("megatron_patch.data.stand_ins", "tiny random stand-ins for the README's inputs (a Qwen2 "
+                       "chat model, a GLUE task, conversations, a SentencePiece tokenizer)"),
     "train-tokenizer": ("megatron_patch.data.train_tokenizer",
                         "train a GPT-2 BPE, WordPiece or SentencePiece tokenizer"),
     "preprocess-data": ("megatron_patch.data.preprocess", "tokenize JSONL into Megatron .bin/.idx files"),

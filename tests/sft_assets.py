@@ -10,26 +10,18 @@ Example::
 
 from __future__ import annotations
 
-import json
 import os
-import random
 import subprocess
 import sys
 
+from megatron_patch.data.stand_ins import QWEN2_VOCAB
+from megatron_patch.data.train_tokenizer import CHATML_TEMPLATE
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Qwen2-Instruct's template (its tokenizer_config.json), which has no {% generation %} marks.
-CHATML = (
-    "{%- for message in messages %}{%- if loop.first and message['role'] != 'system' %}"
-    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{%- endif %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
 # The test tokenizer's 1000 tokens and ChatML's two fit this vocabulary, a multiple of 128 x TP 2: megatron-core pads
 # nothing, so its softmax runs over the rows transformers' does and the losses compare exactly.
-VOCAB = 1024
-_WORDS = ("the quick brown fox jumps over a lazy dog with list of keys and values in python code return yield "
-          "import class def self none true false").split()
+VOCAB = QWEN2_VOCAB
 
 
 def chat_tokenizer(assets, directory: str) -> str:
@@ -39,32 +31,9 @@ def chat_tokenizer(assets, directory: str) -> str:
 
     tokenizer = AutoTokenizer.from_pretrained(assets.options["HuggingFaceTokenizer"]["tokenizer_model"])
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    tokenizer.chat_template = CHATML
+    tokenizer.chat_template = CHATML_TEMPLATE
     tokenizer.save_pretrained(directory)
     return directory
-
-
-def conversations(count: int, seed: int, turns: int = 2, words: int = 5) -> list[dict]:
-    """``count`` OpenAI ``messages`` lines: a system turn in about half, then 1 to ``turns`` user/assistant pairs
-    of 1 to ``words`` words each."""
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(count):
-        messages = []
-        if rng.random() < 0.5:
-            messages.append({"role": "system", "content": " ".join(rng.choices(_WORDS, k=rng.randint(2, words)))})
-        for _ in range(rng.randint(1, turns)):
-            messages.append({"role": "user", "content": " ".join(rng.choices(_WORDS, k=rng.randint(2, words)))})
-            messages.append({"role": "assistant", "content": " ".join(rng.choices(_WORDS, k=rng.randint(1, words)))})
-        rows.append({"messages": messages})
-    return rows
-
-
-def write_jsonl(path: str, rows: list[dict]) -> str:
-    with open(path, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    return path
 
 
 def reference_mask(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:

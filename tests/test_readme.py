@@ -4,13 +4,10 @@ in order, as written (tests/test_quickstart.py runs the quick start)."""
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,44 +32,16 @@ def test_ci_runs_the_readme_test_command():
     assert readme_commands()[1] + " || exit $?" in ci_lines
 
 
-def _user_inputs(work: Path, tmp_path_factory) -> None:
-    """What the README says is the user's: a Hugging Face chat model at hf/qwen2 (here a tiny random Qwen2 with a
-    tokenizer trained on the stdlib corpus and Qwen2's ChatML template), a GLUE-style task, conversations, and for
-    the cluster's dry run a SentencePiece tokenizer with documents preprocessed by it."""
-    import transformers
-    from conftest_data import data_assets
-    from seed_scripts.assets import _write_glue
-    from sft_assets import VOCAB, chat_tokenizer, conversations, write_jsonl
-
-    from megatron_patch.data.preprocess import PreprocessConfig, preprocess
-
-    hf = work / "hf" / "qwen2"
-    torch.manual_seed(0)
-    transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=64, max_position_embeddings=256, tie_word_embeddings=False)).save_pretrained(hf)
-    chat_tokenizer(data_assets(tmp_path_factory), str(hf))
-    _write_glue(str(work / "data" / "glue"))
-    write_jsonl(str(work / "data" / "chat.jsonl"), conversations(80, seed=0))
-    sentencepiece = data_assets(tmp_path_factory).options["Llama2Tokenizer"]["tokenizer_model"]
-    (work / "llama2").mkdir()
-    shutil.copy(sentencepiece, work / "llama2" / "tokenizer.model")
-    preprocess(PreprocessConfig(input=data_assets(tmp_path_factory).corpus, output_prefix=str(work / "data" / "llama"),
-                                tokenizer_type="Llama2Tokenizer", tokenizer_options={"tokenizer_model": sentencepiece},
-                                append_eod=True))
-
-
 def _losses(log_dir: Path) -> list[float]:
     with open(log_dir / "iterations.jsonl") as f:
         return [json.loads(line)["loss"] for line in f]
 
 
-def test_every_readme_command_runs_as_written(tmp_path, tmp_path_factory):
+def test_every_readme_command_runs_as_written(tmp_path):
     work = tmp_path / "work"
     work.mkdir()
     for name in ("examples", "run_scripts"):  # "run them from the repository root"
         (work / name).symlink_to(ROOT / name)
-    _user_inputs(work, tmp_path_factory)
     # "with the environment active": its bin/ first on PATH
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
                PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
@@ -99,3 +68,26 @@ def test_every_readme_command_runs_as_written(tmp_path, tmp_path_factory):
     assert (work / "hf" / "qwen2-sft" / "config.json").is_file()
     assert "def main(" in outputs[-2]  # the export generated text from the prompt
     assert len(re.findall(r"accuracy: [0-9.]+", outputs[-1])) == 2  # the exported BERT fine-tuned, two epochs
+
+
+def test_stand_ins_never_replace_what_exists(tmp_path):
+    """The README's stand-ins beside a user's own inputs: each one that exists is named and left as it was."""
+    mine = {"hf/qwen2/config.json": "{}", "data/glue/mrpc/train.tsv": "mine", "data/chat.jsonl": "{}\n",
+            "llama2/tokenizer.model": "mine"}
+    for name, text in mine.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+
+    def make_stand_ins(*flags):
+        return subprocess.run([sys.executable, "-m", "megatron_patch.cli", "make-stand-ins", "--output-dir",
+                               str(tmp_path), *flags], capture_output=True, text=True, timeout=120,
+                              env=dict(os.environ, PYTHONPATH=str(ROOT)))
+
+    done = make_stand_ins()
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("kept ") == 4 and "wrote" not in done.stdout, done.stdout
+    assert {name: (tmp_path / name).read_text() for name in mine} == mine
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["chat.jsonl", "glue"]
+    missing = str(tmp_path / "none.jsonl")
+    done = make_stand_ins("--corpus", missing)
+    assert done.returncode == 2 and f"--corpus {missing}: no such file" in done.stderr, done.stderr

@@ -16,8 +16,9 @@ import sys
 import numpy
 import pytest
 from conftest_data import data_assets
-from sft_assets import ROOT, chat_tokenizer, conversations, converted_chat_model, hf_token_loss, write_jsonl
+from sft_assets import ROOT, chat_tokenizer, converted_chat_model, hf_token_loss
 
+from megatron_patch.data.stand_ins import conversations, write_jsonl
 from megatron_patch.testing import run_on_ranks
 
 SEQ = 128

@@ -18,8 +18,9 @@ from megatron_patch.data.conversations import (
     split_megatron_conversations,
 )
 from megatron_patch.data.corpus import write_stdlib_corpus
+from megatron_patch.data.jsonl import iter_jsonl_texts
 from megatron_patch.data.preprocess import PreprocessConfig, main, preprocess
-from megatron_patch.data.train_tokenizer import _train_byte_level_bpe, train_tokenizer
+from megatron_patch.data.train_tokenizer import train_chatml, train_tokenizer
 from megatron_patch.tokenizer import build_tokenizer
 
 # Qwen2.5's ChatML template as we write it: tools in the system turn, tool calls as <tool_call> JSON, tool results in
@@ -95,24 +96,8 @@ RECORDS = {
 
 
 def _write_hf_tokenizer(path: str, corpus: str, chat_template: str | None) -> str:
-    """A byte-level BPE HF tokenizer directory with ChatML's special tokens and, if given, a chat template in its
-    tokenizer_config.json."""
-    from transformers import PreTrainedTokenizerFast
-
-    from megatron_patch.data.jsonl import iter_jsonl_texts
-
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    backend = _train_byte_level_bpe(iter_jsonl_texts([corpus]), 600, specials)
-    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                            additional_special_tokens=specials[1:]).save_pretrained(path)
-    config_path = os.path.join(path, "tokenizer_config.json")
-    with open(config_path) as f:
-        config = json.load(f)
-    config.pop("chat_template", None)
-    if chat_template is not None:
-        config["chat_template"] = chat_template
-    with open(config_path, "w") as f:
-        json.dump(config, f)
+    """A byte-level BPE HF tokenizer directory with ChatML's special tokens and, if given, a chat template."""
+    train_chatml(iter_jsonl_texts([corpus]), path, 600, chat_template)
     return path
 
 

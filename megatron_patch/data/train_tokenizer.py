@@ -13,6 +13,8 @@ Kinds and what they write into `--output-dir` (and the `--tokenizer-type` that r
 - `sentencepiece`: `tokenizer.model` (SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer)
 - `huggingface`: a transformers tokenizer directory, byte-level BPE with `<|endoftext|>` as
   bos/eos and `<pad>` (HuggingFaceTokenizer)
+- `chatml`: the same with ChatML's `<|im_start|>`/`<|im_end|>` and Qwen2-Instruct's chat template, for
+  `preprocess-data --sft` (HuggingFaceTokenizer)
 """
 
 import os
@@ -94,11 +96,41 @@ def train_huggingface(texts: Iterator[str], output_dir: str, vocab_size: int) ->
     return list(wrapped.save_pretrained(output_dir))
 
 
+# Qwen2-Instruct's chat template, as its tokenizer_config.json has it: a default system turn, no
+# {% generation %} marks (preprocess-data --sft finds the assistant's tokens by rendering prefixes).
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}{%- if loop.first and message['role'] != 'system' %}"
+    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{%- endif %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def train_chatml(texts: Iterator[str], output_dir: str, vocab_size: int,
+                 chat_template: str | None = CHATML_TEMPLATE) -> list[str]:
+    """A chat model's tokenizer: byte-level BPE with ChatML's special tokens (``<|im_end|>`` ends a turn and is
+    eos, as in Qwen2-Instruct) and ``chat_template`` (None: no template).
+
+    Example::
+
+        train_chatml(iter_jsonl_texts(["corpus.jsonl"]), "hf/chat", 1000)   # AutoTokenizer.from_pretrained("hf/chat")
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    specials = [EOD_TOKEN, "<|im_start|>", "<|im_end|>"]
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=_train_byte_level_bpe(texts, vocab_size, specials), eos_token="<|im_end|>",
+        pad_token=EOD_TOKEN, additional_special_tokens=specials[1:])
+    wrapped.chat_template = chat_template
+    return list(wrapped.save_pretrained(output_dir))
+
+
 TRAINERS: dict[str, Callable[..., list[str]]] = {
     "gpt2-bpe": train_gpt2_bpe,
     "wordpiece": train_wordpiece,
     "sentencepiece": train_sentencepiece,
     "huggingface": train_huggingface,
+    "chatml": train_chatml,
 }
 
 

@@ -8,11 +8,11 @@ and an MRPC-shaped GLUE directory, built once per test session from the shared s
 
 import dataclasses
 import os
-import random
 
 from conftest_data import data_assets
 
 from megatron_patch.data.preprocess import PreprocessConfig, preprocess
+from megatron_patch.data.stand_ins import write_glue
 
 _CACHE = {}
 
@@ -25,25 +25,6 @@ class RapidformerAssets:
     vocab_file: str
     bert_dir: str
     glue_dir: str
-
-
-def _write_glue(root: str, seed: int = 0) -> None:
-    """MRPC's TSV layout with a label a tiny model learns in a few dozen steps: 1 when the first sentence opens
-    with one of three keywords, 0 with one of three others (whole words of the test WordPiece vocabulary, which
-    was trained on code; a keyword anywhere in the sentence took a random-init 2-layer BERT far longer)."""
-    rng = random.Random(seed)
-    keywords = ["return", "yield", "raise", "import", "class", "def"]
-    fillers = ["the", "self", "value", "name", "data", "list", "key", "new", "for", "if", "while", "with"]
-    os.makedirs(os.path.join(root, "mrpc"), exist_ok=True)
-    for split, count in (("train", 256), ("dev", 64)):
-        with open(os.path.join(root, "mrpc", f"{split}.tsv"), "w") as f:
-            f.write("Quality\t#1 ID\t#2 ID\t#1 String\t#2 String\n")
-            for i in range(count):
-                a, b = rng.choice(keywords), rng.choice(keywords)
-                label = keywords.index(a) < 3
-                s1 = " ".join([a] + rng.sample(fillers, 5))
-                s2 = " ".join(rng.sample(fillers, 2) + [b] + rng.sample(fillers, 3))
-                f.write(f"{int(label)}\t{i}\t{i + 10000}\t{s1}\t{s2}\n")
 
 
 def _write_bert_dir(path: str, vocab_file: str) -> None:
@@ -75,7 +56,7 @@ def rapidformer_assets(tmp_path_factory) -> RapidformerAssets:
                                 tokenizer_type="BertWordPieceLowerCase", tokenizer_options={"vocab_file": vocab_file},
                                 split_sentences=True))
     _write_bert_dir(os.path.join(root, "bert-tiny"), vocab_file)
-    _write_glue(os.path.join(root, "glue"))
+    write_glue(os.path.join(root, "glue", "mrpc"))
     _CACHE["assets"] = RapidformerAssets(
         gpt_prefix=os.path.join(root, "gpt_text_document"), gpt_options=gpt_options,
         bert_prefix=os.path.join(root, "bert_text_sentence"), vocab_file=vocab_file,
