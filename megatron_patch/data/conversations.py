@@ -90,6 +90,11 @@ class EncodedConversation:
     def trained_tokens(self) -> int:
         return int(self.mask.sum())
 
+    @property
+    def sequences(self) -> tuple[numpy.ndarray, ...]:
+        """What `preprocess-data --sft` stores of it, one document of these sequences."""
+        return self.ids, self.mask
+
 
 def detect_format(record: Any) -> str | None:
     """The input format of a JSON record, None if it has none of them.
@@ -389,10 +394,7 @@ class ConversationEncoder:
 
     def encode_one(self, conversation: Conversation) -> EncodedConversation:
         """`encode([conversation])[0]`, raising the ConversationError that refuses it."""
-        [result] = self.encode([conversation])
-        if isinstance(result, ConversationError):
-            raise result
-        return result
+        return the_one_encoded(self.encode([conversation]))
 
     def _tokenize_rendered(self, rendered: list[tuple[str, list, bool]]):
         texts = [text for text, _, _ in rendered]
@@ -446,14 +448,37 @@ class ConversationEncoder:
             # <|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n[[Hello!<|im_end|>\\n]]
         """
         encoded = self.encode_one(conversation)
-        ids, mask = encoded.ids.tolist(), encoded.mask
-        pieces, start = [], 0
-        # Runs of equal mask, each decoded whole, so that multi-byte characters split over tokens come out whole.
-        for end in [*numpy.flatnonzero(numpy.diff(mask)) + 1, len(ids)]:
-            text = self.tokenizer.detokenize(ids[start:end])
-            pieces.append(f"[[{text}]]" if mask[start] else text)
-            start = end
-        return "".join(pieces)
+        return mark_trained(self.tokenizer, encoded.ids, encoded.mask)
+
+
+def the_one_encoded(results: list):
+    """The one result of an `encode([item])`, raised if it is the ConversationError that refuses the item.
+
+    >>> the_one_encoded([ConversationError("unknown role: 'narrator' in messages[0]")])
+    Traceback (most recent call last):
+    ...
+    megatron_patch.data.conversations.ConversationError: unknown role: 'narrator' in messages[0]
+    """
+    [result] = results
+    if isinstance(result, ConversationError):
+        raise result
+    return result
+
+
+def mark_trained(tokenizer, ids: numpy.ndarray, mask: numpy.ndarray) -> str:
+    """The text of `ids`, the tokens where `mask` is 1 between `[[` and `]]`.
+
+        mark_trained(tokenizer, numpy.array(ids), numpy.array(mask))   # 'user: Hi assistant: [[Hello!</s>]]'
+    """
+    ids, pieces, start = numpy.asarray(ids).tolist(), [], 0
+    if not ids:
+        return ""
+    # Runs of equal mask, each decoded whole, so that multi-byte characters split over tokens come out whole.
+    for end in [*numpy.flatnonzero(numpy.diff(mask)) + 1, len(ids)]:
+        text = tokenizer.detokenize(ids[start:end])
+        pieces.append(f"[[{text}]]" if mask[start] else text)
+        start = end
+    return "".join(pieces)
 
 
 def _has_generation(chat_template: str) -> bool:

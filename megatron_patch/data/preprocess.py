@@ -59,6 +59,7 @@ from megatron_patch.data.conversations import (
     describe_formats,
     detect_format,
     load_chat_template,
+    mark_trained,
     read_conversations,
 )
 from megatron_patch.data.data_path import record_largest_token_id
@@ -124,7 +125,7 @@ class PreprocessConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if not self.json_keys:
             raise ValueError("--json-keys needs at least one key")
-        if self.sft:
+        if self.record_kind:
             if self.split_sentences or self.append_eod or self.json_keys != ["text"]:
                 raise ValueError(
                     "--sft takes whole conversations, and the chat template decides their end: drop "
@@ -136,14 +137,19 @@ class PreprocessConfig:
             raise ValueError("--chat-template renders conversations: add --sft")
 
     @property
+    def record_kind(self) -> str | None:
+        """"sft", the kind of record read instead of documents (a key of RECORD_KINDS), None for documents."""
+        return SFT_KEY if self.sft else None
+
+    @property
     def level(self) -> str:
         return "sentence" if self.split_sentences else "document"
 
     def output_prefixes(self) -> dict[str, str]:
         """`{key: "{output_prefix}_{key}_{level}"}`, the names Megatron-LM gives its outputs
         (`{"sft": "{output_prefix}_sft_document"}` with `sft`)."""
-        if self.sft:
-            return {SFT_KEY: f"{self.output_prefix}_{SFT_KEY}_document"}
+        if self.record_kind:
+            return {self.record_kind: f"{self.output_prefix}_{self.record_kind}_document"}
         return {key: f"{self.output_prefix}_{key}_{self.level}" for key in self.json_keys}
 
 
@@ -166,14 +172,15 @@ class PreprocessReport:
         skipped = sum(self.skipped.values())
         reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(self.skipped.items()))
         rate = self.input_bytes / max(self.seconds, 1e-9) / 1e6
-        if self.sft is not None:
-            return (
-                f"Done: {self.sft['conversations']} conversations ({self.sft['input_format']}), "
-                f"{self.sft['tokens']} tokens, {self.sft['trained_tokens']} trained tokens "
-                f"from {self.input_bytes / 1e6:.1f} MB in {self.seconds:.1f} s ({rate:.1f} MB/s); skipped "
-                f"{skipped} lines" + (f" ({reasons})" if reasons else "")
-                + f"; wrote {', '.join(p + '.bin/.idx/.json' for p in self.outputs)}"
-            )
+        for kind, sidecar in ((RECORD_KINDS[SFT_KEY], self.sft),):
+            if sidecar is not None:
+                return (
+                    f"Done: {sidecar[kind.documents]} {kind.documents} ({sidecar['input_format']}), "
+                    f"{sidecar['tokens']} tokens, {sidecar[kind.trained]} {kind.trained.replace('_', ' ')} "
+                    f"from {self.input_bytes / 1e6:.1f} MB in {self.seconds:.1f} s ({rate:.1f} MB/s); skipped "
+                    f"{skipped} lines" + (f" ({reasons})" if reasons else "")
+                    + f"; wrote {', '.join(p + '.bin/.idx/.json' for p in self.outputs)}"
+                )
         return (
             f"Done: {self.documents} documents, {self.sequences} sequences, {self.tokens} tokens "
             f"from {self.input_bytes / 1e6:.1f} MB in {self.seconds:.1f} s ({rate:.1f} MB/s); "
@@ -261,7 +268,7 @@ class _BatchResult:
     document_lines: numpy.ndarray  # line offset within the batch of each document written
     empty_documents: int  # of those, how many have no tokens (in some json key)
     errors: list[tuple[int, str]]  # (line offset, reason), in line order
-    sft: "_ConversationCounts | None" = None
+    records: "_RecordCounts | None" = None  # with --sft
 
 
 class _DocumentEncoder:
@@ -362,9 +369,9 @@ def _encode_lines(config: PreprocessConfig, tokenizer, dtype: type, splitter, li
 
 
 @dataclass
-class _ConversationCounts:
-    """What a batch of conversations holds beyond its tokens: each line's input format (an index into
-    INPUT_FORMATS, -1 for none) and each conversation's trained tokens and largest token id."""
+class _RecordCounts:
+    """What a batch of records (`--sft`) holds beyond its tokens: each line's input format (an index into
+    its kind's formats, -1 for none) and each document's trained tokens and largest token id."""
 
     line_formats: numpy.ndarray
     trained_tokens: numpy.ndarray
@@ -385,65 +392,104 @@ def _parse_record(raw: bytes) -> tuple[Any, str | None]:
     return record, None
 
 
-class _ConversationBatchEncoder:
-    """The pool's encode function with `--sft`: each line's conversations, encoded by `encoder`, one document of
-    two equal sequences each (token ids, then the 0/1 loss mask). A line is written whole or not at all.
+def _detect_conversation_format(record: dict) -> str:
+    input_format = detect_format(record)
+    if input_format is None:
+        raise ConversationError(
+            f"unknown format: expected {describe_formats()} (keys: {', '.join(map(repr, list(record)[:8]))})")
+    return input_format
 
-        _ConversationBatchEncoder(ConversationEncoder(tokenizer), numpy.uint16)([b'{"prompt": "a", "response": "b"}'])
+
+@dataclass(frozen=True)
+class RecordKind:
+    """What a kind of record (`--sft`) reads and writes; the batch encoder, the file formats, the sidecar, the
+    summary and `--show` are the same code for every kind.
+
+        RECORD_KINDS["sft"].read(record, RECORD_KINDS["sft"].detect(record))   # [Conversation(...)]
     """
 
-    def __init__(self, encoder: ConversationEncoder, dtype: type):
-        self.encoder, self.dtype = encoder, dtype
+    key: str
+    """The outputs' key: `{output_prefix}_{key}_document.bin/.idx/.json`; the flag is `--{key}`."""
+    format: str
+    """The sidecar's "format", which the trainer checks with its "version"."""
+    version: int
+    input_formats: tuple[str, ...]
+    detect: Callable[[dict], str]
+    """A record's input format; a ConversationError says why it has none."""
+    read: Callable[[dict, str], list]
+    """A record's items (conversations), each one document; a ConversationError refuses the line."""
+    build_encoder: Callable[["PreprocessConfig", Any], Any]
+    """(config, tokenizer) -> the encoder whose `encode(items)` gives, per item, what has `sequences`,
+    `trained_tokens`, or the ConversationError that refuses it."""
+    documents: str
+    """The sidecar's name of the count of documents ("conversations")."""
+    trained: str
+    """The sidecar's name of the count of tokens whose mask is 1 ("trained_tokens")."""
+    settings: Callable[["PreprocessConfig"], dict[str, Any]]
+    """The flags the sidecar records besides the chat template."""
+    show: Callable[["PreprocessConfig", Any, list], tuple[str, list[str]]]
+    """(config, encoder, items) -> what `--show` says of the line in its header, and the lines that show the items."""
+    show_header: str
+
+
+class _RecordBatchEncoder:
+    """The pool's encode function with `--sft`: each line's items (`kind.read`), encoded by `encoder`,
+    one document each of the item's sequences (ids, mask, ...). A line is written whole or not at all.
+
+        _RecordBatchEncoder(RECORD_KINDS["sft"], ConversationEncoder(tokenizer), numpy.uint16)(
+            [b'{"prompt": "a", "response": "b"}'])
+    """
+
+    def __init__(self, kind: RecordKind, encoder, dtype: type):
+        self.kind, self.encoder, self.dtype = kind, encoder, dtype
 
     def __call__(self, lines: list[bytes]) -> _BatchResult:
         errors: dict[int, str] = {}
         line_formats = numpy.full(len(lines), -1, numpy.int8)
-        conversations, owners = [], []
+        items, owners = [], []
         for offset, raw in enumerate(lines):
             record, reason = _parse_record(raw)
-            if reason is None and (input_format := detect_format(record)) is None:
-                reason = (f"unknown format: expected {describe_formats()} (keys: "
-                          f"{', '.join(map(repr, list(record)[:8]))})")
             if reason is None:
-                line_formats[offset] = INPUT_FORMATS.index(input_format)
                 try:
-                    parts = read_conversations(record, input_format)
+                    input_format = self.kind.detect(record)
+                    line_formats[offset] = self.kind.input_formats.index(input_format)
+                    parts = self.kind.read(record, input_format)
                 except ConversationError as error:
                     reason = str(error)
                 else:
-                    conversations += parts
+                    items += parts
                     owners += [offset] * len(parts)
             if reason is not None:
                 errors[offset] = reason
-        encoded = self.encoder.encode(conversations)
+        encoded = self.encoder.encode(items)
         for offset, result in zip(owners, encoded):
             if isinstance(result, ConversationError):
                 errors.setdefault(offset, str(result))
         kept = [(offset, result) for offset, result in zip(owners, encoded) if offset not in errors]
-        lengths = numpy.fromiter((len(r.ids) for _, r in kept), numpy.int64, len(kept))
-        tokens = numpy.concatenate(
-            [array for _, r in kept for array in (r.ids, r.mask)] or [numpy.zeros(0, numpy.int64)]
-        ).astype(self.dtype)
+        sequences = [r.sequences for _, r in kept]
+        flat = [s for per_document in sequences for s in per_document]
         return _BatchResult(
-            keys={SFT_KEY: _KeyResult(
-                tokens=tokens,
-                sequence_lengths=numpy.repeat(lengths, 2).astype(numpy.int32),
-                document_sequences=numpy.full(len(kept), 2, numpy.int64),
-                document_tokens=2 * lengths,
+            keys={self.kind.key: _KeyResult(
+                tokens=numpy.concatenate(flat or [numpy.zeros(0, numpy.int64)]).astype(self.dtype),
+                sequence_lengths=numpy.fromiter(map(len, flat), numpy.int32, len(flat)),
+                document_sequences=numpy.fromiter(map(len, sequences), numpy.int64, len(kept)),
+                document_tokens=numpy.fromiter((sum(map(len, d)) for d in sequences), numpy.int64, len(kept)),
             )},
             document_lines=numpy.fromiter((offset for offset, _ in kept), numpy.int64, len(kept)),
             empty_documents=0,
             errors=sorted(errors.items()),
-            sft=_ConversationCounts(
+            records=_RecordCounts(
                 line_formats=line_formats,
                 trained_tokens=numpy.fromiter((r.trained_tokens for _, r in kept), numpy.int64, len(kept)),
-                max_token_id=numpy.fromiter((r.ids.max(initial=-1) for _, r in kept), numpy.int64, len(kept)),
+                # The ids are every other sequence (ids, mask, ids, mask, ...).
+                max_token_id=numpy.fromiter((max(s.max(initial=-1) for s in r.sequences[::2]) for _, r in kept),
+                                            numpy.int64, len(kept)),
             ),
         )
 
 
 def _drop_documents(result: _BatchResult, drop: numpy.ndarray) -> None:
-    """Remove the documents where `drop` is True from a result of `_ConversationBatchEncoder`."""
+    """Remove the documents where `drop` is True from a result of `_RecordBatchEncoder`."""
     keep = ~drop
     for key, key_result in result.keys.items():
         starts = numpy.cumsum(key_result.document_tokens) - key_result.document_tokens
@@ -455,26 +501,27 @@ def _drop_documents(result: _BatchResult, drop: numpy.ndarray) -> None:
             document_tokens=key_result.document_tokens[keep],
         )
     result.document_lines = result.document_lines[keep]
-    result.sft.trained_tokens = result.sft.trained_tokens[keep]
-    result.sft.max_token_id = result.sft.max_token_id[keep]
+    result.records.trained_tokens = result.records.trained_tokens[keep]
+    result.records.max_token_id = result.records.max_token_id[keep]
 
 
 class _FileFormats:
     """Each input file's format, that of its first record; a line of another format is an error."""
 
-    def __init__(self) -> None:
-        self.formats: dict[str, tuple[int, int]] = {}  # path -> (index into INPUT_FORMATS, its line)
+    def __init__(self, input_formats: tuple[str, ...]) -> None:
+        self.input_formats = input_formats
+        self.formats: dict[str, tuple[int, int]] = {}  # path -> (index into input_formats, its line)
 
     def check(self, batch: "_Batch", result: _BatchResult) -> None:
         """Add a `format mismatch` error for each line of `batch` in another format than its file's, and drop
-        its conversations; name a file's format in the log when its first record shows it."""
-        formats = result.sft.line_formats
+        its documents; name a file's format in the log when its first record shows it."""
+        formats = result.records.line_formats
         known = numpy.flatnonzero(formats >= 0)
         if not len(known):
             return
         if batch.path not in self.formats:
             self.formats[batch.path] = (int(formats[known[0]]), batch.first_line + int(known[0]))
-            print(f"note: {batch.path}: {INPUT_FORMATS[formats[known[0]]]} records (from line "
+            print(f"note: {batch.path}: {self.input_formats[formats[known[0]]]} records (from line "
                   f"{self.formats[batch.path][1]})", file=sys.stderr, flush=True)
         expected, line = self.formats[batch.path]
         wrong = numpy.flatnonzero((formats >= 0) & (formats != expected))
@@ -483,15 +530,15 @@ class _FileFormats:
         errors = dict(result.errors)
         for offset in wrong.tolist():
             errors.setdefault(offset, (
-                f"format mismatch: a {INPUT_FORMATS[formats[offset]]} record in a file of "
-                f"{INPUT_FORMATS[expected]} records (line {line} sets the file's format)"
+                f"format mismatch: a {self.input_formats[formats[offset]]} record in a file of "
+                f"{self.input_formats[expected]} records (line {line} sets the file's format)"
             ))
         result.errors = sorted(errors.items())
         _drop_documents(result, numpy.isin(result.document_lines, wrong))
 
     def names(self) -> str | None:
         """The formats seen, `messages` or `alpaca+messages` for several files of different ones."""
-        names = sorted({INPUT_FORMATS[index] for index, _ in self.formats.values()})
+        names = sorted({self.input_formats[index] for index, _ in self.formats.values()})
         return "+".join(names) or None
 
 
@@ -677,7 +724,7 @@ class _Worker:
 
 
 class _Workers:
-    """`config.workers` forked processes that run `encode` (a `_DocumentEncoder`, a `_ConversationBatchEncoder`)
+    """`config.workers` forked processes that run `encode` (a `_DocumentEncoder`, a `_RecordBatchEncoder`)
     on `batches`; leaving the `with` block stops them, at once (SIGKILL) when it is left by an exception.
 
         with _Workers(config, _DocumentEncoder(config, tokenizer, dtype), _read_batches(paths, config)) as workers:
@@ -821,20 +868,20 @@ def _publish(temporary: str, final: str, sidecar: bool = False) -> None:
         os.replace(temporary + ".json", final + ".json")
 
 
-def _sft_sidecar(config: PreprocessConfig, encoder: ConversationEncoder, formats: _FileFormats,
-                 totals: Counter) -> dict[str, Any]:
+def _sidecar(config: PreprocessConfig, kind: RecordKind, encoder, formats: _FileFormats,
+             totals: Counter) -> dict[str, Any]:
     """What `{output_prefix}_sft_document.json` says; the trainer checks "format" and "version" before reading."""
     return {
-        "format": "megatron_patch.sft",
-        "version": SFT_FORMAT_VERSION,
+        "format": kind.format,
+        "version": kind.version,
         "input_format": formats.names(),
-        "sft_loss": config.sft_loss,
+        **kind.settings(config),
         "chat_template_sha256": encoder.chat_template_sha256,
         "tokenizer_type": config.tokenizer_type,
-        "conversations": totals["conversations"],
+        kind.documents: totals["documents"],
         "tokens": totals["tokens"],
-        "trained_tokens": totals["trained_tokens"],
-        "max_token_id": totals["max_token_id"] if totals["conversations"] else None,
+        kind.trained: totals["trained_tokens"],
+        "max_token_id": totals["max_token_id"] if totals["documents"] else None,
     }
 
 
@@ -870,12 +917,13 @@ def preprocess(config: PreprocessConfig) -> PreprocessReport:
         raise ValueError(f"--append-eod: the {config.tokenizer_type} tokenizer has no eod/eos token")
     # The same rule as Megatron-LM: uint16 below 65500 tokens, else int32.
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
-    if config.sft:
-        conversation_encoder = build_conversation_encoder(config, tokenizer)
-        encode = _ConversationBatchEncoder(conversation_encoder, dtype)
+    kind = RECORD_KINDS[config.record_kind] if config.record_kind else None
+    if kind is not None:
+        record_encoder = kind.build_encoder(config, tokenizer)
+        encode = _RecordBatchEncoder(kind, record_encoder, dtype)
     else:
         encode = _DocumentEncoder(config, tokenizer, dtype)
-    file_formats, sft_totals = _FileFormats(), Counter()
+    file_formats, record_totals = _FileFormats(kind.input_formats if kind else ()), Counter()
     finals = config.output_prefixes()
     os.makedirs(os.path.dirname(os.path.abspath(config.output_prefix)), exist_ok=True)
     for final in finals.values():
@@ -899,7 +947,7 @@ def preprocess(config: PreprocessConfig) -> PreprocessReport:
                 builders[key] = [IndexedDatasetBuilder(p + ".bin", dtype=dtype) for p in prefixes]
             for batch, result in workers.results():
                 report.input_bytes += batch.nbytes
-                if result.sft is not None:
+                if result.records is not None:
                     file_formats.check(batch, result)
                 for offset, reason in result.errors:
                     if not config.skip_invalid:
@@ -916,14 +964,14 @@ def preprocess(config: PreprocessConfig) -> PreprocessReport:
                 report.documents += len(result.document_lines)
                 report.empty_documents += result.empty_documents
                 report.sequences += len(first.sequence_lengths)
-                # A conversation's tokens are stored twice: its ids, then its mask.
-                report.tokens += len(first.tokens) // (2 if result.sft is not None else 1)
-                if result.sft is not None:
-                    sft_totals["conversations"] += len(result.document_lines)
-                    sft_totals["tokens"] += int(first.document_tokens.sum()) // 2
-                    sft_totals["trained_tokens"] += int(result.sft.trained_tokens.sum())
-                    batch_max = int(result.sft.max_token_id.max(initial=0))
-                    sft_totals["max_token_id"] = max(sft_totals["max_token_id"], batch_max)
+                # A record's tokens are stored twice: each sequence's ids, then its mask.
+                report.tokens += len(first.tokens) // (2 if result.records is not None else 1)
+                if result.records is not None:
+                    record_totals["documents"] += len(result.document_lines)
+                    record_totals["tokens"] += int(first.document_tokens.sum()) // 2
+                    record_totals["trained_tokens"] += int(result.records.trained_tokens.sum())
+                    batch_max = int(result.records.max_token_id.max(initial=0))
+                    record_totals["max_token_id"] = max(record_totals["max_token_id"], batch_max)
                 progress.update(report.documents, report.input_bytes, report.tokens, batch.position)
         for key, prefixes in part_prefixes.items():
             with _naming(f"{finals[key]}.bin/.idx"):
@@ -937,14 +985,15 @@ def preprocess(config: PreprocessConfig) -> PreprocessReport:
                         with collect_only_new_objects():  # add_index ends in a full gc.collect()
                             merged.add_index(prefix)
                     merged.finalize(finals[key] + tmp + ".idx")
-        if config.sft:
-            report.sft = _sft_sidecar(config, conversation_encoder, file_formats, sft_totals)
-            with _naming(finals[SFT_KEY] + ".json"), open(finals[SFT_KEY] + tmp + ".json", "w") as f:
-                json.dump(report.sft, f, indent=2)
+        if kind is not None:
+            sidecar = _sidecar(config, kind, record_encoder, file_formats, record_totals)
+            setattr(report, kind.key, sidecar)
+            with _naming(finals[kind.key] + ".json"), open(finals[kind.key] + tmp + ".json", "w") as f:
+                json.dump(sidecar, f, indent=2)
                 f.write("\n")
         for final in finals.values():
-            _publish(final + tmp, final, sidecar=config.sft)
-            if not config.sft:  # an SFT prefix's sidecar records its max_token_id
+            _publish(final + tmp, final, sidecar=kind is not None)
+            if kind is None:  # an SFT prefix's sidecar records its max_token_id
                 record_largest_token_id(final)  # so that a run checks its token ids without reading the .bin
     finally:
         for key, prefixes in part_prefixes.items():
@@ -964,13 +1013,13 @@ SHOW_HEADER = (
 )
 
 
-def show_conversation(config: PreprocessConfig, line_number: int) -> str:
-    """Line `line_number` (1-based, over the `--input` files in order) as the model sees it: each of its
-    conversations rendered, the trained spans between `[[` and `]]`, with token counts. Writes nothing.
+def show_line(config: PreprocessConfig, line_number: int) -> str:
+    """Line `line_number` (1-based, over the `--input` files in order) as the model sees it: with `--sft` each of
+    its conversations rendered, the trained tokens between `[[` and `]]`, with token counts. Writes nothing.
 
-        print(show_conversation(PreprocessConfig(input="chat.jsonl", output_prefix="-", sft=True,
-                                                 tokenizer_type="HuggingFaceTokenizer",
-                                                 tokenizer_options={"tokenizer_model": "tok"}), 3))
+        print(show_line(PreprocessConfig(input="chat.jsonl", output_prefix="-", sft=True,
+                                         tokenizer_type="HuggingFaceTokenizer",
+                                         tokenizer_options={"tokenizer_model": "tok"}), 3))
     """
     seen = 0
     for path in expand_inputs(config.input):
@@ -978,31 +1027,45 @@ def show_conversation(config: PreprocessConfig, line_number: int) -> str:
             for number, raw in enumerate(f, start=1):
                 seen += 1
                 if seen == line_number:
-                    return _show_line(config, path, number, raw)
+                    return _show_record(config, path, number, raw)
     raise InputError(f"--show {line_number}: --input {config.input} has {seen} lines")
 
 
-def _show_line(config: PreprocessConfig, path: str, number: int, raw: bytes) -> str:
+def _show_record(config: PreprocessConfig, path: str, number: int, raw: bytes) -> str:
+    kind = RECORD_KINDS[config.record_kind]
     tokenizer = build_tokenizer(config.tokenizer_type, **config.tokenizer_options)
-    encoder = build_conversation_encoder(config, tokenizer)
+    encoder = kind.build_encoder(config, tokenizer)
     record, reason = _parse_record(raw.rstrip(b"\n"))
-    if reason is None and (input_format := detect_format(record)) is None:
-        reason = f"unknown format: expected {describe_formats()}"
     try:
         if reason is not None:
             raise ConversationError(reason)
-        conversations = read_conversations(record, input_format)
-        shown = [(encoder.show(c), encoder.encode_one(c)) for c in conversations]
+        input_format = kind.detect(record)
+        what, lines = kind.show(config, encoder, kind.read(record, input_format))
     except ConversationError as error:
         raise InputError(f"{path}:{number}: {error}") from None
-    template = "plain text (no chat template)" if encoder.chat_template is None else (
+    template = "plain text (no chat template)" if encoder.chat_template_sha256 is None else (
         f"chat template sha256 {encoder.chat_template_sha256[:12]}")
-    out = [SHOW_HEADER, f"# {path}:{number}: {input_format} record, {len(shown)} conversation(s), "
-           f"--sft-loss {config.sft_loss}, {template}"]
-    for index, (text, encoded) in enumerate(shown, start=1):
-        out.append(f"# conversation {index}: {len(encoded.ids)} tokens, {encoded.trained_tokens} trained")
-        out.append(text)
-    return "\n".join(out)
+    return "\n".join([kind.show_header, f"# {path}:{number}: {input_format} record, {what}, {template}", *lines])
+
+
+def _show_conversations(config: PreprocessConfig, encoder: ConversationEncoder, conversations: list) -> tuple:
+    lines = []
+    for index, conversation in enumerate(conversations, start=1):
+        encoded = encoder.encode_one(conversation)
+        lines.append(f"# conversation {index}: {len(encoded.ids)} tokens, {encoded.trained_tokens} trained")
+        lines.append(mark_trained(encoder.tokenizer, encoded.ids, encoded.mask))
+    return f"{len(conversations)} conversation(s), --sft-loss {config.sft_loss}", lines
+
+
+RECORD_KINDS = {
+    SFT_KEY: RecordKind(
+        key=SFT_KEY, format="megatron_patch.sft", version=SFT_FORMAT_VERSION, input_formats=INPUT_FORMATS,
+        detect=_detect_conversation_format, read=read_conversations, build_encoder=build_conversation_encoder,
+        documents="conversations", trained="trained_tokens", settings=lambda config: {"sft_loss": config.sft_loss},
+        show=_show_conversations, show_header=SHOW_HEADER,
+    ),
+}
+"""What `--sft` reads and writes, by the outputs' key (`PreprocessConfig.record_kind`)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1111,7 +1174,7 @@ def main(argv: list[str] | None = None) -> int:
         sft_loss=args.sft_loss,
     )
     if args.show is not None:
-        print(show_conversation(config, args.show))
+        print(show_line(config, args.show))
         return 0
     # The workers are stopped and the temporary files removed on a SIGTERM as on Ctrl-C.
     unwind_on_sigterm()
