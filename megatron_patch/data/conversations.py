@@ -146,13 +146,23 @@ def _message(raw: Any, where: str) -> dict[str, Any]:
     return message
 
 
-def _messages(raw: Any, key: str) -> list[dict[str, Any]]:
+def read_messages(raw: Any, key: str) -> list[dict[str, Any]]:
+    """The messages of `raw`, a record's value under `key`: a non-empty list, each message checked by role.
+
+    >>> read_messages([{"role": "user", "content": "Hi", "name": None}], "prompt")
+    [{'role': 'user', 'content': 'Hi'}]
+    """
     if not isinstance(raw, list) or not raw:
         raise ConversationError(f"bad message: {key!r} must be a non-empty list of messages")
     return [_message(m, f"{key}[{i}]") for i, m in enumerate(raw)]
 
 
-def _tools(record: dict) -> list[dict[str, Any]] | None:
+def read_tools(record: dict) -> list[dict[str, Any]] | None:
+    """A record's `tools`, a list of JSON schemas or a JSON string of one; None without.
+
+    >>> read_tools({"tools": '[{"type": "function"}]'})
+    [{'type': 'function'}]
+    """
     tools = record.get("tools")
     if isinstance(tools, str):  # LLaMA-Factory keeps them as a JSON string
         try:
@@ -210,8 +220,8 @@ def read_conversations(record: dict, input_format: str) -> list[Conversation]:
         # [Conversation(messages=[user '2+2=', assistant '4'], trained_from=1, plain=('2+2=', '4'))]
     """
     if input_format == "messages":
-        tools = _tools(record)
-        parts = split_megatron_conversations(_messages(record["messages"], "messages"))
+        tools = read_tools(record)
+        parts = split_megatron_conversations(read_messages(record["messages"], "messages"))
         return [Conversation(part, tools) for part in parts]
     if input_format == "sharegpt":
         turns = record["conversations"]
@@ -221,16 +231,16 @@ def read_conversations(record: dict, input_format: str) -> list[Conversation]:
         system = _string(record, "system", optional=True)
         if system and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": system})
-        return [Conversation(messages, _tools(record))]
+        return [Conversation(messages, read_tools(record))]
     if input_format in ("prompt-completion", "prompt-response"):
         answer_key = input_format.split("-")[1]
         prompt, answer = record["prompt"], record[answer_key]
         if isinstance(prompt, str) and isinstance(answer, str):
             messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
-            return [Conversation(messages, _tools(record), trained_from=1, plain=(prompt, answer))]
+            return [Conversation(messages, read_tools(record), trained_from=1, plain=(prompt, answer))]
         if isinstance(prompt, list) and isinstance(answer, list):
-            prompt_messages = _messages(prompt, "prompt")
-            return [Conversation(prompt_messages + _messages(answer, answer_key), _tools(record),
+            prompt_messages = read_messages(prompt, "prompt")
+            return [Conversation(prompt_messages + read_messages(answer, answer_key), read_tools(record),
                                  trained_from=len(prompt_messages))]
         raise ConversationError(
             f"bad prompt: 'prompt' and {answer_key!r} must both be strings or both be lists of messages, got "
@@ -364,7 +374,22 @@ class ConversationEncoder:
             spans.append((len(before), len(upto)))
         return text, spans, False
 
+    def render_text(self, conversation: Conversation, generation_prompt: bool = False) -> str:
+        """The template's text of the whole conversation, with the generation prompt after it if asked: what
+        `apply_chat_template(messages, tools=..., add_generation_prompt=..., tokenize=False)` returns."""
+        return self._render(conversation, conversation.messages, generation_prompt)[0]
+
     # --- tokenizing ------------------------------------------------------------------------------------------
+
+    def tokenize_rendered(self, texts: list[str]) -> list[list[int]]:
+        """The ids of rendered texts as `apply_chat_template(tokenize=True)` gives them: the template wrote the
+        special tokens, the tokenizer adds none."""
+        if self._backend is not None:
+            return [e.ids for e in self._backend.encode_batch_fast(texts, add_special_tokens=False)]
+        hf = getattr(self.tokenizer, "_hf", None)
+        if hf is not None:
+            return hf(texts, add_special_tokens=False).input_ids
+        return self.tokenizer.tokenize_batch(texts)
 
     def encode(self, conversations: list[Conversation]) -> list["EncodedConversation | ConversationError"]:
         """Each conversation's ids and mask, or the ConversationError that refuses it; one tokenizer call for the

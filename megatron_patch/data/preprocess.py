@@ -28,6 +28,13 @@ conversation one document of two sequences of equal length, its token ids then i
 a trained target; the trainer shifts it), in the `.bin`'s dtype; and `{output_prefix}_sft_document.json`
 (`"format": "megatron_patch.sft"`, its version, the input format, `--sft-loss`, the chat template's sha256, the
 counts), published last. `--sft --show N` prints line N as the model sees it and writes nothing.
+
+`--dpo` reads preference pairs the same way (formats and TRL's tokenization: `data/preferences.py`) and writes
+`{output_prefix}_dpo_document.bin/.idx`: each pair one document of four sequences, the chosen sequence's ids and its
+0/1 completion mask (1: a token whose log-probability the DPO loss sums), then the rejected sequence's ids and mask;
+and `{output_prefix}_dpo_document.json` (`"format": "megatron_patch.dpo"`, its version, the input format, the chat
+template's sha256, pairs, tokens, completion tokens, the largest token id). `--dpo --show N` prints line N's two
+sequences.
 """
 
 import argparse
@@ -64,6 +71,12 @@ from megatron_patch.data.conversations import (
 )
 from megatron_patch.data.data_path import record_largest_token_id
 from megatron_patch.data.jsonl import InputError, expand_inputs, open_input
+from megatron_patch.data.preferences import (
+    PREFERENCE_FORMATS,
+    PreferenceEncoder,
+    detect_preference_format,
+    read_preference,
+)
 from megatron_patch.data.progress import Progress
 from megatron_patch.data.sentences import SentenceSplitter
 from megatron_patch.errors import FlagParser, UserError, one_line_errors, unwind_on_sigterm
@@ -82,6 +95,10 @@ SFT_KEY = "sft"
 """The outputs' key with `--sft`: `{output_prefix}_sft_document.bin/.idx/.json`."""
 SFT_FORMAT_VERSION = 1
 """The version of `{output_prefix}_sft_document.json`, whose "format" is "megatron_patch.sft"."""
+DPO_KEY = "dpo"
+"""The outputs' key with `--dpo`: `{output_prefix}_dpo_document.bin/.idx/.json`."""
+DPO_FORMAT_VERSION = 1
+"""The version of `{output_prefix}_dpo_document.json`, whose "format" is "megatron_patch.dpo"."""
 
 
 @dataclass
@@ -118,6 +135,10 @@ class PreprocessConfig:
     """With `sft`: a jinja chat template file that replaces the tokenizer's own (`--chat-template FILE`)."""
     sft_loss: str = "assistant"
     """With `sft`: the trained tokens, `assistant` (every assistant turn), `last-turn` or `all`."""
+    dpo: bool = False
+    """Read preference pairs (see `data/preferences.py`) and write each as one document of four sequences, the
+    chosen and the rejected ids each followed by its completion mask, to `{output_prefix}_dpo_document.bin/.idx` with a
+    `.json` beside."""
 
     def __post_init__(self) -> None:
         for name in ("workers", "partitions", "log_interval", "batch_bytes", "batch_lines"):
@@ -125,21 +146,23 @@ class PreprocessConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if not self.json_keys:
             raise ValueError("--json-keys needs at least one key")
+        if self.sft and self.dpo:
+            raise ValueError("--sft and --dpo: choose one (conversations or preference pairs)")
         if self.record_kind:
             if self.split_sentences or self.append_eod or self.json_keys != ["text"]:
                 raise ValueError(
-                    "--sft takes whole conversations, and the chat template decides their end: drop "
-                    "--split-sentences, --append-eod and --json-keys"
+                    f"--{self.record_kind} takes whole records, and the chat template or the tokenizer's eos decides "
+                    "their end: drop --split-sentences, --append-eod and --json-keys"
                 )
             if self.sft_loss not in LOSS_MODES:
                 raise ValueError(f"--sft-loss {self.sft_loss}: choose one of {', '.join(LOSS_MODES)}")
         elif self.chat_template is not None:
-            raise ValueError("--chat-template renders conversations: add --sft")
+            raise ValueError("--chat-template renders conversations: add --sft or --dpo")
 
     @property
     def record_kind(self) -> str | None:
-        """"sft", the kind of record read instead of documents (a key of RECORD_KINDS), None for documents."""
-        return SFT_KEY if self.sft else None
+        """"sft" or "dpo", the kind of record read instead of documents (a key of RECORD_KINDS), None for documents."""
+        return SFT_KEY if self.sft else DPO_KEY if self.dpo else None
 
     @property
     def level(self) -> str:
@@ -147,7 +170,7 @@ class PreprocessConfig:
 
     def output_prefixes(self) -> dict[str, str]:
         """`{key: "{output_prefix}_{key}_{level}"}`, the names Megatron-LM gives its outputs
-        (`{"sft": "{output_prefix}_sft_document"}` with `sft`)."""
+        (`{"sft": "{output_prefix}_sft_document"}` with `sft`, "dpo" likewise)."""
         if self.record_kind:
             return {self.record_kind: f"{self.output_prefix}_{self.record_kind}_document"}
         return {key: f"{self.output_prefix}_{key}_{self.level}" for key in self.json_keys}
@@ -167,12 +190,14 @@ class PreprocessReport:
     skipped: Counter = field(default_factory=Counter)
     sft: dict[str, Any] | None = None
     """With `--sft`: what `{output_prefix}_sft_document.json` says (conversations, tokens, trained_tokens, ...)."""
+    dpo: dict[str, Any] | None = None
+    """With `--dpo`: what `{output_prefix}_dpo_document.json` says (pairs, tokens, completion_tokens, ...)."""
 
     def summary(self) -> str:
         skipped = sum(self.skipped.values())
         reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(self.skipped.items()))
         rate = self.input_bytes / max(self.seconds, 1e-9) / 1e6
-        for kind, sidecar in ((RECORD_KINDS[SFT_KEY], self.sft),):
+        for kind, sidecar in ((RECORD_KINDS[SFT_KEY], self.sft), (RECORD_KINDS[DPO_KEY], self.dpo)):
             if sidecar is not None:
                 return (
                     f"Done: {sidecar[kind.documents]} {kind.documents} ({sidecar['input_format']}), "
@@ -268,7 +293,7 @@ class _BatchResult:
     document_lines: numpy.ndarray  # line offset within the batch of each document written
     empty_documents: int  # of those, how many have no tokens (in some json key)
     errors: list[tuple[int, str]]  # (line offset, reason), in line order
-    records: "_RecordCounts | None" = None  # with --sft
+    records: "_RecordCounts | None" = None  # with --sft or --dpo
 
 
 class _DocumentEncoder:
@@ -370,7 +395,7 @@ def _encode_lines(config: PreprocessConfig, tokenizer, dtype: type, splitter, li
 
 @dataclass
 class _RecordCounts:
-    """What a batch of records (`--sft`) holds beyond its tokens: each line's input format (an index into
+    """What a batch of records (`--sft`, `--dpo`) holds beyond its tokens: each line's input format (an index into
     its kind's formats, -1 for none) and each document's trained tokens and largest token id."""
 
     line_formats: numpy.ndarray
@@ -402,10 +427,10 @@ def _detect_conversation_format(record: dict) -> str:
 
 @dataclass(frozen=True)
 class RecordKind:
-    """What a kind of record (`--sft`) reads and writes; the batch encoder, the file formats, the sidecar, the
-    summary and `--show` are the same code for every kind.
+    """What `--sft` and `--dpo` each read and write; the batch encoder, the file formats, the sidecar, the summary
+    and `--show` are the same code for both.
 
-        RECORD_KINDS["sft"].read(record, RECORD_KINDS["sft"].detect(record))   # [Conversation(...)]
+        RECORD_KINDS["dpo"].read(record, RECORD_KINDS["dpo"].detect(record))   # [Preference(...)]
     """
 
     key: str
@@ -417,14 +442,14 @@ class RecordKind:
     detect: Callable[[dict], str]
     """A record's input format; a ConversationError says why it has none."""
     read: Callable[[dict, str], list]
-    """A record's items (conversations), each one document; a ConversationError refuses the line."""
+    """A record's items (conversations, one pair), each one document; a ConversationError refuses the line."""
     build_encoder: Callable[["PreprocessConfig", Any], Any]
     """(config, tokenizer) -> the encoder whose `encode(items)` gives, per item, what has `sequences`,
     `trained_tokens`, or the ConversationError that refuses it."""
     documents: str
-    """The sidecar's name of the count of documents ("conversations")."""
+    """The sidecar's name of the count of documents ("conversations", "pairs")."""
     trained: str
-    """The sidecar's name of the count of tokens whose mask is 1 ("trained_tokens")."""
+    """The sidecar's name of the count of tokens whose mask is 1 ("trained_tokens", "completion_tokens")."""
     settings: Callable[["PreprocessConfig"], dict[str, Any]]
     """The flags the sidecar records besides the chat template."""
     show: Callable[["PreprocessConfig", Any, list], tuple[str, list[str]]]
@@ -433,7 +458,7 @@ class RecordKind:
 
 
 class _RecordBatchEncoder:
-    """The pool's encode function with `--sft`: each line's items (`kind.read`), encoded by `encoder`,
+    """The pool's encode function with `--sft` and `--dpo`: each line's items (`kind.read`), encoded by `encoder`,
     one document each of the item's sequences (ids, mask, ...). A line is written whole or not at all.
 
         _RecordBatchEncoder(RECORD_KINDS["sft"], ConversationEncoder(tokenizer), numpy.uint16)(
@@ -870,7 +895,7 @@ def _publish(temporary: str, final: str, sidecar: bool = False) -> None:
 
 def _sidecar(config: PreprocessConfig, kind: RecordKind, encoder, formats: _FileFormats,
              totals: Counter) -> dict[str, Any]:
-    """What `{output_prefix}_sft_document.json` says; the trainer checks "format" and "version" before reading."""
+    """What `{output_prefix}_{sft,dpo}_document.json` says; the trainer checks "format" and "version" before reading."""
     return {
         "format": kind.format,
         "version": kind.version,
@@ -892,6 +917,14 @@ def build_conversation_encoder(config: PreprocessConfig, tokenizer) -> Conversat
     """
     template = load_chat_template(config.chat_template) if config.chat_template is not None else None
     return ConversationEncoder(tokenizer, chat_template=template, loss=config.sft_loss)
+
+
+def build_preference_encoder(config: PreprocessConfig, tokenizer) -> PreferenceEncoder:
+    """The encoder `--dpo` runs: TRL's tokenization with the tokenizer's chat template or `--chat-template FILE`.
+
+        encoder = build_preference_encoder(config, build_tokenizer(config.tokenizer_type, **config.tokenizer_options))
+    """
+    return PreferenceEncoder(build_conversation_encoder(config, tokenizer))
 
 
 def preprocess(config: PreprocessConfig) -> PreprocessReport:
@@ -993,7 +1026,7 @@ def preprocess(config: PreprocessConfig) -> PreprocessReport:
                 f.write("\n")
         for final in finals.values():
             _publish(final + tmp, final, sidecar=kind is not None)
-            if kind is None:  # an SFT prefix's sidecar records its max_token_id
+            if kind is None:  # an SFT or DPO prefix's sidecar records its max_token_id
                 record_largest_token_id(final)  # so that a run checks its token ids without reading the .bin
     finally:
         for key, prefixes in part_prefixes.items():
@@ -1011,11 +1044,16 @@ def preprocess(config: PreprocessConfig) -> PreprocessReport:
 SHOW_HEADER = (
     "# Trained tokens (loss mask 1: the model learns to predict them) are between [[ and ]]; the rest is context."
 )
+DPO_SHOW_HEADER = (
+    "# Completion tokens (mask 1: the DPO loss sums their log-probabilities) are between [[ and ]]; the rest is the "
+    "prompt."
+)
 
 
 def show_line(config: PreprocessConfig, line_number: int) -> str:
-    """Line `line_number` (1-based, over the `--input` files in order) as the model sees it: with `--sft` each of
-    its conversations rendered, the trained tokens between `[[` and `]]`, with token counts. Writes nothing.
+    """Line `line_number` (1-based, over the `--input` files in order) as the model sees it, with `--sft` each of
+    its conversations, with `--dpo` its chosen and its rejected sequence, the trained tokens between `[[` and `]]`,
+    with token counts. Writes nothing.
 
         print(show_line(PreprocessConfig(input="chat.jsonl", output_prefix="-", sft=True,
                                          tokenizer_type="HuggingFaceTokenizer",
@@ -1057,6 +1095,16 @@ def _show_conversations(config: PreprocessConfig, encoder: ConversationEncoder, 
     return f"{len(conversations)} conversation(s), --sft-loss {config.sft_loss}", lines
 
 
+def _show_pair(config: PreprocessConfig, encoder: PreferenceEncoder, pairs: list) -> tuple:
+    [pair] = pairs
+    encoded = encoder.encode_one(pair)
+    lines = []
+    for name, sequence in (("chosen", encoded.chosen), ("rejected", encoded.rejected)):
+        lines.append(f"# {name}: {len(sequence.ids)} tokens, {sequence.trained_tokens} completion")
+        lines.append(mark_trained(encoder.tokenizer, sequence.ids, sequence.mask))
+    return "one pair", lines
+
+
 RECORD_KINDS = {
     SFT_KEY: RecordKind(
         key=SFT_KEY, format="megatron_patch.sft", version=SFT_FORMAT_VERSION, input_formats=INPUT_FORMATS,
@@ -1064,8 +1112,14 @@ RECORD_KINDS = {
         documents="conversations", trained="trained_tokens", settings=lambda config: {"sft_loss": config.sft_loss},
         show=_show_conversations, show_header=SHOW_HEADER,
     ),
+    DPO_KEY: RecordKind(
+        key=DPO_KEY, format="megatron_patch.dpo", version=DPO_FORMAT_VERSION, input_formats=PREFERENCE_FORMATS,
+        detect=detect_preference_format, read=lambda record, input_format: [read_preference(record, input_format)],
+        build_encoder=build_preference_encoder, documents="pairs", trained="completion_tokens",
+        settings=lambda config: {}, show=_show_pair, show_header=DPO_SHOW_HEADER,
+    ),
 }
-"""What `--sft` reads and writes, by the outputs' key (`PreprocessConfig.record_kind`)."""
+"""What `--sft` and `--dpo` read and write, by the outputs' key (`PreprocessConfig.record_kind`)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1100,20 +1154,28 @@ def build_parser() -> argparse.ArgumentParser:
         "--keep-empty", action="store_true",
         help="accepted for old scripts: empty documents are written by default",
     )
-    group = parser.add_argument_group(title="conversations (supervised fine-tuning)")
-    group.add_argument(
+    group = parser.add_argument_group(title="conversations (supervised fine-tuning) and preference pairs (DPO)")
+    records = group.add_mutually_exclusive_group()
+    records.add_argument(
         "--sft", action="store_true",
         help="read conversations (messages, ShareGPT conversations, prompt/completion|response, alpaca), render "
         "them with the chat template and write ids and loss masks to PREFIX_sft_document.bin/.idx/.json",
     )
+    records.add_argument(
+        "--dpo", action="store_true",
+        help="read preference pairs (prompt/chosen/rejected as strings or messages, or chosen/rejected alone), "
+        "tokenize them as TRL's DPOTrainer does and write the chosen and rejected ids and completion masks to "
+        "PREFIX_dpo_document.bin/.idx/.json",
+    )
     group.add_argument("--chat-template", metavar="FILE", help="a jinja chat template replacing the tokenizer's")
     group.add_argument(
-        "--sft-loss", choices=LOSS_MODES, default="assistant",
-        help="trained tokens: every assistant turn (default), the last assistant turn, or all tokens",
+        "--sft-loss", choices=LOSS_MODES,
+        help="with --sft, trained tokens: every assistant turn (default), the last assistant turn, or all tokens",
     )
     group.add_argument(
         "--show", type=int, metavar="N",
-        help="with --sft: print line N of --input as the model sees it, trained spans marked, and write nothing",
+        help="with --sft or --dpo: print line N of --input as the model sees it, trained spans marked, and write "
+        "nothing",
     )
     group = parser.add_argument_group(title="output data")
     group.add_argument("--output-prefix", help="path prefix of the outputs, without suffix (required but with --show)")
@@ -1142,15 +1204,18 @@ def main(argv: list[str] | None = None) -> int:
     worker or a full disk (the traceback too with MEGATRON_PATCH_DEBUG=1)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.sft:
+    if args.sft or args.dpo:
+        flag, what = ("--sft", "conversations") if args.sft else ("--dpo", "pairs")
         document_flags = (("--split-sentences", args.split_sentences), ("--append-eod", args.append_eod),
                           ("--json-keys", args.json_keys is not None))
-        given = [flag for flag, value in document_flags if value]
+        given = [name for name, value in document_flags if value]
         if given:
-            parser.error(f"{', '.join(given)}: not with --sft, which takes whole conversations and ends them as the "
-                         "chat template does; drop them")
-    elif args.show is not None or args.chat_template is not None:
-        parser.error("--show and --chat-template work on conversations: add --sft")
+            parser.error(f"{', '.join(given)}: not with {flag}, which takes whole {what} and ends them as the chat "
+                         "template (or, for plain text, the tokenizer's eos) does; drop them")
+        if args.dpo and args.sft_loss is not None:
+            parser.error("--sft-loss: not with --dpo, which marks each answer's completion as TRL's DPOTrainer does")
+    elif args.show is not None or args.chat_template is not None or args.sft_loss is not None:
+        parser.error("--show, --chat-template and --sft-loss work on conversations or pairs: add --sft or --dpo")
     if args.output_prefix is None and args.show is None:
         parser.error("the following arguments are required: --output-prefix")
     config = PreprocessConfig(
@@ -1171,7 +1236,8 @@ def main(argv: list[str] | None = None) -> int:
         reject_empty=args.reject_empty,
         sft=args.sft,
         chat_template=args.chat_template,
-        sft_loss=args.sft_loss,
+        sft_loss=args.sft_loss or "assistant",
+        dpo=args.dpo,
     )
     if args.show is not None:
         print(show_line(config, args.show))
