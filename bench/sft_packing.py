@@ -144,7 +144,7 @@ def _write_prepared(prefix: str, lengths, vocab: int, seed: int) -> None:
     import numpy
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
-    from megatron_patch.training.sft import SFT_FORMAT, SFT_VERSION, sidecar_path
+    from megatron_patch.training.sft import SFT, sidecar_path
 
     rng = numpy.random.default_rng(seed)
     builder = IndexedDatasetBuilder(prefix + ".bin", dtype=DType.optimal_dtype(vocab))
@@ -153,7 +153,7 @@ def _write_prepared(prefix: str, lengths, vocab: int, seed: int) -> None:
         builder.add_document(numpy.concatenate([rng.integers(0, vocab, n), mask]), [n, n])
     builder.finalize(prefix + ".idx")
     with open(sidecar_path(prefix), "w") as f:
-        json.dump({"format": SFT_FORMAT, "version": SFT_VERSION, "conversations": len(lengths)}, f)
+        json.dump({"format": SFT.format, "version": SFT.version, "conversations": len(lengths)}, f)
 
 
 def measure_packing(seq_length: int, conversations: int, steps: int, seed: int = 0) -> dict:

@@ -410,10 +410,12 @@ def run_config(flags: argparse.Namespace, world_size: int | None, *, layout: boo
         config = from_flags(
             RunConfig, values, local_rank=_environment("LOCAL_RANK", flags.local_rank or 0),
             rank=_environment("RANK", 0), world_size=world_size, model=model, parallel=parallel,
-            # SFT's loss is per trained token over the global batch, so that packing changes no token's weight.
+            # SFT's loss is per trained token over the global batch, so that packing changes no token's weight
+            # (DPO's, per preference pair).
             training=from_flags(TrainingConfig, values, data_parallel_size=data_parallel_size,
                                 memory_optimization=memory, use_distributed_optimizer=distributed,
-                                calculate_per_token_loss=flags.calculate_per_token_loss or flags.sft),
+                                calculate_per_token_loss=flags.calculate_per_token_loss or flags.sft
+                                or flags.dpo),
             data=from_flags(DataConfig, values, seq_length=model.value("seq_length"),
                             dataset_path=flags.dataset_path or (flags.data_path[0] if flags.data_path else None),
                             dataset_name=flags.dataset_name or flags.data_name),
@@ -424,7 +426,7 @@ def run_config(flags: argparse.Namespace, world_size: int | None, *, layout: boo
             flag_notices=tuple(notices))
     except ValueError as error:  # a section's, the layout's or the model's refusal, naming the flags
         _refuse(str(error))
-    if launcher and config.data.sft:
+    if launcher and (config.data.sft or config.data.dpo):
         _check_sft_run(config)
     if launcher and layout:
         _check_resume_schedule(flags, config.training)
@@ -433,7 +435,8 @@ def run_config(flags: argparse.Namespace, world_size: int | None, *, layout: boo
 
 
 def _check_sft_run(config: RunConfig) -> None:
-    """An ``--sft`` run's data prepared and packed before any rank starts (training/sft.py), wrong input refused."""
+    """An ``--sft`` or ``--dpo`` run's data prepared and packed before any rank starts (training/sft.py), wrong
+    input refused."""
     from megatron_patch.errors import UserError
     from megatron_patch.tokenizer.registry import build_tokenizer
     from megatron_patch.training.sft import check_sft_run
@@ -446,7 +449,7 @@ def _check_sft_run(config: RunConfig) -> None:
     for prefix, largest in prefixes.items():
         if largest is not None and largest >= vocab:
             _refuse(f"--data-path {prefix}: token id {largest} is beyond the {vocab} tokens of --tokenizer-type "
-                    f"{config.tokenizer_type}; prepare the conversations with the tokenizer the run uses")
+                    f"{config.tokenizer_type}; prepare the data with the tokenizer the run uses")
 
 
 def parse_flags(argv: list[str] | None = None) -> argparse.Namespace:

@@ -344,6 +344,16 @@ class DataConfig:
     chat_template: str | None = flag(
         metavar="FILE", help="a jinja chat template rendering the .jsonl conversations given with --sft, instead of "
                              "the tokenizer's own (preprocess-data --chat-template)")
+    dpo: bool = flag(default=False, help="preference tuning, DPO (examples/gpt/dpo_gpt.py): --data-path names "
+                                         "prefixes written by `megatron-patch preprocess-data --dpo`; the "
+                                         "reference model's log-probabilities come from one pass before training")
+    dpo_beta: float = flag(default=0.1, type=float, help="DPO's beta, the weight of the log-probability ratios "
+                                                         "against the reference (TRL's beta)")
+    dpo_loss_type: str = flag(default="sigmoid", choices=["sigmoid", "ipo"],
+                              help="sigmoid: -log sigmoid(beta * margin) (DPO); ipo: (margin per token - 1/(2 beta))^2")
+    dpo_overlong: str | None = flag(
+        choices=["skip"], help="a preference pair whose two sequences do not fit --seq-length is left out, and "
+                               "counted in the log; without the flag such a pair stops the run before it starts")
 
     def __post_init__(self):
         # Megatron-LM's cyclic loader reshuffles every epoch and its external one leaves batching to the user script;
@@ -352,12 +362,14 @@ class DataConfig:
                     f"--dataloader-type {self.dataloader_type}: samples come here in Megatron-LM's 'single' order "
                     "(megatron-core's datasets are shuffled already, and a resume continues at the consumed sample); "
                     "drop the flag or give single"),
-                   ((self.train_data_path or self.valid_data_path) and not self.sft,
+                   ((self.train_data_path or self.valid_data_path) and not (self.sft or self.dpo),
                     "--train-data-path/--valid-data-path name supervised fine-tuning data here: add --sft (pretraining "
                     "takes --data-path with --split)"),
-                   (self.sft and self.train_data_path and self.data_path,
-                    "--sft: give either --data-path (split by --split) or --train-data-path/--valid-data-path, not "
-                    "both")])
+                   ((self.sft or self.dpo) and self.train_data_path and self.data_path,
+                    f"{'--dpo' if self.dpo else '--sft'}: give either --data-path (split by --split) or "
+                    "--train-data-path/--valid-data-path, not both"),
+                   (self.sft and self.dpo, "--sft and --dpo train on different data: give one of them"),
+                   (self.dpo_beta <= 0, f"--dpo-beta {self.dpo_beta}: give a positive beta (TRL's default is 0.1)")])
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -592,7 +604,14 @@ class RunConfig:
     """One line per given flag that does nothing here (ignored_flags.flag_notices), logged once by the engine."""
 
     def __post_init__(self):
-        _refusals([(self.data.sft and self.data.sft_packing and self.training.micro_batch_size != 1,
+        _refusals([(self.data.dpo and self.training.micro_batch_size != 1,
+                    f"--dpo places each preference pair's two sequences in one --seq-length sample, attending to "
+                    f"themselves only: give --micro-batch-size 1 (not {self.training.micro_batch_size})"),
+                   (self.data.dpo and self.parallel.context_parallel_size > 1,
+                    "--dpo with --context-parallel-size > 1 is not built here: give 1"),
+                   (self.data.dpo and self.model.value("mtp_num_layers"),
+                    "--dpo with --mtp-num-layers is not built here: drop it"),
+                   (self.data.sft and self.data.sft_packing and self.training.micro_batch_size != 1,
                     f"--sft packs conversations into one --seq-length sequence per microbatch: give --micro-batch-size "
                     f"1 (not {self.training.micro_batch_size}) and a longer --seq-length, or --no-sft-packing"),
                    (self.data.sft and self.data.sft_packing and self.parallel.context_parallel_size > 1,

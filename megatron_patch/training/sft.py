@@ -42,8 +42,31 @@ from megatron_patch.errors import UserError
 from megatron_patch.model.forward import forward_only_step
 from megatron_patch.training.step import lm_loss_func
 
-SFT_SUFFIX = "_sft_document"
-SFT_FORMAT, SFT_VERSION = "megatron_patch.sft", 1
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedKind:
+    """What ``preprocess-data`` writes for a post-training flag and how a run reads it: each document of the
+    ``.bin/.idx`` holds one item (a conversation, a preference pair) as (token ids, 0/1 mask) sequences, one per
+    name in ``sequences``."""
+
+    flag: str
+    suffix: str
+    format: str
+    version: int
+    sequences: tuple[str, ...]
+    items: str
+    label: str
+
+
+SFT = PreparedKind("--sft", "_sft_document", "megatron_patch.sft", 1, ("conversation",), "conversations", "SFT")
+DPO = PreparedKind("--dpo", "_dpo_document", "megatron_patch.dpo", 1, ("chosen", "rejected"), "preference pairs",
+                   "DPO")
+
+
+def kind_of(data) -> PreparedKind:
+    """The kind of post-training data a run's DataConfig asks for (``--dpo``, else ``--sft``)."""
+    return DPO if getattr(data, "dpo", False) else SFT
 # Bumped when the packing of the same lengths changes, so that no cache of an older packer is read.
 _PACKER_VERSION = 1
 
@@ -54,58 +77,66 @@ def sidecar_path(prefix: str) -> str:
 
 
 class Conversations:
-    """One prepared prefix: conversation ``i`` is document ``i`` of its ``.bin/.idx``, whose two sequences are the
-    token ids and the 0/1 mask of the tokens trained on.
+    """One prepared prefix: item ``i`` (a conversation; for ``DPO`` a preference pair) is document ``i`` of its
+    ``.bin/.idx``, whose sequences are token ids and the 0/1 mask of the tokens trained on, in turn.
 
     Example::
 
         data = Conversations("data/chat_sft_document")
         len(data), data.lengths[:3]          # (1000, array([312, 85, 1024]))
         ids, mask = data[0]
+        chosen_ids, chosen_mask, rejected_ids, rejected_mask = Conversations("data/prefs_dpo_document", DPO)[0]
     """
 
-    def __init__(self, prefix: str):
+    def __init__(self, prefix: str, kind: PreparedKind = SFT):
         from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-        self.prefix = prefix
+        self.prefix, self.kind = prefix, kind
+        flag, tool = kind.flag, f"`megatron-patch preprocess-data {kind.flag}`"
         record = sidecar_path(prefix)
         if not os.path.isfile(prefix + ".idx") or not os.path.isfile(prefix + ".bin"):
             stem, suffix = os.path.splitext(prefix)
             if suffix in (".bin", ".idx") and os.path.isfile(stem + ".idx"):
-                raise UserError(f"--sft --data-path {prefix} names a data file; give its prefix, without {suffix}: "
+                raise UserError(f"{flag} --data-path {prefix} names a data file; give its prefix, without {suffix}: "
                                 f"--data-path {stem}")
-            if os.path.isfile(prefix + SFT_SUFFIX + ".idx"):
-                raise UserError(f"--sft --data-path {prefix}: no {prefix}.bin/.idx, but {prefix}{SFT_SUFFIX}.idx "
-                                f"exists: give --data-path {prefix}{SFT_SUFFIX}")
-            raise UserError(f"--sft --data-path {prefix}: no {prefix}.bin/.idx; prepare the conversations with "
-                            "`megatron-patch preprocess-data --sft --input FILE.jsonl --output-prefix P` and give "
-                            f"P{SFT_SUFFIX}, or give the .jsonl itself")
+            if os.path.isfile(prefix + kind.suffix + ".idx"):
+                raise UserError(f"{flag} --data-path {prefix}: no {prefix}.bin/.idx, but {prefix}{kind.suffix}.idx "
+                                f"exists: give --data-path {prefix}{kind.suffix}")
+            raise UserError(f"{flag} --data-path {prefix}: no {prefix}.bin/.idx; prepare the {kind.items} with "
+                            f"`megatron-patch preprocess-data {flag} --input FILE.jsonl --output-prefix P` and give "
+                            f"P{kind.suffix}, or give the .jsonl itself")
         try:
             with open(record) as f:
                 self.info = json.load(f)
         except FileNotFoundError:
-            raise UserError(f"--sft --data-path {prefix}: {record} is missing, so these are not conversations prepared "
-                            "by `preprocess-data --sft` (plain documents train with examples/gpt/pretrain_gpt.py); "
-                            "prepare them with `megatron-patch preprocess-data --sft`") from None
-        if self.info.get("format") != SFT_FORMAT or self.info.get("version") != SFT_VERSION:
+            raise UserError(f"{flag} --data-path {prefix}: {record} is missing, so these are not {kind.items} "
+                            f"prepared by {tool} (plain documents train with examples/gpt/pretrain_gpt.py); prepare "
+                            f"them with {tool}") from None
+        if self.info.get("format") != kind.format or self.info.get("version") != kind.version:
             raise UserError(f"{record}: format {self.info.get('format')!r} version {self.info.get('version')!r}, not "
-                            f"{SFT_FORMAT!r} version {SFT_VERSION}; prepare the data again with this release's "
-                            "`megatron-patch preprocess-data --sft`")
+                            f"{kind.format!r} version {kind.version}; prepare the data again with this release's "
+                            f"{tool}")
         self.dataset = IndexedDataset(prefix, mmap=True)
         lengths = self.dataset.sequence_lengths.astype(numpy.int64)
+        width = 2 * len(kind.sequences)  # (ids, mask) per sequence
         documents = self.dataset.document_indices
-        if len(lengths) % 2 or not numpy.array_equal(documents, numpy.arange(0, len(lengths) + 1, 2)) \
+        if len(lengths) % width or not numpy.array_equal(documents, numpy.arange(0, len(lengths) + 1, width)) \
                 or not numpy.array_equal(lengths[0::2], lengths[1::2]):
-            raise UserError(f"{prefix}.idx: its documents are not (tokens, loss mask) pairs of equal length; prepare "
-                            "the data again with `megatron-patch preprocess-data --sft`")
-        self.lengths = lengths[0::2]
-        """Each conversation's number of tokens."""
+            raise UserError(f"{prefix}.idx: its documents are not {len(kind.sequences)} (tokens, loss mask) pair(s) "
+                            f"of equal length; prepare the data again with {tool}")
+        self.sequence_lengths = lengths[0::2].reshape(-1, len(kind.sequences))
+        """Each item's sequences' numbers of tokens."""
+        self.lengths = self.sequence_lengths.sum(axis=1)
+        """Each item's number of tokens."""
+        self.predictions = self.lengths - len(kind.sequences)
+        """The positions each item fills in a sample: a sequence of n tokens predicts n - 1 of them."""
 
     def __len__(self) -> int:
         return len(self.lengths)
 
-    def __getitem__(self, index: int) -> tuple[numpy.ndarray, numpy.ndarray]:
-        return self.dataset[2 * index], self.dataset[2 * index + 1]
+    def __getitem__(self, index: int) -> tuple[numpy.ndarray, ...]:
+        width = 2 * len(self.kind.sequences)
+        return tuple(self.dataset[width * index + k] for k in range(width))
 
 
 def pack_best_fit(lengths: numpy.ndarray, capacity: int) -> list[numpy.ndarray]:
@@ -160,22 +191,24 @@ def _cached(path: str, compute) -> list[numpy.ndarray]:
 
 @dataclasses.dataclass
 class SFTStats:
-    """What building a split did to its conversations, for the log."""
+    """What building a split did to its items (conversations, preference pairs), for the log."""
 
+    kind: PreparedKind = SFT
     conversations: int = 0
     skipped: int = 0
     truncated: int = 0
     samples: int = 0
     tokens: int = 0
-    """Positions the conversations fill (a conversation of n tokens fills n - 1: each predicts the next)."""
+    """Positions the items fill (a sequence of n tokens fills n - 1: each predicts the next)."""
 
     def summary(self, name: str, seq_length: int, packed: bool) -> str:
         efficiency = self.tokens / max(self.samples * seq_length, 1)
         cut = (f", {self.skipped} skipped" if self.skipped else "") + \
               (f", {self.truncated} truncated" if self.truncated else "")
-        kind = "packs" if packed else "samples, one conversation each"
-        return (f" SFT {name}: {self.conversations} conversations{cut} in {self.samples} {kind} of {seq_length} "
-                f"tokens; packing efficiency {100 * efficiency:.1f}%")
+        one = self.kind.items[:-1]  # "conversation", "preference pair"
+        kind = "packs" if packed else f"samples, one {one} each"
+        return (f" {self.kind.label} {name}: {self.conversations} {self.kind.items}{cut} in {self.samples} {kind} of "
+                f"{seq_length} tokens; packing efficiency {100 * efficiency:.1f}%")
 
 
 class SFTDataset(torch.utils.data.Dataset):
@@ -191,24 +224,30 @@ class SFTDataset(torch.utils.data.Dataset):
 
     A conversation of n tokens gives n - 1 predictions (position i predicts token i + 1), so it fits when
     n - 1 <= seq_length; a longer one stops the build (``overlong`` None), is cut to seq_length + 1 tokens
-    ("truncate") or is left out ("skip").
+    ("truncate") or is left out ("skip"). A preference pair (``DPO`` data) fills the predictions of its chosen and
+    its rejected sequence, which attend to themselves only (``cu_seqlens``, packed or not); a sample names its
+    items (``"items"``: their indices in ``items``), whose sequences come in that order.
     """
 
     def __init__(self, parts: list[tuple[Conversations, numpy.ndarray]], seq_length: int, pad: int, packed: bool,
                  overlong: str | None, cache_dir: str | None, multiple_of: int = 1):
         self.parts, self.seq_length, self.pad, self.packed = [p for p, _ in parts], seq_length, pad, packed
+        kind = parts[0][0].kind if parts else SFT
+        # A pair's two sequences must not see each other, one pair to a sample too.
+        self.bounded = packed or len(kind.sequences) > 1
         owners = numpy.concatenate([numpy.full(len(indices), k, numpy.int64) for k, (_, indices) in enumerate(parts)]
                                    or [numpy.zeros(0, numpy.int64)])
         indices = numpy.concatenate([numpy.asarray(i, numpy.int64) for _, i in parts] or [numpy.zeros(0, numpy.int64)])
-        predictions = numpy.concatenate([p.lengths[i] - 1 for p, i in parts] or [numpy.zeros(0, numpy.int64)])
+        predictions = numpy.concatenate([p.predictions[i] for p, i in parts] or [numpy.zeros(0, numpy.int64)])
         over = predictions > seq_length
-        self.stats = SFTStats(conversations=len(indices))
+        self.stats = SFTStats(kind=kind, conversations=len(indices))
         if over.any() and overlong is None:
-            longest = int(numpy.argmax(predictions))
+            longest, one = int(numpy.argmax(predictions)), kind.items[:-1]
             raise UserError(
-                f"{int(over.sum())} conversations are longer than --seq-length {seq_length} (the longest, "
-                f"conversation {indices[longest]} of {parts[owners[longest]][0].prefix}, has "
-                f"{predictions[longest] + 1} tokens): give --sft-overlong truncate or skip, or a longer --seq-length")
+                f"{int(over.sum())} {kind.items} are longer than --seq-length {seq_length} (the longest, {one} "
+                f"{indices[longest]} of {parts[owners[longest]][0].prefix}, has {predictions[longest]} positions to "
+                f"predict): give --{kind.flag[2:]}-overlong {'skip' if kind is DPO else 'truncate or skip'}, or a "
+                "longer --seq-length")
         if overlong == "skip":
             owners, indices, predictions = owners[~over], indices[~over], predictions[~over]
             self.stats.skipped = int(over.sum())
@@ -240,25 +279,27 @@ class SFTDataset(torch.utils.data.Dataset):
         loss_mask = numpy.zeros(length, numpy.float32)
         position_ids = numpy.arange(length, dtype=numpy.int64)
         bounds, at = [0], 0
-        for item in self.samples[index].tolist():
+        members = self.samples[index]
+        for item in members.tolist():
             owner, conversation = self.items[item]
-            ids, mask = self.parts[owner][conversation]
-            ids, mask = ids[: length + 1], mask[: length + 1]
-            n = len(ids) - 1
-            tokens[at:at + n], labels[at:at + n] = ids[:-1], ids[1:]
-            loss_mask[at:at + n] = mask[1:]  # position i trains on predicting token i + 1
-            position_ids[at:at + n] = numpy.arange(n)
-            at += n
-            bounds.append(at)
+            arrays = self.parts[owner][conversation]
+            for ids, mask in zip(arrays[0::2], arrays[1::2]):
+                ids, mask = ids[: length + 1], mask[: length + 1]
+                n = len(ids) - 1
+                tokens[at:at + n], labels[at:at + n] = ids[:-1], ids[1:]
+                loss_mask[at:at + n] = mask[1:]  # position i trains on predicting token i + 1
+                position_ids[at:at + n] = numpy.arange(n)
+                at += n
+                bounds.append(at)
         sample = {"tokens": torch.from_numpy(tokens), "labels": torch.from_numpy(labels),
                   "loss_mask": torch.from_numpy(loss_mask)}
-        if not self.packed:
+        if not self.bounded:
             return {**sample, "position_ids": torch.from_numpy(position_ids)}
         if at < length:  # the padding is a sequence of its own, attending to itself, positions from 0
             position_ids[at:] = numpy.arange(length - at)
             bounds.append(length)
         return {**sample, "position_ids": torch.from_numpy(position_ids),
-                "cu_seqlens": torch.tensor(bounds, dtype=torch.int64)}
+                "cu_seqlens": torch.tensor(bounds, dtype=torch.int64), "items": torch.from_numpy(members)}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -275,17 +316,18 @@ def _file_stamp(path: str) -> list:
 
 
 def prepared_prefix(jsonl: str, data, tokenizer_type: str | None, tokenizer_options: dict) -> str:
-    """Where the launcher prepares ``jsonl`` for ``--sft`` (in ``--data-cache-path``, else a ``cache/`` folder
-    beside the file): a name that changes with the file, the tokenizer, the chat template and ``--sft-loss``, so
-    that a rank finds the data its flags describe, never stale data."""
-    stamp = [SFT_VERSION, _file_stamp(jsonl), tokenizer_type, data.sft_loss,
+    """Where the launcher prepares ``jsonl`` for ``--sft`` or ``--dpo`` (in ``--data-cache-path``, else a ``cache/``
+    folder beside the file): a name that changes with the file, the tokenizer, the chat template and ``--sft-loss``,
+    so that a rank finds the data its flags describe, never stale data."""
+    kind = kind_of(data)
+    stamp = [kind.format, kind.version, _file_stamp(jsonl), tokenizer_type, data.sft_loss,
              {k: _file_stamp(v) if isinstance(v, str) and os.path.exists(v) else v
               for k, v in sorted(tokenizer_options.items())},
              _file_stamp(data.chat_template) if data.chat_template else None]
     digest = hashlib.sha256(json.dumps(stamp, default=str).encode()).hexdigest()[:16]
     cache = data.data_cache_path or os.path.join(os.path.dirname(os.path.abspath(jsonl)), "cache")
     stem = os.path.splitext(os.path.basename(jsonl))[0]
-    return os.path.join(cache, "sft", f"{stem}-{digest}")
+    return os.path.join(cache, kind.label.lower(), f"{stem}-{digest}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,23 +339,25 @@ class SFTInputs:
     valid: tuple[str, ...] = ()
 
 
-def _words(values) -> list[str]:
+def _words(values, kind: PreparedKind) -> list[str]:
     words = [word for value in values or () for word in value.split()]
     if any(is_number(word) for word in words):
-        raise UserError(f"--sft data takes prefixes or .jsonl files without weights, got {' '.join(words)}: give "
-                        "the files alone (their conversations are concatenated)")
+        raise UserError(f"{kind.flag} data takes prefixes or .jsonl files without weights, got {' '.join(words)}: "
+                        f"give the files alone (their {kind.items} are concatenated)")
     return words
 
 
 def sft_inputs(data) -> tuple[SFTInputs, list[str]]:
     """The run's SFT inputs as given (``.jsonl`` files not yet replaced by their prepared prefixes) and the
     ``.jsonl`` files among them; a directory stands for its ``train.jsonl`` and ``dev.jsonl``."""
+    kind = kind_of(data)
     if data.train_data_path or data.valid_data_path:
-        inputs = SFTInputs(train=tuple(_words(data.train_data_path)), valid=tuple(_words(data.valid_data_path)))
+        inputs = SFTInputs(train=tuple(_words(data.train_data_path, kind)),
+                           valid=tuple(_words(data.valid_data_path, kind)))
     else:
-        words = _words(data.data_path)
+        words = _words(data.data_path, kind)
         if not words:
-            raise UserError("--sft needs --data-path (split by --split) or --train-data-path/--valid-data-path")
+            raise UserError(f"{kind.flag} needs --data-path (split by --split) or --train-data-path/--valid-data-path")
         directories = [w for w in words if os.path.isdir(w)]
         if directories:
             if len(words) > 1:
@@ -330,14 +374,14 @@ def sft_inputs(data) -> tuple[SFTInputs, list[str]]:
     jsonl = [w for w in inputs.split + inputs.train + inputs.valid if w.endswith((".jsonl", ".jsonl.gz"))]
     for word in jsonl:
         if not os.path.isfile(word):
-            raise UserError(f"--sft: {word}: no such file")
+            raise UserError(f"{kind.flag}: {word}: no such file")
     return inputs, jsonl
 
 
 def _resolved(inputs: SFTInputs, data, tokenizer_type, tokenizer_options) -> SFTInputs:
     def prefix(word: str) -> str:
         if word.endswith((".jsonl", ".jsonl.gz")):
-            return prepared_prefix(word, data, tokenizer_type, tokenizer_options) + SFT_SUFFIX
+            return prepared_prefix(word, data, tokenizer_type, tokenizer_options) + kind_of(data).suffix
         return word
 
     return SFTInputs(*(tuple(prefix(w) for w in words) for words in (inputs.split, inputs.train, inputs.valid)))
@@ -347,36 +391,40 @@ def prepare_sft_inputs(config, workers: int | None = None, log=print) -> SFTInpu
     """The launcher's step before any rank starts: each ``.jsonl`` of the run prepared (once: the cache keeps it),
     then every split built as the ranks will build it, so that wrong input stops here, in one line."""
     data = config.data
+    kind = kind_of(data)
     options = dict(config.tokenizer_options)
     inputs, jsonl = sft_inputs(data)
     resolved = _resolved(inputs, data, config.tokenizer_type, options)
     for word in jsonl:
         prefix = prepared_prefix(word, data, config.tokenizer_type, options)
-        if os.path.isfile(sidecar_path(prefix + SFT_SUFFIX)):
+        if os.path.isfile(sidecar_path(prefix + kind.suffix)):
             continue
         from megatron_patch.data.preprocess import PreprocessConfig, preprocess
 
-        log(f"rapidformer: preparing {word} for --sft into {prefix}{SFT_SUFFIX} (once; the cache keeps it)")
+        log(f"rapidformer: preparing {word} for {kind.flag} into {prefix}{kind.suffix} (once; the cache keeps it)")
         os.makedirs(os.path.dirname(prefix), exist_ok=True)
         preprocess(PreprocessConfig(
             input=word, output_prefix=prefix, tokenizer_type=config.tokenizer_type, tokenizer_options=options,
-            sft=True, sft_loss=data.sft_loss, chat_template=data.chat_template,
+            sft=kind is SFT, dpo=kind is DPO, sft_loss=data.sft_loss, chat_template=data.chat_template,
             workers=workers or max(1, min(os.cpu_count() or 1, 8))))
     return resolved
 
 
 def sft_splits(data, inputs: SFTInputs) -> tuple[list, list]:
     """(train parts, valid parts): each a list of (Conversations, indices) for ``SFTDataset``."""
+    kind = kind_of(data)
     if inputs.split:
         train, valid = [], []
         for prefix in inputs.split:
-            conversations = Conversations(prefix)
+            conversations = Conversations(prefix, kind)
             ranges = split_ranges(len(conversations), data.split)
             for parts, bounds in ((train, ranges[0]), (valid, ranges[1])):
                 if bounds is not None and bounds[1] > bounds[0]:
                     parts.append((conversations, numpy.arange(*bounds)))
         return train, valid
-    every = lambda prefixes: [(c, numpy.arange(len(c))) for c in map(Conversations, prefixes)]  # noqa: E731
+    def every(prefixes):
+        return [(c, numpy.arange(len(c))) for c in (Conversations(p, kind) for p in prefixes)]
+
     return every(inputs.train), every(inputs.valid)
 
 
@@ -388,7 +436,7 @@ def check_sft_run(config, log=print) -> dict[str, int | None]:
     inputs = prepare_sft_inputs(config, log=log)
     for line in _built(config, pad=0):
         log("rapidformer:" + line)
-    return {prefix: Conversations(prefix).info.get("max_token_id")
+    return {prefix: Conversations(prefix, kind_of(config.data)).info.get("max_token_id")
             for prefix in inputs.split + inputs.train + inputs.valid}
 
 
@@ -398,11 +446,13 @@ def _built(config, pad: int, datasets: list | None = None) -> list[str]:
     inputs, _ = sft_inputs(data)
     train_parts, valid_parts = sft_splits(data, _resolved(inputs, data, config.tokenizer_type,
                                                           dict(config.tokenizer_options)))
+    kind = kind_of(data)
     if not train_parts:
-        raise UserError(f"--sft: no training conversations (--split {data.split} leaves none)")
+        raise UserError(f"{kind.flag}: no training {kind.items} (--split {data.split} leaves none)")
     cache = data.data_cache_path or os.path.join(os.path.dirname(os.path.abspath(train_parts[0][0].prefix)), "cache")
+    overlong = data.dpo_overlong if kind is DPO else data.sft_overlong
     build = lambda parts, multiple: SFTDataset(  # noqa: E731
-        parts, data.seq_length, pad, data.sft_packing, data.sft_overlong, cache, multiple)
+        parts, data.seq_length, pad, data.sft_packing, overlong, cache, multiple)
     train = build(train_parts, 1)
     # Whole microbatches on every data-parallel rank, and under virtual pipelining a multiple of the pipeline's
     # stages of them (megatron-core's interleaved schedule takes no fewer): sft_metrics runs them in one schedule.

@@ -101,6 +101,8 @@ def _hook(method):
 
 class _Trainer:
     HOOKS: tuple[str, ...] = ()
+    LOSS_NAME: str | None = None
+    """The loss's name in the log, TensorBoard and W&B, where it is not the model's (a DPO trainer's "dpo loss")."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -131,6 +133,10 @@ class _Trainer:
     @_hook
     def run_forward_step(self, batch_or_iterator, model):
         raise MissingHook("run_forward_step")
+
+    def after_load(self) -> None:
+        """Optional: runs once the model is built and its checkpoint loaded, before the first step (a DPO trainer
+        computes its reference log-probabilities here)."""
 
     # -- helpers user scripts call ----------------------------------------------------------------------
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -368,7 +374,7 @@ class _Trainer:
         record = os.path.join(logging.log_dir, "iterations.jsonl") if logging.log_dir and last else None
         return TrainingLog(self.engine.logger, logging.log_interval, train_iters, flops_per_sample,
                            logging.tensorboard_dir if last else None, record_path=record, world_size=world_size,
-                           loss_name=self.backend.loss_name, wandb_options=self._wandb_options() if last else None)
+                           loss_name=self.LOSS_NAME or self.backend.loss_name, wandb_options=self._wandb_options() if last else None)
 
     def _wandb_options(self) -> dict | None:
         """``wandb.init``'s arguments for ``--wandb-project`` (Megatron-LM's _set_wandb_writer: the run under
@@ -476,6 +482,7 @@ class Pretrainer(_Trainer):
         if not train_iters:
             raise SystemExit("rapidformer: error: a Pretrainer needs --train-iters")
         self._compose(train_iters)
+        self.after_load()
         gbs = training.global_batch_size
         evals = (train_iters // logging.eval_interval + 1) if logging.eval_interval else 0
         train_ds, valid_ds, _ = self.train_valid_test_datasets_provider(
@@ -532,6 +539,7 @@ class Finetuner(_Trainer):
         epochs = training.epochs or math.ceil((training.train_iters or steps_per_epoch) / steps_per_epoch)
         train_iters = training.train_iters or epochs * steps_per_epoch
         self._compose(train_iters)
+        self.after_load()
         log = self._log(train_iters)
         self.metrics: list[dict] = []
         counter = _TokenCounter()

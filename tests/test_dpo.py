@@ -1,0 +1,151 @@
+"""Preference tuning (issue 50): examples/gpt/dpo_gpt.py on megatron-core against TRL's DPOTrainer, the oracle, on
+the same tiny LLaMA (random weights, converted from transformers), chat template, pairs and beta: the loss, gradient
+norm and rewards of the first two steps (the second after one AdamW step; at the first the policy is the
+reference) at one process and across layouts, packed or not, for the sigmoid and IPO losses.
+
+    python -m pytest -q -p no:cacheprovider tests/test_dpo.py
+"""
+
+import importlib.util
+import json
+import os
+import random
+
+import pytest
+from conftest_data import data_assets
+from sft_assets import ROOT, chat_tokenizer, converted_chat_model
+
+from megatron_patch.data.stand_ins import write_jsonl
+from megatron_patch.testing import run_on_ranks
+
+SCRIPT = os.path.join(ROOT, "examples", "gpt", "dpo_gpt.py")
+PAIRS, SEQ, BETA, LR = 8, 128, 0.1, 1e-3
+_WORDS = "the list of keys and values in python code return yield import class def self".split()
+
+
+def preference_rows(count: int, seed: int) -> list[dict]:
+    """TRL's conversational pairs with an explicit prompt: the chosen answer opens with "yes", the rejected one
+    with "no" (a difference a model learns), both a few words long."""
+    rng = random.Random(seed)
+
+    def words(k):
+        return " ".join(rng.choices(_WORDS, k=k))
+
+    return [{"prompt": [{"role": "user", "content": words(rng.randint(2, 5))}],
+             "chosen": [{"role": "assistant", "content": "yes " + words(rng.randint(1, 5))}],
+             "rejected": [{"role": "assistant", "content": "no " + words(rng.randint(1, 5))}]} for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def prefs(tmp_path_factory):
+    """The chat tokenizer, a LLaMA converted with it, and PAIRS pairs prepared by ``preprocess-data --dpo``."""
+    from megatron_patch.data.preprocess import PreprocessConfig, preprocess
+
+    root = str(tmp_path_factory.mktemp("dpo"))
+    tokenizer = chat_tokenizer(data_assets(tmp_path_factory), os.path.join(root, "tokenizer"))
+    rows = preference_rows(PAIRS, seed=0)
+    jsonl = write_jsonl(os.path.join(root, "prefs.jsonl"), rows)
+    preprocess(PreprocessConfig(input=jsonl, output_prefix=os.path.join(root, "prefs"),
+                                tokenizer_type="HuggingFaceTokenizer", tokenizer_options={"tokenizer_model": tokenizer},
+                                dpo=True, workers=1))
+    return {"root": root, "tokenizer": tokenizer, "rows": rows, "model": converted_chat_model("llama", tokenizer, root),
+            "prefix": os.path.join(root, "prefs_dpo_document")}
+
+
+def dpo(rank, world_size, argv):
+    """examples/gpt/dpo_gpt.py's trainer on this rank."""
+    from megatron_patch.training.engine import Engine
+
+    spec = importlib.util.spec_from_file_location("dpo_gpt", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    trainer = module.DPOFinetuner(engine=Engine(argv))
+    trainer.train()
+    return trainer.reference.source
+
+
+def _ours(prefs, log_dir, world_size, loss_type, *extra, load=None) -> tuple[list[dict], str | None]:
+    """Our run's records (iterations.jsonl) and where its reference log-probabilities came from (None: computed)."""
+    start = ["--load", load] if load else ["--load", prefs["model"]["mcore"], "--finetune"]
+    argv = ["--dpo", *start, "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", prefs["tokenizer"],
+            "--data-path", prefs["prefix"], "--split", "100,0,0", "--seq-length", str(SEQ), "--micro-batch-size",
+            "1", "--lr", str(LR), "--lr-decay-style", "constant", "--weight-decay", "0", "--clip-grad", "0",
+            "--hidden-dropout", "0", "--attention-dropout", "0", "--dpo-beta", str(BETA), "--dpo-loss-type",
+            loss_type, "--log-interval", "1", "--log-dir", str(log_dir), "--seed", "3", *extra]
+    sources = run_on_ranks(dpo, world_size, args=(argv,), timeout=300)
+    with open(os.path.join(log_dir, "iterations.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()], sources[-1]
+
+
+def _trl(prefs, out_dir, loss_type, steps=2) -> list[dict]:
+    """TRL's DPOTrainer on the same pairs, every pair in each step's batch (so its shuffling changes nothing)."""
+    import datasets
+    from transformers import AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    args = DPOConfig(output_dir=str(out_dir), per_device_train_batch_size=PAIRS, max_steps=steps, learning_rate=LR,
+                     lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0, logging_steps=1,
+                     report_to=[], beta=BETA, loss_type=[loss_type], use_cpu=True, bf16=False, seed=3,
+                     save_strategy="no")  # TRL trains in bf16 by default
+    trainer = DPOTrainer(model=prefs["model"]["hf"], args=args, train_dataset=datasets.Dataset.from_list(prefs["rows"]),
+                         processing_class=AutoTokenizer.from_pretrained(prefs["tokenizer"]))
+    trainer.train()
+    return [entry for entry in trainer.state.log_history if "loss" in entry]
+
+
+def _compare(ours: list[dict], theirs: list[dict]) -> None:
+    assert len(ours) == len(theirs) == 2, (ours, theirs)
+    for step, (mine, trl) in enumerate(zip(ours, theirs), start=1):
+        assert mine["loss"] == pytest.approx(trl["loss"], rel=1e-5), step
+        assert mine["grad_norm"] == pytest.approx(trl["grad_norm"], rel=1e-5), step
+        for name in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
+            assert mine[name] == pytest.approx(trl[name], rel=1e-5, abs=1e-7), (step, name)
+        assert mine["rewards/accuracies"] == trl["rewards/accuracies"], step
+
+
+LAYOUTS = {
+    "one-process": (1, ["--no-sft-packing"]),
+    "packed": (1, []),
+    "tp2-sp": (2, ["--no-sft-packing", "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "pp2": (2, ["--no-sft-packing", "--pipeline-model-parallel-size", "2"]),
+    "dp2-distributed-optimizer": (2, ["--no-sft-packing", "--use-distributed-optimizer"]),
+}
+
+
+@pytest.fixture(scope="module")
+def trl_runs(prefs, tmp_path_factory):
+    return {loss_type: _trl(prefs, tmp_path_factory.mktemp(f"trl-{loss_type}"), loss_type)
+            for loss_type in ("sigmoid", "ipo")}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_first_two_steps_equal_trl(prefs, trl_runs, layout, tmp_path):
+    """Every pair in each global batch (one pair a sample, or the pairs packed): the loss, gradient norm and rewards
+    of steps 1 and 2 equal TRL's (relative 1e-5, fp32), at each layout."""
+    from megatron_patch.training.sft import DPO, Conversations, pack_best_fit
+
+    world_size, extra = LAYOUTS[layout]
+    data = Conversations(prefs["prefix"], DPO)
+    samples = PAIRS if "--no-sft-packing" in extra else len(pack_best_fit(data.predictions, SEQ))
+    ours, _ = _ours(prefs, tmp_path, world_size, "sigmoid", "--train-iters", "2", "--global-batch-size",
+                    str(samples), *extra)
+    _compare(ours, trl_runs["sigmoid"])
+
+
+def test_the_ipo_loss_equals_trl(prefs, trl_runs, tmp_path):
+    ours, _ = _ours(prefs, tmp_path, 1, "ipo", "--train-iters", "2", "--global-batch-size", str(PAIRS),
+                    "--no-sft-packing")
+    _compare(ours, trl_runs["ipo"])
+
+
+def test_a_run_stopped_and_resumed_goes_on_exactly_without_a_second_reference_pass(prefs, tmp_path):
+    """Stopped after iteration 2 (--exit-interval, its save the one a SIGKILL would leave) and resumed from its
+    --save: iterations 3 and 4 are the unbroken run's bit for bit, with the reference read from the save."""
+    common = ["--train-iters", "4", "--global-batch-size", "4", "--no-sft-packing", "--save-interval", "2"]
+    unbroken, computed = _ours(prefs, tmp_path / "unbroken", 1, "sigmoid", *common, "--save", str(tmp_path / "a"))
+    save = str(tmp_path / "b")
+    first, _ = _ours(prefs, tmp_path / "first", 1, "sigmoid", *common, "--save", save, "--exit-interval", "2")
+    resumed, source = _ours(prefs, tmp_path / "resumed", 1, "sigmoid", *common, "--save", save, load=save)
+    assert computed is None and source == os.path.join(save, "dpo_reference.npz")
+    assert [r["iteration"] for r in first + resumed] == [1, 2, 3, 4]
+    assert first + resumed == unbroken
