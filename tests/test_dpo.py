@@ -9,31 +9,16 @@ reference) at one process and across layouts, packed or not, for the sigmoid and
 import importlib.util
 import json
 import os
-import random
 
 import pytest
 from conftest_data import data_assets
 from sft_assets import ROOT, chat_tokenizer, converted_chat_model
 
-from megatron_patch.data.stand_ins import write_jsonl
+from megatron_patch.data.stand_ins import preference_pairs, write_jsonl
 from megatron_patch.testing import run_on_ranks
 
 SCRIPT = os.path.join(ROOT, "examples", "gpt", "dpo_gpt.py")
 PAIRS, SEQ, BETA, LR = 8, 128, 0.1, 1e-3
-_WORDS = "the list of keys and values in python code return yield import class def self".split()
-
-
-def preference_rows(count: int, seed: int) -> list[dict]:
-    """TRL's conversational pairs with an explicit prompt: the chosen answer opens with "yes", the rejected one
-    with "no" (a difference a model learns), both a few words long."""
-    rng = random.Random(seed)
-
-    def words(k):
-        return " ".join(rng.choices(_WORDS, k=k))
-
-    return [{"prompt": [{"role": "user", "content": words(rng.randint(2, 5))}],
-             "chosen": [{"role": "assistant", "content": "yes " + words(rng.randint(1, 5))}],
-             "rejected": [{"role": "assistant", "content": "no " + words(rng.randint(1, 5))}]} for _ in range(count)]
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +28,7 @@ def prefs(tmp_path_factory):
 
     root = str(tmp_path_factory.mktemp("dpo"))
     tokenizer = chat_tokenizer(data_assets(tmp_path_factory), os.path.join(root, "tokenizer"))
-    rows = preference_rows(PAIRS, seed=0)
+    rows = preference_pairs(PAIRS, seed=0)
     jsonl = write_jsonl(os.path.join(root, "prefs.jsonl"), rows)
     preprocess(PreprocessConfig(input=jsonl, output_prefix=os.path.join(root, "prefs"),
                                 tokenizer_type="HuggingFaceTokenizer", tokenizer_options={"tokenizer_model": tokenizer},
@@ -149,3 +134,48 @@ def test_a_run_stopped_and_resumed_goes_on_exactly_without_a_second_reference_pa
     assert computed is None and source == os.path.join(save, "dpo_reference.npz")
     assert [r["iteration"] for r in first + resumed] == [1, 2, 3, 4]
     assert first + resumed == unbroken
+
+
+def test_ten_steps_on_a_learnable_preference_raise_accuracy_and_margin(prefs, tmp_path):
+    """40 fresh pairs (the chosen answer opens with "yes", the rejected with "no"), 4 to a step: the pairs of steps
+    6-10, unseen before, are told apart more often and by a wider margin than those of steps 1-5."""
+    from megatron_patch.data.preprocess import PreprocessConfig, preprocess
+
+    jsonl = write_jsonl(str(tmp_path / "more.jsonl"), preference_pairs(40, seed=1))
+    preprocess(PreprocessConfig(input=jsonl, output_prefix=str(tmp_path / "more"), tokenizer_type="HuggingFaceTokenizer",
+                                tokenizer_options={"tokenizer_model": prefs["tokenizer"]}, dpo=True, workers=1))
+    records, _ = _ours({**prefs, "prefix": str(tmp_path / "more_dpo_document")}, tmp_path / "logs", 1, "sigmoid",
+                       "--train-iters", "10", "--global-batch-size", "4", "--no-sft-packing", "--lr", "3e-3")
+    early, late = records[:5], records[5:]
+    mean = lambda rows, name: sum(r[name] for r in rows) / len(rows)  # noqa: E731
+    assert mean(late, "rewards/accuracies") > mean(early, "rewards/accuracies"), records
+    assert mean(late, "rewards/margins") > 2 * mean(early, "rewards/margins") > 0, records
+    assert late[-1]["loss"] < records[0]["loss"]
+
+
+def test_wrong_input_is_refused_in_one_line_before_any_rank_starts(prefs, tmp_path):
+    """A pair longer than --seq-length (unless --dpo-overlong skip, which counts it), a pair's line the data
+    preparation refuses, and the micro-batch a pair needs: each one line from the launcher, no rank started."""
+    import subprocess
+    import sys
+
+    def launch(*argv):
+        done = subprocess.run(
+            [sys.executable, "-m", "megatron_patch.cli", "train", "--user-script", SCRIPT, "--nproc-per-node", "1",
+             "--dpo", "--load", prefs["model"]["mcore"], "--finetune", "--tokenizer-type", "HuggingFaceTokenizer",
+             "--tokenizer-model", prefs["tokenizer"], "--data-cache-path", str(tmp_path / "cache"), "--train-iters",
+             "1", "--global-batch-size", "2", *argv], capture_output=True, text=True, timeout=120,
+            env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"})
+        return done.returncode, done.stdout + done.stderr
+
+    status, output = launch("--data-path", prefs["prefix"], "--seq-length", "24")
+    [line] = [line for line in output.splitlines() if line.startswith("rapidformer: error:")]
+    assert status == 1 and "longer than --seq-length 24" in line and "--dpo-overlong skip" in line, output
+    assert "torch.distributed.run" not in output and "Traceback" not in output
+    rows = preference_pairs(4, seed=2)
+    rows[2]["rejected"] = rows[2]["chosen"]
+    same = write_jsonl(str(tmp_path / "same.jsonl"), rows)
+    status, output = launch("--data-path", same, "--seq-length", str(SEQ))
+    assert status == 1 and f"{same}:3:" in output and "torch.distributed.run" not in output, output
+    status, output = launch("--data-path", prefs["prefix"], "--seq-length", str(SEQ), "--micro-batch-size", "2")
+    assert status == 1 and "--micro-batch-size 1" in output, output

@@ -63,9 +63,15 @@ def test_every_readme_command_runs_as_written(tmp_path):
     assert "per GPU" in everything.lower() or "gib" in everything.lower()  # the dry run's plan
     assert re.search(r"accuracy: [0-9.]+", everything)  # the classifier's epoch metrics
     assert "[[" in everything and "# conversation 1:" in everything  # --show marked the trained tokens
-    sft = [float(loss) for loss in re.findall(r"epoch \d+ \| loss: ([0-9.]+)", everything)]
+    blocks = readme_blocks()[1:]
+    sft_output, dpo_output = (outputs[next(i for i, block in enumerate(blocks) if script in block)]
+                              for script in ("run_finetune_gpt.sh", "dpo_gpt.py"))
+    sft = [float(loss) for loss in re.findall(r"epoch \d+ \| loss: ([0-9.]+)", sft_output)]
     assert len(sft) == 2 and sft[1] < sft[0], sft  # the SFT run's dev loss, after each epoch
     assert (work / "hf" / "qwen2-sft" / "config.json").is_file()
+    # The DPO run: its dev metrics after each epoch, TRL's names, and the export of the tuned model.
+    assert len(re.findall(r"epoch \d+ \| loss: [0-9.]+ \| rewards/chosen: ", dpo_output)) == 2, dpo_output[-3000:]
+    assert "rewards/margins: " in dpo_output and (work / "hf" / "qwen2-dpo" / "config.json").is_file()
     assert "def main(" in outputs[-2]  # the export generated text from the prompt
     assert len(re.findall(r"accuracy: [0-9.]+", outputs[-1])) == 2  # the exported BERT fine-tuned, two epochs
 
@@ -73,7 +79,7 @@ def test_every_readme_command_runs_as_written(tmp_path):
 def test_stand_ins_never_replace_what_exists(tmp_path):
     """The README's stand-ins beside a user's own inputs: each one that exists is named and left as it was."""
     mine = {"hf/qwen2/config.json": "{}", "data/glue/mrpc/train.tsv": "mine", "data/chat.jsonl": "{}\n",
-            "llama2/tokenizer.model": "mine"}
+            "data/prefs.jsonl": "{}\n", "llama2/tokenizer.model": "mine"}
     for name, text in mine.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
@@ -85,9 +91,9 @@ def test_stand_ins_never_replace_what_exists(tmp_path):
 
     done = make_stand_ins()
     assert done.returncode == 0, done.stderr
-    assert done.stdout.count("kept ") == 4 and "wrote" not in done.stdout, done.stdout
+    assert done.stdout.count("kept ") == 5 and "wrote" not in done.stdout, done.stdout
     assert {name: (tmp_path / name).read_text() for name in mine} == mine
-    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["chat.jsonl", "glue"]
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["chat.jsonl", "glue", "prefs.jsonl"]
     missing = str(tmp_path / "none.jsonl")
     done = make_stand_ins("--corpus", missing)
     assert done.returncode == 2 and f"--corpus {missing}: no such file" in done.stderr, done.stderr

@@ -8,6 +8,7 @@ writes, under ``--output-dir``:
   1000 tokens trained on the corpus, ChatML's special tokens and Qwen2-Instruct's chat template;
 - ``data/glue/mrpc/{train,dev}.tsv``: a task in MRPC's columns whose label a tiny model learns in a few epochs;
 - ``data/chat.jsonl``: 80 conversations in OpenAI's ``{"messages": [...]}`` form;
+- ``data/prefs.jsonl``: 64 preference pairs in TRL's conversational form (``prompt``, ``chosen``, ``rejected``);
 - ``llama2/tokenizer.model``: a SentencePiece tokenizer, and ``data/llama_text_document`` preprocessed with it.
 
 A path that exists is kept as it is and named (a model of yours at ``hf/qwen2`` is never replaced).
@@ -48,6 +49,24 @@ def conversations(count: int, seed: int, turns: int = 2, words: int = 5) -> list
             messages.append({"role": "assistant", "content": " ".join(rng.choices(_WORDS, k=rng.randint(1, words)))})
         rows.append({"messages": messages})
     return rows
+
+
+def preference_pairs(count: int, seed: int) -> list[dict]:
+    """``count`` pairs in TRL's conversational form with an explicit prompt: the chosen answer opens with "yes",
+    the rejected one with "no" (a preference a model learns in a few steps), both a few words long.
+
+    Example::
+
+        preference_pairs(1, seed=0)   # [{'prompt': [{'role': 'user', ...}], 'chosen': [...], 'rejected': [...]}]
+    """
+    rng = random.Random(seed)
+
+    def words(k: int) -> str:
+        return " ".join(rng.choices(_WORDS, k=k))
+
+    return [{"prompt": [{"role": "user", "content": words(rng.randint(2, 5))}],
+             "chosen": [{"role": "assistant", "content": "yes " + words(rng.randint(1, 5))}],
+             "rejected": [{"role": "assistant", "content": "no " + words(rng.randint(1, 5))}]} for _ in range(count)]
 
 
 def write_jsonl(path: str, rows: list[dict]) -> str:
@@ -124,6 +143,8 @@ def make_stand_ins(output_dir: str, corpus: str | None = None) -> list[str]:
          lambda d: _qwen2(d, corpus)),
         (os.path.join(data, "glue", "mrpc"), "a task in MRPC's columns", write_glue),
         (os.path.join(data, "chat.jsonl"), "80 conversations", lambda f: write_jsonl(f, conversations(80, seed=0))),
+        (os.path.join(data, "prefs.jsonl"), "64 preference pairs",
+         lambda f: write_jsonl(f, preference_pairs(64, seed=0))),
         (os.path.join(output_dir, "llama2"), f"a SentencePiece tokenizer; {data}/llama_text_document is preprocessed "
          "with it", lambda d: _llama(d, corpus, os.path.join(data, "llama"))),
     ]
@@ -152,7 +173,8 @@ def make_stand_ins(output_dir: str, corpus: str | None = None) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = FlagParser(description="Tiny random stand-ins for the README's inputs: hf/qwen2, data/glue/mrpc, "
-                                    "data/chat.jsonl, llama2/tokenizer.model (nothing downloaded; existing paths kept)")
+                                    "data/chat.jsonl, data/prefs.jsonl, llama2/tokenizer.model (nothing downloaded; "
+                                    "existing paths kept)")
     parser.add_argument("--output-dir", default=".", help="where hf/, data/ and llama2/ go (default: here)")
     parser.add_argument("--corpus", help="a JSONL corpus ({\"text\": ...} per line) to train the tokenizers on "
                                          "(default: 200 pieces of the Python standard library's sources)")
