@@ -63,9 +63,12 @@ def converted_chat_model(kind: str, tokenizer_dir: str, root: str) -> dict:
     if kind == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(intermediate_size=64, **common))
     else:
-        # Router weights of std 0.2 keep the top-2 choice clear of near-ties (tests/convert_oracles.py).
+        # Router weights of std 0.2 keep the top-2 choice clear of near-ties (tests/convert_oracles.py). No
+        # load-balancing loss: transformers' and megatron-core's differ, and the trainers compared train on the
+        # models' own losses alone.
         model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
-            intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, initializer_range=0.2, **common))
+            intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, initializer_range=0.2,
+            router_aux_loss_coef=0.0, **common))
     model.save_pretrained(hf)
     transformers.AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(hf)
     done = subprocess.run([sys.executable, "-m", "megatron_patch.cli", "convert", "hf-to-megatron", "--hf-dir", hf,

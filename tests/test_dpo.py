@@ -33,7 +33,8 @@ def prefs(tmp_path_factory):
     preprocess(PreprocessConfig(input=jsonl, output_prefix=os.path.join(root, "prefs"),
                                 tokenizer_type="HuggingFaceTokenizer", tokenizer_options={"tokenizer_model": tokenizer},
                                 dpo=True, workers=1))
-    return {"root": root, "tokenizer": tokenizer, "rows": rows, "model": converted_chat_model("llama", tokenizer, root),
+    models = {kind: converted_chat_model(kind, tokenizer, root) for kind in ("llama", "mixtral")}
+    return {"root": root, "tokenizer": tokenizer, "rows": rows, "models": models,
             "prefix": os.path.join(root, "prefs_dpo_document")}
 
 
@@ -49,9 +50,9 @@ def dpo(rank, world_size, argv):
     return trainer.reference.source
 
 
-def _ours(prefs, log_dir, world_size, loss_type, *extra, load=None) -> tuple[list[dict], str | None]:
+def _ours(prefs, log_dir, world_size, loss_type, *extra, load=None, model="llama") -> tuple[list[dict], str | None]:
     """Our run's records (iterations.jsonl) and where its reference log-probabilities came from (None: computed)."""
-    start = ["--load", load] if load else ["--load", prefs["model"]["mcore"], "--finetune"]
+    start = ["--load", load] if load else ["--load", prefs["models"][model]["mcore"], "--finetune"]
     argv = ["--dpo", *start, "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", prefs["tokenizer"],
             "--data-path", prefs["prefix"], "--split", "100,0,0", "--seq-length", str(SEQ), "--micro-batch-size",
             "1", "--lr", str(LR), "--lr-decay-style", "constant", "--weight-decay", "0", "--clip-grad", "0",
@@ -62,7 +63,7 @@ def _ours(prefs, log_dir, world_size, loss_type, *extra, load=None) -> tuple[lis
         return [json.loads(line) for line in f if line.strip()], sources[-1]
 
 
-def _trl(prefs, out_dir, loss_type, steps=2) -> list[dict]:
+def _trl(prefs, out_dir, loss_type, steps=2, model="llama") -> list[dict]:
     """TRL's DPOTrainer on the same pairs, every pair in each step's batch (so its shuffling changes nothing)."""
     import datasets
     from transformers import AutoTokenizer
@@ -71,8 +72,9 @@ def _trl(prefs, out_dir, loss_type, steps=2) -> list[dict]:
     args = DPOConfig(output_dir=str(out_dir), per_device_train_batch_size=PAIRS, max_steps=steps, learning_rate=LR,
                      lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0, logging_steps=1,
                      report_to=[], beta=BETA, loss_type=[loss_type], use_cpu=True, bf16=False, seed=3,
-                     save_strategy="no")  # TRL trains in bf16 by default
-    trainer = DPOTrainer(model=prefs["model"]["hf"], args=args, train_dataset=datasets.Dataset.from_list(prefs["rows"]),
+                     save_strategy="no")
+    # (bf16=False: TRL trains in bf16 by default.)
+    trainer = DPOTrainer(model=prefs["models"][model]["hf"], args=args, train_dataset=datasets.Dataset.from_list(prefs["rows"]),
                          processing_class=AutoTokenizer.from_pretrained(prefs["tokenizer"]))
     trainer.train()
     return [entry for entry in trainer.state.log_history if "loss" in entry]
@@ -99,8 +101,9 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def trl_runs(prefs, tmp_path_factory):
-    return {loss_type: _trl(prefs, tmp_path_factory.mktemp(f"trl-{loss_type}"), loss_type)
+    runs = {loss_type: _trl(prefs, tmp_path_factory.mktemp(f"trl-{loss_type}"), loss_type)
             for loss_type in ("sigmoid", "ipo")}
+    return {**runs, "mixtral": _trl(prefs, tmp_path_factory.mktemp("trl-mixtral"), "sigmoid", model="mixtral")}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -115,6 +118,12 @@ def test_the_first_two_steps_equal_trl(prefs, trl_runs, layout, tmp_path):
     ours, _ = _ours(prefs, tmp_path, world_size, "sigmoid", "--train-iters", "2", "--global-batch-size",
                     str(samples), *extra)
     _compare(ours, trl_runs["sigmoid"])
+
+
+def test_a_mixture_of_experts_at_expert_parallel_size_2_equals_trl(prefs, trl_runs, tmp_path):
+    ours, _ = _ours(prefs, tmp_path, 2, "sigmoid", "--train-iters", "2", "--global-batch-size", str(PAIRS),
+                    "--no-sft-packing", "--expert-model-parallel-size", "2", model="mixtral")
+    _compare(ours, trl_runs["mixtral"])
 
 
 def test_the_ipo_loss_equals_trl(prefs, trl_runs, tmp_path):
@@ -162,7 +171,7 @@ def test_wrong_input_is_refused_in_one_line_before_any_rank_starts(prefs, tmp_pa
     def launch(*argv):
         done = subprocess.run(
             [sys.executable, "-m", "megatron_patch.cli", "train", "--user-script", SCRIPT, "--nproc-per-node", "1",
-             "--dpo", "--load", prefs["model"]["mcore"], "--finetune", "--tokenizer-type", "HuggingFaceTokenizer",
+             "--dpo", "--load", prefs["models"]["llama"]["mcore"], "--finetune", "--tokenizer-type", "HuggingFaceTokenizer",
              "--tokenizer-model", prefs["tokenizer"], "--data-cache-path", str(tmp_path / "cache"), "--train-iters",
              "1", "--global-batch-size", "2", *argv], capture_output=True, text=True, timeout=120,
             env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"})
