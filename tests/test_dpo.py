@@ -134,13 +134,17 @@ def test_the_ipo_loss_equals_trl(prefs, trl_runs, tmp_path):
 
 def test_a_run_stopped_and_resumed_goes_on_exactly_without_a_second_reference_pass(prefs, tmp_path):
     """Stopped after iteration 2 (--exit-interval, its save the one a SIGKILL would leave) and resumed from its
-    --save: iterations 3 and 4 are the unbroken run's bit for bit, with the reference read from the save."""
+    --save: iterations 3 and 4 are the unbroken run's bit for bit, with the reference read from the save, not
+    computed again from a model that has trained since."""
     common = ["--train-iters", "4", "--global-batch-size", "4", "--no-sft-packing", "--save-interval", "2"]
     unbroken, computed = _ours(prefs, tmp_path / "unbroken", 1, "sigmoid", *common, "--save", str(tmp_path / "a"))
     save = str(tmp_path / "b")
     first, _ = _ours(prefs, tmp_path / "first", 1, "sigmoid", *common, "--save", save, "--exit-interval", "2")
-    resumed, source = _ours(prefs, tmp_path / "resumed", 1, "sigmoid", *common, "--save", save, load=save)
+    # Resumed into another --save, which gets the reference too (for its own resumes).
+    resumed, source = _ours(prefs, tmp_path / "resumed", 1, "sigmoid", *common, "--save", str(tmp_path / "c"),
+                            load=save)
     assert computed is None and source == os.path.join(save, "dpo_reference.npz")
+    assert os.path.isfile(tmp_path / "c" / "dpo_reference.npz")
     assert [r["iteration"] for r in first + resumed] == [1, 2, 3, 4]
     assert first + resumed == unbroken
 

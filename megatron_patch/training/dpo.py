@@ -162,38 +162,40 @@ class ReferenceLogps:
         from megatron.core import parallel_state
 
         checkpoints = trainer.config.checkpointing
-        identity = [_identity(train), _identity(dev) if dev is not None else None]
+        identity = numpy.array([_identity(train), _identity(dev) if dev is not None else ""])
         last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+        source = None
         if trainer.iteration:  # resumed: the model has trained, its reference is the one saved at the start
-            path = os.path.join(checkpoints.load, _REFERENCE_FILE)
+            source = os.path.join(checkpoints.load, _REFERENCE_FILE)
             if not last:
-                return cls(None, None, path)
+                return cls(None, None, source)
             try:
-                with numpy.load(path) as stored:
-                    if stored["identity"].tolist() != [i or "" for i in identity]:
-                        raise UserError(f"{path} holds the reference log-probabilities of other data than this run's "
-                                        "(another --data-path, --split, --seq-length or packing): resume with the "
-                                        "flags the run started with")
-                    return cls(stored["train"], stored["dev"] if dev is not None else None, path)
+                with numpy.load(source) as stored:
+                    if stored["identity"].tolist() != identity.tolist():
+                        raise UserError(f"{source} holds the reference log-probabilities of other data than this "
+                                        "run's (another --data-path, --split, --seq-length or packing): resume with "
+                                        "the flags the run started with")
+                    tables = [stored["train"], stored["dev"] if dev is not None else None]
             except FileNotFoundError:
                 raise UserError(f"--load {checkpoints.load} is at iteration {trainer.iteration} but has no "
                                 f"{_REFERENCE_FILE}: a DPO run resumes from the --save of a DPO run; to start one "
                                 "from this checkpoint, give --finetune") from None
-        chunks = trainer._chunks()
-        seq_length = trainer.config.data.seq_length
-        log(f" DPO reference: log-probabilities of {len(train.items)} train pairs"
-            + (f" and {len(dev.items)} dev pairs" if dev is not None else "") + " under the model as loaded")
-        tables = [compute_reference(chunks, dataset, seq_length) if dataset is not None else None
-                  for dataset in (train, dev)]
+        else:
+            log(f" DPO reference: log-probabilities of {len(train.items)} train pairs"
+                + (f" and {len(dev.items)} dev pairs" if dev is not None else "") + " under the model as loaded")
+            tables = [compute_reference(trainer._chunks(), dataset, trainer.config.data.seq_length)
+                      if dataset is not None else None for dataset in (train, dev)]
+        # Beside this run's checkpoints (a resume into another --save too), so that its own resumes find them.
         if last and checkpoints.save and parallel_state.get_data_parallel_rank() == 0 \
-                and parallel_state.get_tensor_model_parallel_rank() == 0:
+                and parallel_state.get_tensor_model_parallel_rank() == 0 \
+                and os.path.join(checkpoints.save, _REFERENCE_FILE) != source:
             os.makedirs(checkpoints.save, exist_ok=True)
             final = os.path.join(checkpoints.save, _REFERENCE_FILE)
             temporary = f"{final}.tmp-{os.getpid()}.npz"
             numpy.savez(temporary, train=tables[0], dev=tables[1] if tables[1] is not None else numpy.zeros((0, 2)),
-                        identity=numpy.array([i or "" for i in identity]))
+                        identity=identity)
             os.replace(temporary, final)
-        return cls(*tables, None)
+        return cls(*tables, source)
 
 
 def dpo_metrics(chunks: list, loader, seq_length: int, reference: torch.Tensor, beta: float, loss_type: str
