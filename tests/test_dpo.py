@@ -192,3 +192,16 @@ def test_wrong_input_is_refused_in_one_line_before_any_rank_starts(prefs, tmp_pa
     assert status == 1 and f"{same}:3:" in output and "torch.distributed.run" not in output, output
     status, output = launch("--data-path", prefs["prefix"], "--seq-length", str(SEQ), "--micro-batch-size", "2")
     assert status == 1 and "--micro-batch-size 1" in output, output
+
+
+def test_with_lora_the_reference_is_the_base(prefs, tmp_path):
+    """Adapters start at zero (B = 0, PEFT's start), so the model as loaded is the base, which the reference pass
+    scores: the first step's policy equals it (loss log 2, no reward), and the adapters alone then move it. (Not
+    compared with TRL + peft step by step: PEFT's q and v adapters are one linear_qkv adapter here, whose random A
+    differs from PEFT's.)"""
+    import math
+
+    records, _ = _ours(prefs, tmp_path, 1, "sigmoid", "--train-iters", "3", "--global-batch-size", str(PAIRS),
+                       "--lora-rank", "4", "--lr", "1e-2")
+    assert records[0]["loss"] == pytest.approx(math.log(2), rel=1e-6) and records[0]["rewards/margins"] == 0.0
+    assert records[2]["loss"] < records[1]["loss"] < records[0]["loss"] and records[2]["rewards/margins"] > 0
