@@ -162,6 +162,21 @@ def cli(rank, world_size, argv):
     return ExitStatus(status, out.getvalue() + err.getvalue())
 
 
+def convert_command(argv: list[str], timeout: float = 300) -> ExitStatus:
+    """``megatron-patch convert ARGV`` as a user runs it, in a process of its own: for a conversion that verifies
+    itself at an expert-parallel size (it starts torchrun on two ranks), which from inside a rank pool's long-lived
+    worker hung in CI once the worker had run other tests' conversions."""
+    import subprocess
+
+    pool_variables = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in pool_variables}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env.update(PYTHONPATH=root + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "megatron_patch.cli", "convert", *argv], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+    return ExitStatus(done.returncode, done.stdout + done.stderr)
+
+
 def verify_layouts(rank, world_size, hf_dir, megatron_dir, layouts, resave_dir=None):
     """verify_on_rank at each (tp, pp) or (tp, pp, ep); optionally re-save the checkpoint from the last layout (a
     reshard)."""

@@ -25,7 +25,7 @@ from megatron_patch.model.config import get_model_config
 from megatron_patch.testing import run_on_ranks
 from tests.convert_oracles import (
     MOE_MODELS, MOE_VOCAB, assert_bit_exact, assert_layouts_match_transformers, assert_round_trips_bit_exact, cli,
-    hf_greedy, hf_tensors, local_expert_weights, make_hf_model, megatron_greedy_at,
+    convert_command, hf_greedy, hf_tensors, local_expert_weights, make_hf_model, megatron_greedy_at,
 )
 
 LAYOUTS = [(2, 1, 1), (2, 1, 2), (1, 2, 2)]  # (TP, PP, EP) on 4 ranks; the last re-saves the checkpoint
@@ -42,7 +42,7 @@ def converted(tmp_path_factory):
         hf, dist = make_hf_model(name, str(root / f"{name}-hf")), str(root / f"{name}-dist")
         argv = ["hf-to-megatron", "--hf-dir", hf, "--save-dir", dist, "--target-expert-model-parallel-size", "2",
                 "--no-progress", *(["--no-verify"] if name != "mixtral" else [])]
-        assert run_on_ranks(cli, 1, args=(argv,), timeout=300) == [0], f"{name}: conversion failed"
+        assert convert_command(argv) == 0, f"{name}: conversion failed"
         dirs[name] = (hf, dist, root)
     return dirs
 
