@@ -59,6 +59,9 @@ KNOWN_WARNINGS = (
     (UserWarning, r"absl.logging is not installed",
      "megatron-core 0.19's hyper_comm_grid.py warns at import, in every process, that it logs through the standard "
      "logging module instead of absl's; nothing here reads absl's logs"),
+    (UserWarning, r"Could not determine rank from torch.distributed, RANK, or SLURM_PROCID",
+     "megatron-core 0.19's _rank_utils, when it logs outside a rank: the launcher, which checks a resumed "
+     "checkpoint's learning-rate schedule with megatron-core's OptimizerParamScheduler before any rank starts"),
     (UserWarning, r"The argument order of load has been changed",
      "torch 2.11's DCP warns at every dcp.load with keyword arguments (distributed/checkpoint/logger.py:90), which is "
      "how the converters call it"),
