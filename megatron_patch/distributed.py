@@ -117,8 +117,11 @@ def initialize_distributed(
         torch.cuda.set_device(device)
         backend = "nccl"
     else:
+        from megatron_patch.startup import quiet_cpu_noise
+
         device = torch.device("cpu")
         backend = "gloo"
+        quiet_cpu_noise()  # every rank on CPU: training's, convert verify's, a user script's
 
     if not torch.distributed.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "localhost")

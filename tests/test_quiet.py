@@ -65,6 +65,10 @@ def test_conversion_prints_no_known_warning_and_debug_shows_them(tmp_path):
     convert = ["convert", "hf-to-megatron", "--hf-dir", hf, "--no-progress"]  # its verification loads the save
     quiet = megatron_patch(*convert, "--save-dir", str(tmp_path / "quiet"))
     assert "Warning" not in quiet and not _known_lines(quiet), quiet
+    # verify at TP=2 starts two ranks (torchrun) and loads the Hugging Face model into a file, not a terminal.
+    verified = megatron_patch("convert", "verify", "--hf-dir", hf, "--megatron-dir", str(tmp_path / "quiet"),
+                              "--tensor-model-parallel-size", "2")
+    assert not NOISE.search(verified) and not _known_lines(verified), verified
     loud = megatron_patch("--debug", *convert, "--save-dir", str(tmp_path / "loud"))
     assert "Warning" in loud and _known_lines(loud), loud
 

@@ -21,6 +21,7 @@ similarity is outside the threshold for the dtype.
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import torch
 
@@ -154,6 +155,8 @@ def hf_outputs(hf_dir: str, architecture: str, inputs: dict, dtype: str = "float
 
     from megatron_patch.startup import paused_collector
 
+    if not sys.stderr.isatty():  # transformers' "Loading weights" bar, drawn with \r into a log or a pipe
+        transformers.utils.logging.disable_progress_bar()
     with paused_collector():  # the first use of a model class imports its module: 0.8 s less (startup.py)
         model = getattr(transformers, architecture).from_pretrained(hf_dir, dtype=DTYPES[dtype].torch).eval()
     kwargs = {"input_ids": inputs["tokens"], "attention_mask": inputs["attention_mask"]}

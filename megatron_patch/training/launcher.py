@@ -284,13 +284,7 @@ def _run_rank(argv: list[str]) -> int:
     # lives on, and such a rank joined node 0's and trained on without its node (issue 42).
     compat.die_with_parent(int(os.environ.get(_LAUNCHER_PID, os.getppid())))
     import_libraries()
-    import torch
-
-    from megatron_patch.startup import quiet_cpu_noise
     from megatron_patch.training import mpu
-
-    if not torch.cuda.is_available():
-        quiet_cpu_noise()
 
     mpu.install()
     # Parsed once here; the engine the task or the user script creates takes this parse (arguments.parse_run).
