@@ -62,6 +62,9 @@ KNOWN_WARNINGS = (
     (UserWarning, r"Could not determine rank from torch.distributed, RANK, or SLURM_PROCID",
      "megatron-core 0.19's _rank_utils, when it logs outside a rank: the launcher, which checks a resumed "
      "checkpoint's learning-rate schedule with megatron-core's OptimizerParamScheduler before any rank starts"),
+    (FutureWarning, r"`torch.distributed.all_gather_into_tensor` is deprecated",
+     "torch 2.13 deprecates the collective megatron-core 0.16.1's tensor-parallel gathers call "
+     "(tensor_parallel/mappings.py, dist_all_gather_func), in every TP rank; the call is megatron-core's to change"),
     (UserWarning, r"The argument order of load has been changed",
      "torch 2.11's DCP warns at every dcp.load with keyword arguments (distributed/checkpoint/logger.py:90), which is "
      "how the converters call it"),
