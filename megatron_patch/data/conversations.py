@@ -39,6 +39,9 @@ from typing import Any
 import numpy
 
 INPUT_FORMATS = ("messages", "sharegpt", "prompt-completion", "prompt-response", "alpaca")
+# What `preprocess-data --sft` writes in `{output_prefix}_sft_document.json`; the trainer (training/sft.py) reads only
+# this format at this version.
+SFT_FORMAT, SFT_VERSION = "megatron_patch.sft", 1
 LOSS_MODES = ("assistant", "last-turn", "all")
 ROLES = ("system", "user", "assistant", "tool")
 # A message's reasoning under the names transformers' render_jinja_template copies into one another

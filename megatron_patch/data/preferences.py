@@ -57,6 +57,9 @@ from megatron_patch.data.conversations import (
 )
 
 PREFERENCE_FORMATS = ("standard", "conversational", "standard-implicit-prompt", "conversational-implicit-prompt")
+# What `preprocess-data --dpo` writes in `{output_prefix}_dpo_document.json`; the trainer (training/sft.py) reads only
+# this format at this version.
+DPO_FORMAT, DPO_VERSION = "megatron_patch.dpo", 1
 
 
 @dataclass

@@ -61,6 +61,8 @@ import numpy
 from megatron_patch.data.conversations import (
     INPUT_FORMATS,
     LOSS_MODES,
+    SFT_FORMAT,
+    SFT_VERSION,
     ConversationEncoder,
     ConversationError,
     describe_formats,
@@ -72,6 +74,8 @@ from megatron_patch.data.conversations import (
 from megatron_patch.data.data_path import record_largest_token_id
 from megatron_patch.data.jsonl import InputError, expand_inputs, open_input
 from megatron_patch.data.preferences import (
+    DPO_FORMAT,
+    DPO_VERSION,
     PREFERENCE_FORMATS,
     PreferenceEncoder,
     detect_preference_format,
@@ -93,12 +97,8 @@ if TYPE_CHECKING:
 
 SFT_KEY = "sft"
 """The outputs' key with `--sft`: `{output_prefix}_sft_document.bin/.idx/.json`."""
-SFT_FORMAT_VERSION = 1
-"""The version of `{output_prefix}_sft_document.json`, whose "format" is "megatron_patch.sft"."""
 DPO_KEY = "dpo"
 """The outputs' key with `--dpo`: `{output_prefix}_dpo_document.bin/.idx/.json`."""
-DPO_FORMAT_VERSION = 1
-"""The version of `{output_prefix}_dpo_document.json`, whose "format" is "megatron_patch.dpo"."""
 
 
 @dataclass
@@ -1107,13 +1107,13 @@ def _show_pair(config: PreprocessConfig, encoder: PreferenceEncoder, pairs: list
 
 RECORD_KINDS = {
     SFT_KEY: RecordKind(
-        key=SFT_KEY, format="megatron_patch.sft", version=SFT_FORMAT_VERSION, input_formats=INPUT_FORMATS,
+        key=SFT_KEY, format=SFT_FORMAT, version=SFT_VERSION, input_formats=INPUT_FORMATS,
         detect=_detect_conversation_format, read=read_conversations, build_encoder=build_conversation_encoder,
         documents="conversations", trained="trained_tokens", settings=lambda config: {"sft_loss": config.sft_loss},
         show=_show_conversations, show_header=SHOW_HEADER,
     ),
     DPO_KEY: RecordKind(
-        key=DPO_KEY, format="megatron_patch.dpo", version=DPO_FORMAT_VERSION, input_formats=PREFERENCE_FORMATS,
+        key=DPO_KEY, format=DPO_FORMAT, version=DPO_VERSION, input_formats=PREFERENCE_FORMATS,
         detect=detect_preference_format, read=lambda record, input_format: [read_preference(record, input_format)],
         build_encoder=build_preference_encoder, documents="pairs", trained="completion_tokens",
         settings=lambda config: {}, show=_show_pair, show_header=DPO_SHOW_HEADER,

@@ -30,36 +30,36 @@ import torch
 
 from megatron_patch.errors import UserError
 from megatron_patch.model.forward import forward_only_step
-from megatron_patch.training.sft import packed_seq_params
+from megatron_patch.training.sft import per_token_loss
 
 REPORTS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
 _REFERENCE_FILE = "dpo_reference.npz"
 
 
-def sequence_logps(per_token_loss: torch.Tensor, loss_mask: torch.Tensor, cu_seqlens: torch.Tensor
+def sequence_logps(token_losses: torch.Tensor, loss_mask: torch.Tensor, cu_seqlens: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each sequence's log-probability of its trained tokens (the sum; the model's per-token loss is their negative
     log-probability) and how many they are, for the sequences a sample's ``cu_seqlens`` bound.
 
     Example::
 
-        logps, counts = sequence_logps(per_token_loss, batch["loss_mask"], batch["cu_seqlens"])
+        logps, counts = sequence_logps(token_losses, batch["loss_mask"], batch["cu_seqlens"])
     """
-    bounds = cu_seqlens.reshape(-1).to(per_token_loss.device)
+    bounds = cu_seqlens.reshape(-1).to(token_losses.device)
     owner = torch.repeat_interleave(torch.arange(len(bounds) - 1, device=bounds.device), bounds[1:] - bounds[:-1])
     mask = loss_mask.reshape(-1).float()
-    zeros = torch.zeros(len(bounds) - 1, device=per_token_loss.device)
-    logps = zeros.index_add(0, owner, -per_token_loss.reshape(-1).float() * mask)
+    zeros = torch.zeros(len(bounds) - 1, device=token_losses.device)
+    logps = zeros.index_add(0, owner, -token_losses.reshape(-1).float() * mask)
     return logps, zeros.index_add(0, owner, mask)
 
 
-def dpo_loss(batch: dict, per_token_loss: torch.Tensor, reference: torch.Tensor, beta: float, loss_type: str):
+def dpo_loss(batch: dict, token_losses: torch.Tensor, reference: torch.Tensor, beta: float, loss_type: str):
     """The three-value loss of one sample's pairs (``batch["items"]``, ``reference[item]`` their reference
     log-probabilities, chosen then rejected): the sum of the pairs' losses, their count, and the reports TRL logs
     (each a sum with the count, megatron-core's reduction averaging them over the global batch)."""
     items = batch["items"].reshape(-1)
     pairs = len(items)
-    logps, counts = sequence_logps(per_token_loss, batch["loss_mask"], batch["cu_seqlens"])
+    logps, counts = sequence_logps(token_losses, batch["loss_mask"], batch["cu_seqlens"])
     ref = reference[items.cpu()].to(logps.device) if pairs else torch.zeros(0, 2, device=logps.device)
     chosen = logps[0:2 * pairs:2] - ref[:, 0]
     rejected = logps[1:2 * pairs:2] - ref[:, 1]
@@ -69,7 +69,7 @@ def dpo_loss(batch: dict, per_token_loss: torch.Tensor, reference: torch.Tensor,
         margin = chosen / counts[0:2 * pairs:2].clamp(min=1.0) - rejected / counts[1:2 * pairs:2].clamp(min=1.0)
         losses = (margin - 1 / (2 * beta)) ** 2
     # A sample of no pairs (the padding of a dev set) still gives a loss joined to the model's output.
-    loss = losses.sum() if pairs else per_token_loss.sum() * 0.0
+    loss = losses.sum() if pairs else token_losses.sum() * 0.0
     count = torch.tensor(float(pairs), device=logps.device)
     chosen_rewards, rejected_rewards = beta * chosen.detach(), beta * rejected.detach()
     values = (chosen_rewards.sum(), rejected_rewards.sum(), (chosen_rewards > rejected_rewards).float().sum(),
@@ -81,9 +81,7 @@ def dpo_loss(batch: dict, per_token_loss: torch.Tensor, reference: torch.Tensor,
 
 def dpo_forward_step(batch: dict, model, reference: torch.Tensor, beta: float, loss_type: str):
     """The forward step of a DPO sample: the model's per-token loss of every sequence, then ``dpo_loss``."""
-    per_token_loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
-                           loss_mask=batch["loss_mask"], packed_seq_params=packed_seq_params(batch["cu_seqlens"]))
-    return per_token_loss, lambda output: dpo_loss(batch, output, reference, beta, loss_type)
+    return per_token_loss(batch, model), lambda output: dpo_loss(batch, output, reference, beta, loss_type)
 
 
 def _logps_report(batch: dict, output: torch.Tensor):
@@ -135,9 +133,7 @@ def _reference_step(sample: dict, model):
              for key, value in sample.items()}
     device = next(model.parameters()).device
     batch = {key: value.to(device) for key, value in batch.items()}
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
-                   loss_mask=batch["loss_mask"], packed_seq_params=packed_seq_params(batch["cu_seqlens"]))
-    return output, lambda out: _logps_report(batch, out)
+    return per_token_loss(batch, model), lambda output: _logps_report(batch, output)
 
 
 class ReferenceLogps:

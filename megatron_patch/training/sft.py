@@ -37,7 +37,9 @@ import os
 import numpy
 import torch
 
+from megatron_patch.data.conversations import SFT_FORMAT, SFT_VERSION
 from megatron_patch.data.data_path import is_number, split_ranges
+from megatron_patch.data.preferences import DPO_FORMAT, DPO_VERSION
 from megatron_patch.errors import UserError
 from megatron_patch.model.forward import forward_only_step
 from megatron_patch.training.step import lm_loss_func
@@ -46,27 +48,36 @@ from megatron_patch.training.step import lm_loss_func
 
 @dataclasses.dataclass(frozen=True)
 class PreparedKind:
-    """What ``preprocess-data`` writes for a post-training flag and how a run reads it: each document of the
-    ``.bin/.idx`` holds one item (a conversation, a preference pair) as (token ids, 0/1 mask) sequences, one per
-    name in ``sequences``."""
+    """What ``preprocess-data --KEY`` writes and how a run reads it: each document of ``PREFIX_KEY_document.bin/.idx``
+    holds one item (a conversation, a preference pair) as (token ids, 0/1 mask) sequences, one per name in
+    ``sequences``; the sidecar's format and version are the writer's (data/conversations.py, data/preferences.py)."""
 
-    flag: str
-    suffix: str
+    key: str
     format: str
     version: int
     sequences: tuple[str, ...]
     items: str
-    label: str
+
+    @property
+    def flag(self) -> str:
+        return f"--{self.key}"
+
+    @property
+    def suffix(self) -> str:
+        return f"_{self.key}_document"
+
+    @property
+    def label(self) -> str:
+        return self.key.upper()
 
 
-SFT = PreparedKind("--sft", "_sft_document", "megatron_patch.sft", 1, ("conversation",), "conversations", "SFT")
-DPO = PreparedKind("--dpo", "_dpo_document", "megatron_patch.dpo", 1, ("chosen", "rejected"), "preference pairs",
-                   "DPO")
+SFT = PreparedKind("sft", SFT_FORMAT, SFT_VERSION, ("conversation",), "conversations")
+DPO = PreparedKind("dpo", DPO_FORMAT, DPO_VERSION, ("chosen", "rejected"), "preference pairs")
 
 
 def kind_of(data) -> PreparedKind:
     """The kind of post-training data a run's DataConfig asks for (``--dpo``, else ``--sft``)."""
-    return DPO if getattr(data, "dpo", False) else SFT
+    return DPO if data.dpo else SFT
 # Bumped when the packing of the same lengths changes, so that no cache of an older packer is read.
 _PACKER_VERSION = 1
 
@@ -246,7 +257,7 @@ class SFTDataset(torch.utils.data.Dataset):
             raise UserError(
                 f"{int(over.sum())} {kind.items} are longer than --seq-length {seq_length} (the longest, {one} "
                 f"{indices[longest]} of {parts[owners[longest]][0].prefix}, has {predictions[longest]} positions to "
-                f"predict): give --{kind.flag[2:]}-overlong {'skip' if kind is DPO else 'truncate or skip'}, or a "
+                f"predict): give --{kind.key}-overlong {'skip' if kind is DPO else 'truncate or skip'}, or a "
                 "longer --seq-length")
         if overlong == "skip":
             owners, indices, predictions = owners[~over], indices[~over], predictions[~over]
@@ -327,7 +338,7 @@ def prepared_prefix(jsonl: str, data, tokenizer_type: str | None, tokenizer_opti
     digest = hashlib.sha256(json.dumps(stamp, default=str).encode()).hexdigest()[:16]
     cache = data.data_cache_path or os.path.join(os.path.dirname(os.path.abspath(jsonl)), "cache")
     stem = os.path.splitext(os.path.basename(jsonl))[0]
-    return os.path.join(cache, kind.label.lower(), f"{stem}-{digest}")
+    return os.path.join(cache, kind.key, f"{stem}-{digest}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -499,13 +510,18 @@ def packed_seq_params(cu_seqlens: torch.Tensor):
                            max_seqlen_kv=longest)
 
 
+def per_token_loss(batch: dict, model) -> torch.Tensor:
+    """The model's loss at each position of ``batch`` (the negative log-probability of its label); the sequences a
+    sample's ``cu_seqlens`` bound attend to themselves only."""
+    packed = packed_seq_params(batch["cu_seqlens"]) if "cu_seqlens" in batch else None
+    return model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"], loss_mask=batch["loss_mask"],
+                 packed_seq_params=packed)
+
+
 def sft_forward_step(batch: dict, model):
     """Per-token loss of ``batch``'s trained tokens (the three-value loss form); a pack's conversations attend to
     themselves only (``cu_seqlens``)."""
-    packed = packed_seq_params(batch["cu_seqlens"]) if "cu_seqlens" in batch else None
-    per_token_loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
-                           loss_mask=batch["loss_mask"], packed_seq_params=packed)
-    return per_token_loss, lambda output: lm_loss_func(batch["loss_mask"], output)
+    return per_token_loss(batch, model), lambda output: lm_loss_func(batch["loss_mask"], output)
 
 
 def sft_metrics(chunks: list, loader, seq_length: int, micro_batch_size: int) -> dict[str, float]:

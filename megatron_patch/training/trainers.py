@@ -195,6 +195,7 @@ class _Trainer:
                                     f"{self.iteration} and --train-iters is {train_iters}; give a larger "
                                     "--train-iters to train on")
         self.consumed_samples, self.skipped_samples = self._resumed_samples()
+        self.after_load()
 
     def _resumed_samples(self) -> tuple[int, int]:
         """Megatron-LM's ``consumed_train_samples`` and ``skipped_train_samples`` at the loaded iteration: as the
@@ -374,7 +375,8 @@ class _Trainer:
         record = os.path.join(logging.log_dir, "iterations.jsonl") if logging.log_dir and last else None
         return TrainingLog(self.engine.logger, logging.log_interval, train_iters, flops_per_sample,
                            logging.tensorboard_dir if last else None, record_path=record, world_size=world_size,
-                           loss_name=self.LOSS_NAME or self.backend.loss_name, wandb_options=self._wandb_options() if last else None)
+                           loss_name=self.LOSS_NAME or self.backend.loss_name,
+                           wandb_options=self._wandb_options() if last else None)
 
     def _wandb_options(self) -> dict | None:
         """``wandb.init``'s arguments for ``--wandb-project`` (Megatron-LM's _set_wandb_writer: the run under
@@ -482,7 +484,6 @@ class Pretrainer(_Trainer):
         if not train_iters:
             raise SystemExit("rapidformer: error: a Pretrainer needs --train-iters")
         self._compose(train_iters)
-        self.after_load()
         gbs = training.global_batch_size
         evals = (train_iters // logging.eval_interval + 1) if logging.eval_interval else 0
         train_ds, valid_ds, _ = self.train_valid_test_datasets_provider(
@@ -539,7 +540,6 @@ class Finetuner(_Trainer):
         epochs = training.epochs or math.ceil((training.train_iters or steps_per_epoch) / steps_per_epoch)
         train_iters = training.train_iters or epochs * steps_per_epoch
         self._compose(train_iters)
-        self.after_load()
         log = self._log(train_iters)
         self.metrics: list[dict] = []
         counter = _TokenCounter()
