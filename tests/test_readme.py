@@ -97,3 +97,23 @@ def test_stand_ins_never_replace_what_exists(tmp_path):
     missing = str(tmp_path / "none.jsonl")
     done = make_stand_ins("--corpus", missing)
     assert done.returncode == 2 and f"--corpus {missing}: no such file" in done.stderr, done.stderr
+
+
+def test_what_a_killed_make_stand_ins_left_the_next_run_removes(tmp_path):
+    """A stand-in half-written by a process that is gone (its staging name, staging.py's) goes when the next run
+    writes that stand-in; the others, already there, are kept."""
+    from megatron_patch.staging import staging_tag
+
+    for name in ("hf/qwen2", "data/glue/mrpc", "data/chat.jsonl", "llama2"):
+        (tmp_path / name).mkdir(parents=True) if "." not in name else (tmp_path / name).write_text("{}\n")
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # reaped: its pid names no process now
+    leftover = tmp_path / "data" / ("prefs.jsonl" + staging_tag("partial").replace(str(os.getpid()), str(dead.pid)))
+    leftover.write_text("half")
+    done = subprocess.run([sys.executable, "-m", "megatron_patch.cli", "make-stand-ins", "--output-dir",
+                           str(tmp_path)], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("kept ") == 4 and done.stdout.count("wrote ") == 1, done.stdout
+    assert not leftover.exists() and len((tmp_path / "data" / "prefs.jsonl").read_text().splitlines()) == 64
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["chat.jsonl", "glue", "prefs.jsonl"]

@@ -19,10 +19,12 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import tempfile
 
 from megatron_patch.errors import FlagParser
+from megatron_patch.staging import killed_leftovers, staging_tag, tag_pattern
 
 # Qwen2's embedding rows for the 1000-token tokenizer: a multiple of 128 x TP 2, so megatron-core pads nothing.
 QWEN2_VOCAB = 1024
@@ -157,16 +159,20 @@ def make_stand_ins(output_dir: str, corpus: str | None = None) -> list[str]:
             if os.path.exists(target):
                 lines.append(f"kept {target}: it exists (a stand-in never replaces it)")
                 continue
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            partial = f"{target}.partial-{os.getpid()}"
+            parent, name = os.path.split(target)
+            os.makedirs(parent, exist_ok=True)
+            # What a killed run left of this stand-in goes, as the other commands' staging does (staging.py).
+            leftovers = [path for path, _, _ in killed_leftovers(parent, re.escape(name) + tag_pattern("partial"))]
+            partial = target + staging_tag("partial")
             try:
                 write(partial)
                 os.replace(partial, target)
             finally:
-                if os.path.isdir(partial):
-                    shutil.rmtree(partial)
-                elif os.path.exists(partial):
-                    os.remove(partial)
+                for path in (*leftovers, partial):
+                    if os.path.isdir(path):
+                        shutil.rmtree(path)
+                    elif os.path.exists(path):
+                        os.remove(path)
             lines.append(f"wrote {target}: {what}")
     return lines
 
