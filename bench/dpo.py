@@ -71,7 +71,7 @@ def measure(pairs: int, seq_length: int, steps: int, seed: int = 0) -> dict:
     from megatron_patch.model.builder import build_model_chunks
     from megatron_patch.model.config import get_model_config
     from megatron_patch.model.parallel import ParallelConfig
-    from megatron_patch.training.dpo import dpo_forward_step
+    from megatron_patch.training.dpo import DPOSettings, dpo_forward_step
     from megatron_patch.training.sft import DPO, SFT, Conversations, SFTDataset, sft_forward_step
     from megatron_patch.training.step import build_optimizer, train_step, wrap_model
 
@@ -96,7 +96,7 @@ def measure(pairs: int, seq_length: int, steps: int, seed: int = 0) -> dict:
         rejected = batches(os.path.join(scratch, "rejected_sft_document"), [[p[1]] for p in made], SFT)
 
     def dpo_step():
-        train_step(lambda it, model: dpo_forward_step(next(it), model, reference, 0.1, "sigmoid"), iter(dpo),
+        train_step(lambda it, model: dpo_forward_step(next(it), model, reference, DPOSettings()), iter(dpo),
                    chunks, optimizer, len(dpo), seq_length, 1)
 
     def sft_steps():

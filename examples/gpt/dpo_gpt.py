@@ -16,7 +16,7 @@ Example::
 A resumed run (``--load`` of its own ``--save``) reads the reference log-probabilities saved there at its start.
 """
 
-from megatron_patch.training.dpo import ReferenceLogps, dpo_forward_step, dpo_metrics
+from megatron_patch.training.dpo import DPOSettings, ReferenceLogps, dpo_forward_step, dpo_metrics
 from megatron_patch.training.models import megatron_model
 from megatron_patch.training.sft import sft_datasets
 from rapidformer import Finetuner, RapidformerEngine
@@ -38,13 +38,13 @@ class DPOFinetuner(Finetuner):
 
     def after_load(self):
         self.reference = ReferenceLogps.for_run(self, self.train_set, self.dev_set, log=self.engine.logger.info)
+        self.settings = DPOSettings.of(self.args)
 
     def run_forward_step(self, batch, model):
-        return dpo_forward_step(batch, model, self.reference.train, self.args.dpo_beta, self.args.dpo_loss_type)
+        return dpo_forward_step(batch, model, self.reference.train, self.settings)
 
     def run_compute_metrics(self, model, eval_dataloader):
-        return dpo_metrics(model, eval_dataloader, self.args.seq_length, self.reference.dev, self.args.dpo_beta,
-                           self.args.dpo_loss_type)
+        return dpo_metrics(model, eval_dataloader, self.args.seq_length, self.reference.dev, self.settings)
 
 
 if __name__ == "__main__":

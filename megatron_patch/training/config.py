@@ -351,6 +351,10 @@ class DataConfig:
                                                          "against the reference (TRL's beta)")
     dpo_loss_type: str = flag(default="sigmoid", choices=["sigmoid", "ipo"],
                               help="sigmoid: -log sigmoid(beta * margin) (DPO); ipo: (margin per token - 1/(2 beta))^2")
+    dpo_sft_loss_weight: float = flag(
+        default=0.0, type=float, help="adds this weight times the chosen answer's negative log-likelihood per token "
+                                      "to each pair's loss (NeMo-RL's sft_loss_weight, averaged per token; TRL's "
+                                      "'sft' loss type); 0: none")
     dpo_overlong: str | None = flag(
         choices=["skip"], help="a preference pair whose two sequences do not fit --seq-length is left out, and "
                                "counted in the log; without the flag such a pair stops the run before it starts")
@@ -369,7 +373,9 @@ class DataConfig:
                     f"{'--dpo' if self.dpo else '--sft'}: give either --data-path (split by --split) or "
                     "--train-data-path/--valid-data-path, not both"),
                    (self.sft and self.dpo, "--sft and --dpo train on different data: give one of them"),
-                   (self.dpo_beta <= 0, f"--dpo-beta {self.dpo_beta}: give a positive beta (TRL's default is 0.1)")])
+                   (self.dpo_beta <= 0, f"--dpo-beta {self.dpo_beta}: give a positive beta (TRL's default is 0.1)"),
+                   (self.dpo_sft_loss_weight < 0,
+                    f"--dpo-sft-loss-weight {self.dpo_sft_loss_weight}: give 0 (no SFT term) or a positive weight")])
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

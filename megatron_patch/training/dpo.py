@@ -21,6 +21,7 @@ loaded is the base (the adapters start at zero), which is TRL's reference with `
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -31,6 +32,25 @@ import torch
 from megatron_patch.errors import UserError
 from megatron_patch.model.forward import forward_only_step
 from megatron_patch.training.sft import per_token_loss
+
+@dataclasses.dataclass(frozen=True)
+class DPOSettings:
+    """The loss of a DPO run: beta, the preference loss (``sigmoid`` or ``ipo``) and the weight of the chosen
+    answers' SFT term (0: none).
+
+    Example::
+
+        DPOSettings.of(args)      # from --dpo-beta, --dpo-loss-type and --dpo-sft-loss-weight
+    """
+
+    beta: float = 0.1
+    loss_type: str = "sigmoid"
+    sft_weight: float = 0.0
+
+    @classmethod
+    def of(cls, args) -> "DPOSettings":
+        return cls(args.dpo_beta, args.dpo_loss_type, args.dpo_sft_loss_weight)
+
 
 REPORTS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
 _REFERENCE_FILE = "dpo_reference.npz"
@@ -53,21 +73,28 @@ def sequence_logps(token_losses: torch.Tensor, loss_mask: torch.Tensor, cu_seqle
     return logps, zeros.index_add(0, owner, mask)
 
 
-def dpo_loss(batch: dict, token_losses: torch.Tensor, reference: torch.Tensor, beta: float, loss_type: str):
+def dpo_loss(batch: dict, token_losses: torch.Tensor, reference: torch.Tensor, settings: DPOSettings):
     """The three-value loss of one sample's pairs (``batch["items"]``, ``reference[item]`` their reference
     log-probabilities, chosen then rejected): the sum of the pairs' losses, their count, and the reports TRL logs
-    (each a sum with the count, megatron-core's reduction averaging them over the global batch)."""
+    (each a sum with the count, megatron-core's reduction averaging them over the global batch).
+
+    A pair's loss is its preference loss plus ``settings.sft_weight`` times its chosen answer's negative
+    log-likelihood per token: TRL's ``loss_type=["sigmoid", "sft"]`` with ``loss_weights=[1, w]`` at one pair per
+    micro-batch, NeMo-RL's ``sft_loss_weight`` with ``sft_average_log_probs``."""
     items = batch["items"].reshape(-1)
     pairs = len(items)
     logps, counts = sequence_logps(token_losses, batch["loss_mask"], batch["cu_seqlens"])
     ref = reference[items.cpu()].to(logps.device) if pairs else torch.zeros(0, 2, device=logps.device)
+    beta = settings.beta
     chosen = logps[0:2 * pairs:2] - ref[:, 0]
     rejected = logps[1:2 * pairs:2] - ref[:, 1]
-    if loss_type == "sigmoid":
+    if settings.loss_type == "sigmoid":
         losses = -torch.nn.functional.logsigmoid(beta * (chosen - rejected))
     else:  # TRL's ipo: the log-ratios per completion token
         margin = chosen / counts[0:2 * pairs:2].clamp(min=1.0) - rejected / counts[1:2 * pairs:2].clamp(min=1.0)
         losses = (margin - 1 / (2 * beta)) ** 2
+    if settings.sft_weight:
+        losses = losses - settings.sft_weight * logps[0:2 * pairs:2] / counts[0:2 * pairs:2].clamp(min=1.0)
     # A sample of no pairs (the padding of a dev set) still gives a loss joined to the model's output.
     loss = losses.sum() if pairs else token_losses.sum() * 0.0
     count = torch.tensor(float(pairs), device=logps.device)
@@ -79,9 +106,9 @@ def dpo_loss(batch: dict, token_losses: torch.Tensor, reference: torch.Tensor, b
     return loss, count.to(torch.int), reports
 
 
-def dpo_forward_step(batch: dict, model, reference: torch.Tensor, beta: float, loss_type: str):
+def dpo_forward_step(batch: dict, model, reference: torch.Tensor, settings: DPOSettings):
     """The forward step of a DPO sample: the model's per-token loss of every sequence, then ``dpo_loss``."""
-    return per_token_loss(batch, model), lambda output: dpo_loss(batch, output, reference, beta, loss_type)
+    return per_token_loss(batch, model), lambda output: dpo_loss(batch, output, reference, settings)
 
 
 def _logps_report(batch: dict, output: torch.Tensor):
@@ -194,7 +221,7 @@ class ReferenceLogps:
         return cls(*tables, source)
 
 
-def dpo_metrics(chunks: list, loader, seq_length: int, reference: torch.Tensor, beta: float, loss_type: str
+def dpo_metrics(chunks: list, loader, seq_length: int, reference: torch.Tensor, settings: DPOSettings
                 ) -> dict[str, float]:
     """The dev set's DPO loss, rewards, accuracy and margin (means over its pairs, all data-parallel ranks; the
     loader's batches whole, as the dev set is padded); ``{}`` off the last pipeline stage."""
@@ -202,7 +229,7 @@ def dpo_metrics(chunks: list, loader, seq_length: int, reference: torch.Tensor, 
 
     iterators = [iter(loader) for _ in chunks]
     reports = forward_only_step(chunks, iterators if len(chunks) > 1 else iterators[0],
-                                lambda it, model: dpo_forward_step(next(it), model, reference, beta, loss_type),
+                                lambda it, model: dpo_forward_step(next(it), model, reference, settings),
                                 len(loader), seq_length, 1)
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         return {}
