@@ -6,8 +6,8 @@
 #       --tokenizer-type Llama2Tokenizer --tokenizer-model /data/tokenizer.model --output-dir /ckpt/llama2-7b
 #
 # A recipe sets RECIPE, RECIPE_SUMMARY, DEFAULT_MODEL, CPU_MODEL, DEFAULT_LR, DEFAULT_MIN_LR, DEFAULT_TRAIN_ITERS
-# and DEFAULT_TOKENIZER, sources this file, calls `parse_flags "$@"` and ends in `launch <its own rapidformer
-# flags>`. Environment, as in the seed's scripts: CUDA_VISIBLE_DEVICES MASTER_ADDR MASTER_PORT NNODES NODE_RANK
+# and DEFAULT_TOKENIZER, sources this file, calls `parse_flags "$@"` (a fine-tuning recipe then
+# `finetune_from_load`) and ends in `launch <its own rapidformer flags>`. Environment, as in the seed's scripts: CUDA_VISIBLE_DEVICES MASTER_ADDR MASTER_PORT NNODES NODE_RANK
 # (defaults: every visible GPU, one node, 127.0.0.1, a free port); PYTHON names the interpreter.
 
 set -euo pipefail
@@ -234,6 +234,17 @@ _rapidformer_flags() {
   [[ -z $SAVE_INTERVAL ]] || FLAGS+=(--save-interval "$SAVE_INTERVAL")
   FLAGS+=(--log-dir "$OUTPUT_DIR/logs")
   FLAGS+=(--tensorboard-dir "$OUTPUT_DIR/tensorboard")
+}
+
+# A fine-tuning recipe's --load: its weights start the first run (FINETUNE=(--finetune)); a rerun resumes from
+# OUTPUT/checkpoints instead, once that holds a checkpoint (_rapidformer_flags then loads it).
+finetune_from_load() {
+  FINETUNE=()
+  if [[ -n $LOAD ]] && "$PYTHON" -m megatron_patch.checkpoint tracker "$OUTPUT_DIR/checkpoints" >/dev/null; then
+    LOAD=""
+  elif [[ -n $LOAD ]]; then
+    FINETUNE=(--finetune)
+  fi
 }
 
 _quote() {  # a word as the shell reads it back; plain words stay plain (printf %q would write 98\,2)

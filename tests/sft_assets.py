@@ -51,7 +51,7 @@ def reference_mask(tokenizer, messages: list[dict]) -> tuple[list[int], list[int
 
 
 def converted_chat_model(kind: str, tokenizer_dir: str, root: str) -> dict:
-    """A random Hugging Face ``kind`` ("llama" or "mixtral") with the chat tokenizer, and its megatron-core
+    """A random Hugging Face ``kind`` ("llama", "qwen2" or "mixtral") with the chat tokenizer, and its megatron-core
     conversion (``megatron-patch convert hf-to-megatron``)."""
     import torch
     import transformers
@@ -62,6 +62,8 @@ def converted_chat_model(kind: str, tokenizer_dir: str, root: str) -> dict:
                   max_position_embeddings=256, tie_word_embeddings=False)
     if kind == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(intermediate_size=64, **common))
+    elif kind == "qwen2":  # LLaMA's layers with biases on q, k and v
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(intermediate_size=64, **common))
     else:
         # Router weights of std 0.2 keep the top-2 choice clear of near-ties (tests/convert_oracles.py). No
         # load-balancing loss: transformers' and megatron-core's differ, and the trainers compared train on the

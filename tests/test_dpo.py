@@ -1,7 +1,8 @@
 """Preference tuning (issue 50): examples/gpt/dpo_gpt.py on megatron-core against TRL's DPOTrainer, the oracle, on
-the same tiny LLaMA (random weights, converted from transformers), chat template, pairs and beta: the loss, gradient
-norm and rewards of the first two steps (the second after one AdamW step; at the first the policy is the
-reference) at one process and across layouts, packed or not, for the sigmoid and IPO losses.
+the same tiny LLaMA, Qwen2 and Mixtral (random weights, converted from transformers), chat template, pairs and beta:
+the loss, gradient norm and rewards of the first two steps (the second after one AdamW step; at the first the policy
+is the reference) at one process and across layouts, packed or not, for the sigmoid and IPO losses, with an SFT term
+and with LoRA (TRL with peft).
 
     python -m pytest -q -p no:cacheprovider tests/test_dpo.py
 """
@@ -18,6 +19,7 @@ from megatron_patch.data.stand_ins import preference_pairs, write_jsonl
 from megatron_patch.testing import run_on_ranks
 
 SCRIPT = os.path.join(ROOT, "examples", "gpt", "dpo_gpt.py")
+SLOW_SCRIPT = os.path.join(ROOT, "tests", "scripts", "slow_finetuner.py")
 PAIRS, SEQ, BETA, LR = 8, 128, 0.1, 1e-3
 
 
@@ -33,7 +35,7 @@ def prefs(tmp_path_factory):
     preprocess(PreprocessConfig(input=jsonl, output_prefix=os.path.join(root, "prefs"),
                                 tokenizer_type="HuggingFaceTokenizer", tokenizer_options={"tokenizer_model": tokenizer},
                                 dpo=True, workers=1))
-    models = {kind: converted_chat_model(kind, tokenizer, root) for kind in ("llama", "mixtral")}
+    models = {kind: converted_chat_model(kind, tokenizer, root) for kind in ("llama", "qwen2", "mixtral")}
     return {"root": root, "tokenizer": tokenizer, "rows": rows, "models": models,
             "prefix": os.path.join(root, "prefs_dpo_document")}
 
@@ -111,9 +113,10 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def trl_runs(prefs, tmp_path_factory):
-    runs = {loss_type: _trl(prefs, tmp_path_factory.mktemp(f"trl-{loss_type}"), loss_type)
-            for loss_type in ("sigmoid", "ipo")}
-    return {**runs, "mixtral": _trl(prefs, tmp_path_factory.mktemp("trl-mixtral"), "sigmoid", model="mixtral")}
+    """TRL's first two steps, by (model, loss type)."""
+    return {(model, loss_type): _trl(prefs, tmp_path_factory.mktemp(f"trl-{model}-{loss_type}"), loss_type, model=model)
+            for model, loss_type in (("llama", "sigmoid"), ("llama", "ipo"), ("qwen2", "sigmoid"), ("qwen2", "ipo"),
+                                     ("mixtral", "sigmoid"))}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -127,19 +130,20 @@ def test_the_first_two_steps_equal_trl(prefs, trl_runs, layout, tmp_path):
     samples = PAIRS if "--no-sft-packing" in extra else len(pack_best_fit(data.predictions, SEQ))
     ours, _ = _ours(prefs, tmp_path, world_size, "sigmoid", "--train-iters", "2", "--global-batch-size",
                     str(samples), *extra)
-    _compare(ours, trl_runs["sigmoid"])
+    _compare(ours, trl_runs["llama", "sigmoid"])
 
 
 def test_a_mixture_of_experts_at_expert_parallel_size_2_equals_trl(prefs, trl_runs, tmp_path):
     ours, _ = _ours(prefs, tmp_path, 2, "sigmoid", "--train-iters", "2", "--global-batch-size", str(PAIRS),
                     "--no-sft-packing", "--expert-model-parallel-size", "2", model="mixtral")
-    _compare(ours, trl_runs["mixtral"])
+    _compare(ours, trl_runs["mixtral", "sigmoid"])
 
 
-def test_the_ipo_loss_equals_trl(prefs, trl_runs, tmp_path):
-    ours, _ = _ours(prefs, tmp_path, 1, "ipo", "--train-iters", "2", "--global-batch-size", str(PAIRS),
-                    "--no-sft-packing")
-    _compare(ours, trl_runs["ipo"])
+@pytest.mark.parametrize("model, loss_type", [("llama", "ipo"), ("qwen2", "sigmoid"), ("qwen2", "ipo")])
+def test_the_ipo_loss_and_a_qwen2_equal_trl(prefs, trl_runs, model, loss_type, tmp_path):
+    ours, _ = _ours(prefs, tmp_path, 1, loss_type, "--train-iters", "2", "--global-batch-size", str(PAIRS),
+                    "--no-sft-packing", model=model)
+    _compare(ours, trl_runs[model, loss_type])
 
 
 def test_the_sft_term_equals_trl_s(prefs, tmp_path):
@@ -153,21 +157,40 @@ def test_the_sft_term_equals_trl_s(prefs, tmp_path):
     assert ours[0]["loss"] > 0.7
 
 
-def test_a_run_stopped_and_resumed_goes_on_exactly_without_a_second_reference_pass(prefs, tmp_path):
-    """Stopped after iteration 2 (--exit-interval, its save the one a SIGKILL would leave) and resumed from its
-    --save: iterations 3 and 4 are the unbroken run's bit for bit, with the reference read from the save, not
-    computed again from a model that has trained since."""
-    common = ["--train-iters", "4", "--global-batch-size", "4", "--no-sft-packing", "--save-interval", "2"]
-    unbroken, computed = _ours(prefs, tmp_path / "unbroken", 1, "sigmoid", *common, "--save", str(tmp_path / "a"))
-    save = str(tmp_path / "b")
-    first, _ = _ours(prefs, tmp_path / "first", 1, "sigmoid", *common, "--save", save, "--exit-interval", "2")
-    # Resumed into another --save, which gets the reference too (for its own resumes).
-    resumed, source = _ours(prefs, tmp_path / "resumed", 1, "sigmoid", *common, "--save", str(tmp_path / "c"),
-                            load=save)
-    assert computed is None and source == os.path.join(save, "dpo_reference.npz")
-    assert os.path.isfile(tmp_path / "c" / "dpo_reference.npz")
-    assert [r["iteration"] for r in first + resumed] == [1, 2, 3, 4]
-    assert first + resumed == unbroken
+def test_a_run_sigkilled_mid_run_resumes_bitwise_without_a_second_reference_pass(prefs, tmp_path):
+    """Launched as a user launches it, dropout on, killed after iteration 8 (its third epoch) and resumed from its
+    iteration-6 save into another --save: every iteration's record is the unbroken run's bit for bit, and the
+    reference log-probabilities are read from the first --save, not computed again from a model that has trained
+    since; the other --save gets them too (for its own resumes)."""
+    import subprocess
+    import sys
+
+    from test_reliability import ITERS, _assert_same_as, _kill_when, _last_iteration, _records
+
+    def launch(*argv, env=None):
+        return subprocess.Popen(
+            [sys.executable, "-m", "megatron_patch.cli", "train", "--user-script", SLOW_SCRIPT, "--nproc-per-node", "1",
+             "--dpo", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", prefs["tokenizer"],
+             "--data-path", prefs["prefix"], "--split", "100,0,0", "--seq-length", str(SEQ), "--hidden-dropout", "0.1",
+             "--global-batch-size", "2", "--train-iters", str(ITERS), "--lr", "1e-3", "--lr-warmup-iters", "2",
+             "--lr-decay-style", "cosine", "--log-interval", "1", "--save-interval", "3", *argv],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+            env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "SLOW_EXAMPLE": "examples/gpt/dpo_gpt.py",
+                 "SLOW_FROM": str(ITERS + 1), **(env or {})})
+
+    base = ["--load", prefs["models"]["llama"]["mcore"], "--finetune"]
+    unbroken = launch(*base, "--save", str(tmp_path / "unbroken"), "--log-dir", str(tmp_path / "reference"))
+    output, _ = unbroken.communicate(timeout=300)
+    assert unbroken.returncode == 0 and output.count("DPO reference:") == 1, output[-3000:]
+    save, logs = str(tmp_path / "ckpt"), str(tmp_path / "logs")
+    job = launch(*base, "--save", save, "--log-dir", logs, env={"SLOW_FROM": "9"})
+    assert _kill_when(job, lambda: _last_iteration(logs) >= 8), "the job ended before the kill"
+    resumed = launch("--load", save, "--save", str(tmp_path / "other"), "--log-dir", logs)
+    output, _ = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, output[-3000:]
+    assert "at iteration 6" in output and "DPO reference:" not in output, output[-3000:]
+    assert os.path.isfile(tmp_path / "other" / "dpo_reference.npz")
+    _assert_same_as(_records(tmp_path / "reference"), _records(logs))
 
 
 def test_ten_steps_on_a_learnable_preference_raise_accuracy_and_margin(prefs, tmp_path):

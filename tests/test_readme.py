@@ -65,7 +65,7 @@ def test_every_readme_command_runs_as_written(tmp_path):
     assert "[[" in everything and "# conversation 1:" in everything  # --show marked the trained tokens
     blocks = readme_blocks()[1:]
     sft_output, dpo_output = (outputs[next(i for i, block in enumerate(blocks) if script in block)]
-                              for script in ("run_finetune_gpt.sh", "dpo_gpt.py"))
+                              for script in ("run_finetune_gpt.sh", "run_dpo_gpt.sh"))
     sft = [float(loss) for loss in re.findall(r"epoch \d+ \| loss: ([0-9.]+)", sft_output)]
     assert len(sft) == 2 and sft[1] < sft[0], sft  # the SFT run's dev loss, after each epoch
     assert (work / "hf" / "qwen2-sft" / "config.json").is_file()

@@ -23,7 +23,7 @@ from megatron_patch.testing import run_on_ranks
 
 SEQ = 128
 SCRIPT = os.path.join(ROOT, "examples", "gpt", "finetune_gpt.py")
-SLOW_SCRIPT = os.path.join(ROOT, "tests", "scripts", "slow_sft.py")
+SLOW_SCRIPT = os.path.join(ROOT, "tests", "scripts", "slow_finetuner.py")
 
 
 def _finetuner():

@@ -18,11 +18,5 @@ DEFAULT_MODEL=qwen2-0.5b CPU_MODEL=tiny-llama DEFAULT_TOKENIZER=HuggingFaceToken
 DEFAULT_LR=1e-5 DEFAULT_MIN_LR=0 DEFAULT_TRAIN_ITERS=""  # the epochs decide
 source "$(dirname "${BASH_SOURCE[0]}")/../../run_scripts/common.sh"
 parse_flags "$@"
-# --load's weights start the first run; a rerun resumes from this run's own checkpoints (common.sh says so).
-FINETUNE=()
-if [[ -n $LOAD ]] && "$PYTHON" -m megatron_patch.checkpoint tracker "$OUTPUT_DIR/checkpoints" >/dev/null; then
-  LOAD=""
-elif [[ -n $LOAD ]]; then
-  FINETUNE=(--finetune)
-fi
+finetune_from_load
 launch --user-script "$ROOT/examples/gpt/finetune_gpt.py" --sft --lr-decay-style cosine "${FINETUNE[@]}"
