@@ -15,7 +15,7 @@ import pytest
 from conftest_data import data_assets
 from sft_assets import ROOT, chat_tokenizer, converted_chat_model
 
-from megatron_patch.data.stand_ins import preference_pairs, write_jsonl
+from megatron_patch.data.stand_ins import conversations, preference_pairs, write_jsonl
 from megatron_patch.testing import run_on_ranks
 
 SCRIPT = os.path.join(ROOT, "examples", "gpt", "dpo_gpt.py")
@@ -236,6 +236,14 @@ def test_wrong_input_is_refused_in_one_line_before_any_rank_starts(prefs, tmp_pa
     assert status == 1 and f"{same}:3:" in output and "torch.distributed.run" not in output, output
     status, output = launch("--data-path", prefs["prefix"], "--seq-length", str(SEQ), "--micro-batch-size", "2")
     assert status == 1 and "--micro-batch-size 1" in output, output
+    # SFT data where pairs belong (the previous step's data, a natural slip).
+    from megatron_patch.data.preprocess import PreprocessConfig, preprocess
+
+    chat = write_jsonl(str(tmp_path / "chat.jsonl"), conversations(4, seed=3))
+    preprocess(PreprocessConfig(input=chat, output_prefix=str(tmp_path / "chat"), tokenizer_type="HuggingFaceTokenizer",
+                                tokenizer_options={"tokenizer_model": prefs["tokenizer"]}, sft=True, workers=1))
+    status, output = launch("--data-path", str(tmp_path / "chat_sft_document"), "--seq-length", str(SEQ))
+    assert status == 1 and "these are conversations (preprocess-data --sft), not preference pairs" in output, output
 
 
 def test_with_lora_the_reference_is_the_base(prefs, tmp_path):

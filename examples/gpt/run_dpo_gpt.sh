@@ -7,7 +7,8 @@
 #       --seq-length 4096 --global-batch-size 64 --epochs 1 --tp 2 -- --split 98,2,0 --dpo-beta 0.1
 #   examples/gpt/run_dpo_gpt.sh --cpu --nproc-per-node 2 ...     # a tiny model on CPU processes
 #
-# --data-path takes prefixes from `megatron-patch preprocess-data --dpo`. --load DIR starts from a checkpoint's
+# --data-path takes prefixes from `megatron-patch preprocess-data --dpo`, or the .jsonl pairs themselves (prepared
+# before any rank starts, once: the cache keeps them). --load DIR starts from a checkpoint's
 # weights (--finetune; the SFT run's checkpoints, or a Hugging Face chat model converted with `megatron-patch convert
 # hf-to-megatron`); a rerun resumes from OUTPUT/checkpoints instead, once it holds one, with the reference
 # log-probabilities saved there. --help lists the flags; anything after -- goes to rapidformer (--dpo-beta,

@@ -123,6 +123,10 @@ class Conversations:
             raise UserError(f"{flag} --data-path {prefix}: {record} is missing, so these are not {kind.items} "
                             f"prepared by {tool} (plain documents train with examples/gpt/pretrain_gpt.py); prepare "
                             f"them with {tool}") from None
+        other = next((k for k in (SFT, DPO) if k is not kind and self.info.get("format") == k.format), None)
+        if other is not None:
+            raise UserError(f"{flag} --data-path {prefix}: these are {other.items} (preprocess-data {other.flag}), "
+                            f"not {kind.items}; give {flag} the output of {tool}, or train these with {other.flag}")
         if self.info.get("format") != kind.format or self.info.get("version") != kind.version:
             raise UserError(f"{record}: format {self.info.get('format')!r} version {self.info.get('version')!r}, not "
                             f"{kind.format!r} version {kind.version}; prepare the data again with this release's "
