@@ -179,9 +179,14 @@ def test_a_run_sigkilled_mid_run_resumes_bitwise_without_a_second_reference_pass
                  "SLOW_FROM": str(ITERS + 1), **(env or {})})
 
     base = ["--load", prefs["models"]["llama"]["mcore"], "--finetune"]
-    unbroken = launch(*base, "--save", str(tmp_path / "unbroken"), "--log-dir", str(tmp_path / "reference"))
+    # The unbroken run reports to TensorBoard and W&B (offline) too: each gets TRL's names at every iteration.
+    board, runs = tmp_path / "tb", tmp_path / "wandb"
+    unbroken = launch(*base, "--save", str(tmp_path / "unbroken"), "--log-dir", str(tmp_path / "reference"),
+                      "--tensorboard-dir", str(board), "--wandb-project", "dpo", "--wandb-save-dir", str(runs),
+                      env={"WANDB_MODE": "offline"})
     output, _ = unbroken.communicate(timeout=300)
     assert unbroken.returncode == 0 and output.count("DPO reference:") == 1, output[-3000:]
+    _assert_reported(board, runs)
     save, logs = str(tmp_path / "ckpt"), str(tmp_path / "logs")
     job = launch(*base, "--save", save, "--log-dir", logs, env={"SLOW_FROM": "9"})
     assert _kill_when(job, lambda: _last_iteration(logs) >= 8), "the job ended before the kill"
@@ -191,6 +196,27 @@ def test_a_run_sigkilled_mid_run_resumes_bitwise_without_a_second_reference_pass
     assert "at iteration 6" in output and "DPO reference:" not in output, output[-3000:]
     assert os.path.isfile(tmp_path / "other" / "dpo_reference.npz")
     _assert_same_as(_records(tmp_path / "reference"), _records(logs))
+
+
+def _assert_reported(board, runs):
+    """TensorBoard and W&B hold the DPO loss and TRL's four reports at every iteration, the same values."""
+    import glob
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from test_reliability import ITERS
+    from test_wandb import wandb_history
+
+    from megatron_patch.training.dpo import REPORTS
+
+    events = EventAccumulator(str(board))
+    events.Reload()
+    [run_file] = glob.glob(str(runs / "wandb" / "offline-run-*" / "run-*.wandb"))
+    history = wandb_history(run_file)
+    for tag in ("dpo loss", *REPORTS):
+        steps = {e.step: e.value for e in events.Scalars(tag)}
+        assert sorted(steps) == list(range(1, ITERS + 1)), tag
+        assert {step: history[step][tag] for step in steps} == {step: pytest.approx(value, rel=1e-6)
+                                                                 for step, value in steps.items()}, tag
 
 
 def test_ten_steps_on_a_learnable_preference_raise_accuracy_and_margin(prefs, tmp_path):
