@@ -211,14 +211,15 @@ class _Trainer:
     def _run(self, forward, data_iterator, train_iters: int, log: TrainingLog, after_step=None,
              counter: _TokenCounter | None = None) -> bool:
         """Train up to ``train_iters``; returns True when an exit signal, ``--exit-interval`` or
-        ``--exit-duration-in-mins`` stopped it (after saving). Without a token ``counter`` every sample counts
-        ``--seq-length`` tokens (Megatron-LM's pretraining count). Each iteration takes the global batch megatron-core's microbatch calculator gives
-        for the samples consumed so far (``--rampup-batch-size``)."""
+        ``--exit-duration-in-mins`` stopped it (after saving: ``_exit_reason``). Without a token ``counter`` every
+        sample counts ``--seq-length`` tokens (Megatron-LM's pretraining count). Each iteration takes the global
+        batch megatron-core's microbatch calculator gives for the samples consumed so far (``--rampup-batch-size``);
+        after it come the interval's save, the manual collection and the exit rules, each its own method."""
         from megatron.core.num_microbatches_calculator import (
             get_current_global_batch_size, get_num_microbatches, update_num_microbatches,
         )
 
-        training, save = self.config.training, self.config.checkpointing.save
+        training = self.config.training
         for chunk in self._chunks():
             chunk.train()
         if training.manual_gc:
@@ -229,10 +230,7 @@ class _Trainer:
         update_num_microbatches(self.consumed_samples, consistency_check=False)
         routing = RoutingLog(log)
         while self.iteration < train_iters:
-            num_microbatches = get_num_microbatches()
-            update_num_microbatches(self.consumed_samples, consistency_check=True)
-            if get_num_microbatches() != num_microbatches and save:
-                self.save()  # Megatron-LM saves where the ramp-up changes the batch
+            self._follow_batch_rampup()
             num_microbatches, batch_size = get_num_microbatches(), get_current_global_batch_size()
             self._profile(start=True)
             start = time.perf_counter()
@@ -250,32 +248,54 @@ class _Trainer:
             self._count_bad_step(result.skipped)
             if after_step is not None:
                 after_step(self.iteration)
-            interval = self.config.checkpointing.save_interval
-            if save and interval and self.iteration % interval == 0:
-                self.save()
-            if self._async_saves is not None:
-                self._async_saves.maybe_finalize_async_calls(blocking=False)
-            if training.manual_gc and training.manual_gc_interval and self.iteration % training.manual_gc_interval == 0:
-                gc.collect()
-            if self._exit_signal is not None and self._exit_signal.any_rank_received(self.engine.device):
+            self._save_on_interval()
+            self._collect_garbage()
+            reason = self._exit_reason()
+            if reason is not None:
                 self._finish_saves()
-                self.engine.logger.info(f" exiting on signal {self._exit_signal.signum}: saved iteration "
-                                        f"{self.iteration} to {save}")
-                return True
-            if training.exit_interval and self.iteration % training.exit_interval == 0:
-                # Megatron-LM's --exit-interval (training.py, core_v0.16.1): save if --save, then stop.
-                self._finish_saves()
-                saved = f", saved to {save}" if save else ""
-                self.engine.logger.info(f" exiting at iteration {self.iteration} (--exit-interval "
-                                        f"{training.exit_interval}){saved}")
-                return True
-            if training.exit_duration_in_mins and self._out_of_time():
-                self._finish_saves()
-                saved = f", saved to {save}" if save else ""
-                self.engine.logger.info(f" exiting after --exit-duration-in-mins {training.exit_duration_in_mins} at "
-                                        f"iteration {self.iteration}{saved}")
+                self.engine.logger.info(f" exiting {reason}")
                 return True
         return False
+
+    def _follow_batch_rampup(self) -> None:
+        """megatron-core's microbatch calculator to the samples consumed (``--rampup-batch-size``); Megatron-LM saves
+        where the ramp-up changes the batch."""
+        from megatron.core.num_microbatches_calculator import get_num_microbatches, update_num_microbatches
+
+        before = get_num_microbatches()
+        update_num_microbatches(self.consumed_samples, consistency_check=True)
+        if get_num_microbatches() != before and self.config.checkpointing.save:
+            self.save()
+
+    def _save_on_interval(self) -> None:
+        """``--save-interval``'s save; an asynchronous save finished meanwhile is finalized (without waiting)."""
+        save, interval = self.config.checkpointing.save, self.config.checkpointing.save_interval
+        if save and interval and self.iteration % interval == 0:
+            self.save()
+        if self._async_saves is not None:
+            self._async_saves.maybe_finalize_async_calls(blocking=False)
+
+    def _collect_garbage(self) -> None:
+        """``--manual-gc-interval``: a collection on every rank at the same iterations."""
+        training = self.config.training
+        if training.manual_gc and training.manual_gc_interval and self.iteration % training.manual_gc_interval == 0:
+            gc.collect()
+
+    def _exit_reason(self) -> str | None:
+        """Why the run stops after this iteration (the end of the log line ``exiting ...``), or None: an exit signal
+        on any rank (``--exit-signal-handler``), ``--exit-interval`` (Megatron-LM's: save if --save, then stop;
+        training.py's train, core_v0.16.1) or ``--exit-duration-in-mins``. The signal and the duration are agreed by
+        a collective, which every rank runs in this order."""
+        training, save = self.config.training, self.config.checkpointing.save
+        saved = f", saved to {save}" if save else ""
+        if self._exit_signal is not None and self._exit_signal.any_rank_received(self.engine.device):
+            return f"on signal {self._exit_signal.signum}: saved iteration {self.iteration} to {save}"
+        if training.exit_interval and self.iteration % training.exit_interval == 0:
+            return f"at iteration {self.iteration} (--exit-interval {training.exit_interval}){saved}"
+        if training.exit_duration_in_mins and self._out_of_time():
+            minutes = training.exit_duration_in_mins
+            return f"after --exit-duration-in-mins {minutes} at iteration {self.iteration}{saved}"
+        return None
 
     def _out_of_time(self) -> bool:
         """Whether any rank has run longer than ``--exit-duration-in-mins`` (all ranks agree, so all stop)."""
