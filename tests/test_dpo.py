@@ -225,7 +225,8 @@ def test_ten_steps_on_a_learnable_preference_raise_accuracy_and_margin(prefs, tm
     from megatron_patch.data.preprocess import PreprocessConfig, preprocess
 
     jsonl = write_jsonl(str(tmp_path / "more.jsonl"), preference_pairs(40, seed=1))
-    preprocess(PreprocessConfig(input=jsonl, output_prefix=str(tmp_path / "more"), tokenizer_type="HuggingFaceTokenizer",
+    preprocess(PreprocessConfig(input=jsonl, output_prefix=str(tmp_path / "more"),
+                                tokenizer_type="HuggingFaceTokenizer",
                                 tokenizer_options={"tokenizer_model": prefs["tokenizer"]}, dpo=True, workers=1))
     records, _ = _ours({**prefs, "prefix": str(tmp_path / "more_dpo_document")}, tmp_path / "logs", 1, "sigmoid",
                        "--train-iters", "10", "--global-batch-size", "4", "--no-sft-packing", "--lr", "3e-3")
@@ -245,9 +246,9 @@ def test_wrong_input_is_refused_in_one_line_before_any_rank_starts(prefs, tmp_pa
     def launch(*argv):
         done = subprocess.run(
             [sys.executable, "-m", "megatron_patch.cli", "train", "--user-script", SCRIPT, "--nproc-per-node", "1",
-             "--dpo", "--load", prefs["models"]["llama"]["mcore"], "--finetune", "--tokenizer-type", "HuggingFaceTokenizer",
-             "--tokenizer-model", prefs["tokenizer"], "--data-cache-path", str(tmp_path / "cache"), "--train-iters",
-             "1", "--global-batch-size", "2", *argv], capture_output=True, text=True, timeout=120,
+             "--dpo", "--load", prefs["models"]["llama"]["mcore"], "--finetune", "--tokenizer-type",
+             "HuggingFaceTokenizer", "--tokenizer-model", prefs["tokenizer"], "--data-cache-path",
+             str(tmp_path / "cache"), "--train-iters", "1", "--global-batch-size", "2", *argv], capture_output=True, text=True, timeout=120,
             env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"})
         return done.returncode, done.stdout + done.stderr
 
