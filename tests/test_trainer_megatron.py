@@ -195,3 +195,21 @@ def test_a_load_directory_without_a_checkpoint_is_named_before_training_from_ran
     convert = f"convert it with `megatron-patch convert hf-to-megatron --hf-dir {hf} --save-dir CONVERTED`"
     with pytest.raises(SystemExit, match=re.escape(convert)):
         parse_run(_gpt_flags(assets, *step, "--load", hf), 1)
+
+
+def test_a_hook_s_broad_except_does_not_swallow_the_end_of_a_non_last_pipeline_stage():
+    """On a non-last stage calling the model ends the hook, carrying the stage's output; a hook that catches
+    ``Exception`` around its model call (to log, to retry) still ends there."""
+    from megatron_patch.training.backends.megatron import StageModel, StageOutput
+
+    model = StageModel(lambda tokens: tokens + 1)
+
+    def hook():
+        try:
+            return model(1)
+        except Exception:
+            return "swallowed"
+
+    with pytest.raises(StageOutput) as ended:
+        hook()
+    assert ended.value.output == 2

@@ -36,8 +36,10 @@ def is_megatron_model(model_obj) -> bool:
     return all(isinstance(chunk, MegatronModule) for chunk in chunks)
 
 
-class StageOutput(Exception):
-    """Ends a forward-step hook on a non-last pipeline stage, carrying the stage's output to the schedule."""
+class StageOutput(BaseException):
+    """Ends a forward-step hook on a non-last pipeline stage, carrying the stage's output to the schedule. A
+    ``BaseException``, as ``GeneratorExit`` is: a hook's ``except Exception`` must not swallow it (the stage's
+    output would be lost and the schedule told the hook never called the model)."""
 
     def __init__(self, output):
         super().__init__("pipeline stage output")
