@@ -31,7 +31,8 @@ setup(
     # wandb: --wandb-project, tested in W&B's offline mode; not needed to train.
     # peft: the oracle that loads our exported LoRA adapters (we write its format with safetensors + json).
     # trl: a test oracle only, DPOTrainer's dataset preparation that preprocess-data --dpo must equal.
-    extras_require={"test": ["pytest>=8", "pytest-timeout", "wandb", "peft", "trl"]},
+    # ruff: the linter CI runs before the tests (pyproject.toml's [tool.ruff]).
+    extras_require={"test": ["pytest>=8", "pytest-timeout", "wandb", "peft", "trl", "ruff"]},
     entry_points={
         "console_scripts": [
             "megatron-patch=megatron_patch.cli:run",

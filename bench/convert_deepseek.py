@@ -35,7 +35,8 @@ def write_model(out_dir: str, moe_layers: int, hidden: int = 1024, experts: int 
     for i in range(layers):
         p = f"model.layers.{i}."
         shapes.update({p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
-                       p + "self_attn.q_a_proj.weight": (q_rank, hidden), p + "self_attn.q_a_layernorm.weight": (q_rank,),
+                       p + "self_attn.q_a_proj.weight": (q_rank, hidden),
+                       p + "self_attn.q_a_layernorm.weight": (q_rank,),
                        p + "self_attn.q_b_proj.weight": (heads * (nope + rope), q_rank),
                        p + "self_attn.kv_a_proj_with_mqa.weight": (kv_rank + rope, hidden),
                        p + "self_attn.kv_a_layernorm.weight": (kv_rank,),

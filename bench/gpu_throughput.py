@@ -7,11 +7,11 @@ Example::
 
 Each case runs in its own process (fresh memory statistics and compile caches): the ~1B LLaMA-style model at
 sequence length 2048 with the local layer spec and our SDPA attention (PyTorch's choice of kernel, and its math
-kernel), with and without selective recompute and torch.compile'd fusions, BERT-large, and a mixture-of-experts model (Mixtral-8x7B's layer shape,
-3 of its 32 layers). FLOPs follow megatron-core's formula (``megatron_patch.model.flops``; for MoE only the
-top-k experts a token passes), so MFU is comparable with Megatron's published figures (peak 989 TFLOP/s bf16
-dense on H100/H200). The table is rewritten after every case, so a run stopped by ``gpu_throughput.sh``'s time
-limit keeps the rows it finished.
+kernel), with and without selective recompute and torch.compile'd fusions, BERT-large, and a mixture-of-experts
+model (Mixtral-8x7B's layer shape, 3 of its 32 layers). FLOPs follow megatron-core's formula
+(``megatron_patch.model.flops``; for MoE only the top-k experts a token passes), so MFU is comparable with
+Megatron's published figures (peak 989 TFLOP/s bf16 dense on H100/H200). The table is rewritten after every case,
+so a run stopped by ``gpu_throughput.sh``'s time limit keeps the rows it finished.
 """
 
 from __future__ import annotations

@@ -236,7 +236,8 @@ def main() -> None:
         f"median {result['median_tokens']:.0f} a conversation, {result['trained_tokens']} trained), "
         f"--workers {result['workers']}, median of {result['rounds']} rounds: preprocess-data --sft "
         f"{result['sft_per_s']:.0f} conversations/s, plain documents {result['plain_per_s']:.0f}/s, ratio "
-        f"{result['ratio']:.2f} (target >= {result['target']}: {verdict}); per CPU-second {result['sft_per_cpu_s']:.0f} "
+        f"{result['ratio']:.2f} (target >= {result['target']}: {verdict}); "
+        f"per CPU-second {result['sft_per_cpu_s']:.0f} "
         f"and {result['plain_per_cpu_s']:.0f}, ratio {result['cpu_ratio']:.2f}"
     )
 

@@ -795,7 +795,8 @@ _ROTARY_CACHES = (("megatron.core.models.common.embeddings.rotary_pos_embedding"
 
 
 def destroy_model_parallel_and_free_groups() -> None:
-    """Tear down megatron-core's groups *and* free them (checked on megatron-core 0.16.1 with torch 2.13 and 0.19.2 with torch 2.11).
+    """Tear down megatron-core's groups *and* free them (checked on megatron-core 0.16.1 with torch 2.13 and 0.19.2
+    with torch 2.11).
 
     Example::
 
@@ -988,8 +989,9 @@ def shorten_elastic_shutdown(seconds: int) -> None:
     On a failure the agent's process context closes itself (torch/distributed/elastic/multiprocessing/api.py:990,
     ``self.close()``; :974 on torch 2.11) with ``PContext.close``'s default timeout of 30 s; torchrun's
     ``--shutdown-timeout`` reaches only the close that follows a signal (agent/server/api.py:754), and torch 2.11
-    has no such flag: its close after a signal takes the default too (``torchrun_shutdown_flags``). A hung or stopped rank that handles SIGTERM
-    (``--exit-signal-handler``) used up those 30 s every time, after the job had already failed.
+    has no such flag: its close after a signal takes the default too (``torchrun_shutdown_flags``). A hung or
+    stopped rank that handles SIGTERM (``--exit-signal-handler``) used up those 30 s every time, after the job had
+    already failed.
     """
     from torch.distributed.elastic.multiprocessing.api import PContext
 

@@ -100,7 +100,7 @@ def check_layout(
         2
         >>> check_layout(8, tensor_model_parallel_size=8, num_attention_heads=12)
         Traceback (most recent call last):
-        megatron_patch.layout.LayoutError: --num-attention-heads 12 is not divisible by --tensor-model-parallel-size 8; ...
+        megatron_patch.layout.LayoutError: --num-attention-heads 12 is not divisible by ...
 
     ``num_query_groups`` None means one group per head; ``virtual_pipeline_model_parallel_size`` None or 1 means no
     interleaving. ``padded_vocab_size`` is a stored checkpoint's: one padded for this run is divisible by design.

@@ -61,9 +61,10 @@ MOE_MODELS = {
                   "Qwen3MoeForCausalLM"),
 }
 
-# DeepSeek-V3 and -V2 (multi-latent attention): 4 layers (PP=2 splits them), the first dense; 4 experts of width 32 and a shared one, 2
-# per token. V3: query rank 32, sigmoid routing from 1 of 2 groups with a random score-correction bias, weights x 2.5,
-# YaRN with mscale. V2 (Lite's shape): no query compression, softmax routing, top 2 not renormalised.
+# DeepSeek-V3 and -V2 (multi-latent attention): 4 layers (PP=2 splits them), the first dense; 4 experts of width 32
+# and a shared one, 2 per token. V3: query rank 32, sigmoid routing from 1 of 2 groups with a random
+# score-correction bias, weights x 2.5, YaRN with mscale. V2 (Lite's shape): no query compression, softmax routing,
+# top 2 not renormalised.
 _MLA = dict(num_hidden_layers=4, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
             num_attention_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
             n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,

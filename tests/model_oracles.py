@@ -46,7 +46,7 @@ def _local_slice(sharded):
     return tuple(slice(o, o + s) for o, s in zip(sharded.global_offset, local_shape)), local_shape
 
 
-def _global_init(key: str, shape) -> "torch.Tensor":
+def _global_init(key: str, shape):
     import torch
 
     gen = torch.Generator().manual_seed(zlib.crc32(key.encode()))
@@ -69,7 +69,6 @@ def init_weights(chunks) -> None:
 
 def gather_grads(ddp_chunks) -> dict | None:
     """Global gradients (numpy arrays) by checkpoint key on rank 0 (None elsewhere)."""
-    import torch
     from megatron.core.dist_checkpointing.mapping import is_main_replica
 
     shards = []

@@ -22,7 +22,8 @@ def state_after_a_mutated_async_save(rank, world_size, save_dir, distributed_opt
     chunks, optimizer = tiny_gpt_after_one_step(distributed_optimizer)
 
     saved = {k: v.clone() for k, v in chunks[0].module.state_dict().items() if isinstance(v, torch.Tensor)}
-    moments = {name: [s[name].clone() for s in optimizer.optimizer.state.values()] for name in ("exp_avg", "exp_avg_sq")}
+    moments = {name: [s[name].clone() for s in optimizer.optimizer.state.values()]
+               for name in ("exp_avg", "exp_avg_sq")}
     mutated = threading.Event()
     write = megatron.write_checksummed
 

@@ -140,8 +140,10 @@ def test_what_a_killed_reshard_left_beside_save_dir_the_next_one_removes(saved, 
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--load-dir", "{root}/none", "--save-dir", "{root}/x"], "--load-dir {root}/none: no latest_checkpointed_iteration"),
-    (["--load-dir", "{default}", "--save-dir", "{default}"], "--save-dir {default} is --load-dir; give a new directory"),
+    (["--load-dir", "{root}/none", "--save-dir", "{root}/x"],
+     "--load-dir {root}/none: no latest_checkpointed_iteration"),
+    (["--load-dir", "{default}", "--save-dir", "{default}"],
+     "--save-dir {default} is --load-dir; give a new directory"),
     (["--load-dir", "{default}", "--save-dir", "{fully}"], "--save-dir {fully} holds a checkpoint already"),
     (["--load-dir", "{fully}", "--save-dir", "{root}/y"], "optimizer state is fully reshardable already"),
     (["--load-dir", "{default}", "--save-dir", "{root}/z", "--target-tensor-parallel-size", "3"],

@@ -36,15 +36,18 @@ def test_version_names_what_the_package_runs_on_without_importing_torch():
     lines = result.stdout.splitlines()
     assert lines[1] == f"torch {importlib.metadata.version('torch')}"
     assert lines[2].startswith(f"megatron-core {importlib.metadata.version('megatron-core')} (tested: >=0.16.1,")
-    assert [line.split()[0].rstrip(":") for line in lines] == ["megatron_patch", "torch", "megatron-core", "Transformer", "apex"]
+    assert [line.split()[0].rstrip(":") for line in lines] == ["megatron_patch", "torch", "megatron-core",
+                                                               "Transformer", "apex"]
     imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
     assert "torch" not in imported and "megatron.core" not in imported
 
 
 @pytest.mark.parametrize("argv, meant", [
-    (["train", "--task", "pretraining", "--micro-batch-szie", "4"], "--micro-batch-szie: did you mean --micro-batch-size?"),
+    (["train", "--task", "pretraining", "--micro-batch-szie", "4"],
+     "--micro-batch-szie: did you mean --micro-batch-size?"),
     (["train", "--task", "pretraining", "--load-dri", "ckpt"], "--load-dri: did you mean --load?"),
-    (["preprocess-data", "--input", "c.jsonl", "--ouput-prefix", "data/c"], "--ouput-prefix: did you mean --output-prefix?"),
+    (["preprocess-data", "--input", "c.jsonl", "--ouput-prefix", "data/c"],
+     "--ouput-prefix: did you mean --output-prefix?"),
     (["convert", "hf-to-megatron", "--hf-dri", "hf", "--save-dir", "ckpt"], "--hf-dri: did you mean --hf-dir?"),
     (["checkpoint", "reshard", "--load-dri", "a", "--save-dir", "b"], "--load-dri: did you mean --load-dir?"),
     (["make-corpus", "--ouptut", "c.jsonl"], "--ouptut: did you mean --output?"),

@@ -281,8 +281,9 @@ def test_merging_preprocess_partitions_collects_only_new_objects(tmp_path):
     gc.disable()  # no collection but the merge's own
     try:
         _unreachable_cycle(finalised, "before")
-        preprocess(PreprocessConfig(input=str(path), output_prefix=str(tmp_path / "out"), tokenizer_type="NullTokenizer",
-                                    tokenizer_options={"vocab_size": 100}, workers=2, partitions=2))
+        preprocess(PreprocessConfig(input=str(path), output_prefix=str(tmp_path / "out"),
+                                    tokenizer_type="NullTokenizer", tokenizer_options={"vocab_size": 100}, workers=2,
+                                    partitions=2))
         assert finalised == []
         gc.collect()
         assert finalised == ["before"]  # still collected by the process's own collections

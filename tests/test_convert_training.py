@@ -1,6 +1,7 @@
 """A converted checkpoint trains on with our Pretrainer given only ``--load`` (at TP=2, on the recorded padded
-vocabulary; a contradicting model flag is refused), the trainer's own save exports, and that export generates with transformers exactly the greedy tokens the trained megatron-core model predicts; the
-command line's ``verify`` relaunches itself under torchrun for a multi-rank layout."""
+vocabulary; a contradicting model flag is refused), the trainer's own save exports, and that export generates with
+transformers exactly the greedy tokens the trained megatron-core model predicts; the command line's ``verify``
+relaunches itself under torchrun for a multi-rank layout."""
 
 import dataclasses
 import os

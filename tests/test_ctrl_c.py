@@ -1,7 +1,8 @@
-"""Ctrl-C typed in a terminal during a recipe, or during any other command: the ranks save the iteration they are in and the last line names it
-and the --load to resume with; a second Ctrl-C stops them at once. (A rapidformer command without
---exit-signal-handler stops where it is, saying what it left: test_run_reports.) Typed on a pseudo-terminal, whose line discipline
-sends SIGINT to the whole foreground process group (the shell, the launcher and tee), as a terminal does.
+"""Ctrl-C typed in a terminal during a recipe, or during any other command: the ranks save the iteration they are in
+and the last line names it and the --load to resume with; a second Ctrl-C stops them at once. (A rapidformer command
+without --exit-signal-handler stops where it is, saying what it left: test_run_reports.) Typed on a pseudo-terminal,
+whose line discipline sends SIGINT to the whole foreground process group (the shell, the launcher and tee), as a
+terminal does.
 
     python -m pytest -q -p no:cacheprovider tests/test_ctrl_c.py
 
@@ -104,12 +105,14 @@ def test_ctrl_c_during_preprocessing_is_one_line_and_leaves_nothing(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     argv = [sys.executable, "-m", "megatron_patch.cli", "preprocess-data", "--input", str(corpus), "--output-prefix",
-            str(out / "corpus"), "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(tmp_path / "gpt2" / "vocab.json"),
+            str(out / "corpus"), "--tokenizer-type", "GPT2BPETokenizer",
+            "--vocab-file", str(tmp_path / "gpt2" / "vocab.json"),
             "--merge-file", str(tmp_path / "gpt2" / "merges.txt"), "--workers", "2"]
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     status, output, seconds = _type_ctrl_c(argv, env, times=1, timeout=120, after=(b"MB/s", b""))
     assert status == 130, output[-3000:]
     assert seconds < 10, seconds
     assert "Traceback" not in output, output[-3000:]
-    assert output.strip().splitlines()[-1] == "megatron-patch preprocess-data: stopped by Ctrl-C (SIGINT)", output[-500:]
+    assert output.strip().splitlines()[-1] == "megatron-patch preprocess-data: stopped by Ctrl-C (SIGINT)", \
+        output[-500:]
     assert os.listdir(out) == []

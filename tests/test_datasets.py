@@ -76,7 +76,8 @@ def test_gpt_blend_and_split(assets, tmp_path):
     for index in range(0, 400, 7):
         sample = train[index]
         tokens, labels = sample["tokens"], sample["labels"]
-        assert tokens.shape == labels.shape == sample["loss_mask"].shape == sample["position_ids"].shape == (seq_length,)
+        assert (tokens.shape == labels.shape == sample["loss_mask"].shape == sample["position_ids"].shape
+                == (seq_length,))
         assert sample["attention_mask"].shape == (1, seq_length, seq_length)
         assert torch.equal(sample["attention_mask"][0], ~torch.ones(seq_length, seq_length).tril().bool())
         assert torch.equal(labels[:-1], tokens[1:]) and bool(sample["loss_mask"].all())

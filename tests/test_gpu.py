@@ -3,9 +3,10 @@ on the GPU, and a resume from a GPU checkpoint is bitwise the unbroken run.
 
     python -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py      # on a machine with a GPU
 
-Skipped where torch sees no CUDA device (tests/conftest.py). Every step is a ``megatron-patch`` process, as a user would run it; the CPU reference is the same command with ``CUDA_VISIBLE_DEVICES`` empty, which
-runs fp32 on gloo. All runs start from one converted Hugging Face checkpoint, so they share their initial weights
-whatever the device's random generator would have drawn.
+Skipped where torch sees no CUDA device (tests/conftest.py). Every step is a ``megatron-patch`` process, as a user
+would run it; the CPU reference is the same command with ``CUDA_VISIBLE_DEVICES`` empty, which runs fp32 on gloo.
+All runs start from one converted Hugging Face checkpoint, so they share their initial weights whatever the device's
+random generator would have drawn.
 """
 
 import json
@@ -64,8 +65,8 @@ def model(tmp_path_factory):
 
 
 def _train(model, name: str, *extra: str, load: str | None = None, cpu: bool = False) -> list[float]:
-    """``megatron-patch train --task pretraining`` (rapidformer) on one device for ``STEPS`` (or ``--train-iters`` in ``extra``); the
-    losses it logged."""
+    """``megatron-patch train --task pretraining`` (rapidformer) on one device for ``STEPS`` (or ``--train-iters`` in
+    ``extra``); the losses it logged."""
     log_dir = model["root"] / name
     _megatron_patch("train", "--task", "pretraining", "--nproc-per-node", "1", "--load", load or model["converted"],
           "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", model["hf"], "--data-path", model["data"],
@@ -103,7 +104,8 @@ def test_a_resume_on_the_gpu_is_bitwise_the_unbroken_run(model):
 def test_conversion_verifies_against_transformers_on_the_gpu_and_exports_bit_exact(tmp_path, family):
     """The converted model runs on the GPU (fp32, then bf16) against transformers' fp32 forward on the CPU; each
     command exits non-zero on a mismatch."""
-    hf, converted, exported = make_hf_model(family, str(tmp_path / "hf")), str(tmp_path / "mcore"), str(tmp_path / "hf2")
+    hf = make_hf_model(family, str(tmp_path / "hf"))
+    converted, exported = str(tmp_path / "mcore"), str(tmp_path / "hf2")
     _megatron_patch("convert", "hf-to-megatron", "--hf-dir", hf, "--save-dir", converted, "--no-progress")
     _megatron_patch("convert", "verify", "--hf-dir", hf, "--megatron-dir", converted, "--dtype", "bfloat16")
     _megatron_patch("convert", "megatron-to-hf", "--load-dir", converted, "--save-dir", exported, "--no-progress")

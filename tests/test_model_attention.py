@@ -27,7 +27,8 @@ def compare_core_attention(rank, world_size, num_query_groups):
     key_padding = torch.arange(seq)[None, :] >= lengths[:, None]  # True = padding, megatron's convention
     cases = {
         "causal": (AttnMaskType.causal, None, slice(None)),
-        "causal-explicit-mask": (AttnMaskType.causal, torch.triu(torch.ones(seq, seq, dtype=torch.bool), 1), slice(None)),
+        "causal-explicit-mask": (AttnMaskType.causal, torch.triu(torch.ones(seq, seq, dtype=torch.bool), 1),
+                                 slice(None)),
         "padding-b11s": (AttnMaskType.padding, key_padding[:, None, None, :], slice(None)),
         # Megatron's b1ss BERT mask also masks padded query rows; those rows are padding in either
         # implementation (megatron averages all values, we attend to all keys), so only real rows compare.

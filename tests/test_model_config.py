@@ -107,7 +107,8 @@ def _hf_parameters(config) -> int:
         if config.moe_shared_expert_intermediate_size:
             model_class, hf_config = transformers.Qwen2MoeForCausalLM, transformers.Qwen2MoeConfig(
                 num_experts=config.num_moe_experts,
-                shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size, **experts, **_decoder_fields(config), **common)
+                shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size, **experts,
+                **_decoder_fields(config), **common)
         elif config.qk_layernorm:
             model_class, hf_config = transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig(
                 num_experts=config.num_moe_experts, **experts, **_decoder_fields(config), **common)

@@ -166,7 +166,8 @@ swiglu openai_gelu disable_bias_linear add_qkv_bias qk_layernorm use_rope_scalin
 bert_no_binary_head apply_layernorm_1p moe_shared_expert_gate moe_router_pre_softmax moe_pad_expert_input_to_capacity
 """.split()
 ROOT = TRAINING.parent.parent
-RECIPES = ["examples/gpt/run_pretrain_gpt.sh", "examples/bert/run_pretrain_bert.sh", "examples/bert/run_finetune_bert.sh"]
+RECIPES = ["examples/gpt/run_pretrain_gpt.sh", "examples/bert/run_pretrain_bert.sh",
+           "examples/bert/run_finetune_bert.sh"]
 
 
 def _recipe_flags(recipe: str, tmp_path) -> list[str]:
@@ -191,7 +192,8 @@ def _example_flag_sets() -> list[tuple[str, list[str]]]:
 
     sets = json.loads((ROOT / "tests" / "data" / "megatron_lm_example_flags.json").read_text())["scripts"]
     found = importlib.util.find_spec("tensorboard") is not None
-    return [(f"{script} {variant}", [w for i, w in enumerate(argv) if found or "--tensorboard-dir" not in argv[i - 1:i + 1]])
+    return [(f"{script} {variant}",
+             [w for i, w in enumerate(argv) if found or "--tensorboard-dir" not in argv[i - 1:i + 1]])
             for script, variants in sets.items() for variant, argv in variants.items()]
 
 

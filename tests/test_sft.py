@@ -147,7 +147,8 @@ def test_a_packed_run_sigkilled_mid_epoch_resumes_bitwise(chat, tmp_path):
     iteration's record equal to the unbroken run's."""
     from test_reliability import _assert_same_as, _kill_when, _last_iteration
 
-    flags = ["--sft", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", chat["tokenizer"], "--data-path", chat["jsonl"],
+    flags = ["--sft", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", chat["tokenizer"],
+             "--data-path", chat["jsonl"],
              "--split", "75,25,0", "--seq-length", str(SEQ), "--hidden-dropout", "0.1", "--global-batch-size", "2",
              "--train-iters", "16", "--lr", "1e-3", "--lr-warmup-iters", "2", "--lr-decay-style", "cosine",
              "--log-interval", "1", "--save-interval", "3", "--data-cache-path", str(tmp_path / "cache")]

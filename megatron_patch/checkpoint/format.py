@@ -454,7 +454,8 @@ def _moe_megatron_lm_args(m: ModelConfig) -> dict:
     if m.num_moe_experts is None:
         return dict.fromkeys(names)
     return dict(
-        _MOE_FIXED_ARGS, **{name: getattr(m, name) for name in _MOE_ROUTER_ARGS}, num_experts=m.num_moe_experts, moe_ffn_hidden_size=m.moe_ffn_hidden_size,
+        _MOE_FIXED_ARGS, **{name: getattr(m, name) for name in _MOE_ROUTER_ARGS}, num_experts=m.num_moe_experts,
+        moe_ffn_hidden_size=m.moe_ffn_hidden_size,
         moe_router_topk=m.moe_router_topk, moe_router_pre_softmax=m.moe_router_pre_softmax,
         moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
         moe_shared_expert_gate=m.moe_shared_expert_gate,

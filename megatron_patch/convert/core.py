@@ -125,8 +125,8 @@ class _Progress:
     def __init__(self, desc: str, total_bytes: int, total_tensors: int, enabled: bool):
         from tqdm import tqdm
 
-        self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc=desc, disable=not enabled or not sys.stderr.isatty(),
-                        file=sys.stderr, dynamic_ncols=True)
+        self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc=desc,
+                        disable=not enabled or not sys.stderr.isatty(), file=sys.stderr, dynamic_ncols=True)
         self.total_tensors, self.tensors = total_tensors, 0
 
     def update(self, nbytes: int) -> None:

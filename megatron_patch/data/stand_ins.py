@@ -38,7 +38,7 @@ def conversations(count: int, seed: int, turns: int = 2, words: int = 5) -> list
 
     Example::
 
-        conversations(1, seed=0)   # [{'messages': [{'role': 'user', 'content': 'fox the'}, {'role': 'assistant', ...}]}]
+        conversations(1, seed=0)   # [{'messages': [{'role': 'user', 'content': 'fox the'}, {'role': ...}]}]
     """
     rng = random.Random(seed)
     rows = []

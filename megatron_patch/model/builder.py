@@ -31,7 +31,7 @@ from megatron_patch.model.config import ModelConfig
 from megatron_patch.model.parallel import ParallelConfig
 from megatron_patch.model.specs import block_spec, mtp_block_spec, norm_module
 # One padding rule for tokenizer, model and converter, or checkpoint shapes stop matching.
-from megatron_patch.tokenizer.registry import padded_vocab_size  # noqa: F401  (re-exported)
+from megatron_patch.tokenizer.registry import padded_vocab_size as padded_vocab_size  # re-exported
 
 # activation -> (activation_func, gated_linear_unit, whether megatron-core's fused kernel computes the same).
 # Its fused bias-GeLU is the tanh approximation (fusions/fused_bias_gelu.py), so erf-GeLU models never use it.

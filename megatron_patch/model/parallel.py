@@ -137,7 +137,7 @@ class ParallelConfig:
             >>> from megatron_patch.model.config import get_model_config
             >>> ParallelConfig(tensor_model_parallel_size=5).validate(get_model_config("gpt2-124m"))
             Traceback (most recent call last):
-            megatron_patch.layout.LayoutError: --num-attention-heads 12 is not divisible by --tensor-model-parallel-size 5; ...
+            megatron_patch.layout.LayoutError: --num-attention-heads 12 is not divisible by ...
         """
         self.check_layout(model_config, world_size)
         self.check_options(model_config)

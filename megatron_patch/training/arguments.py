@@ -153,7 +153,8 @@ def _check_pretrained_shape(flags: argparse.Namespace) -> int | None:
 
 # Fields a flag may change on a stored model: they shape the training run, not the weights.
 # The expert bias's update rate is a training hyperparameter like dropout (the weights do not depend on it).
-_TRAINING_FIELDS = {"seq_length", "hidden_dropout", "attention_dropout", "init_method_std", "moe_router_bias_update_rate"}
+_TRAINING_FIELDS = {"seq_length", "hidden_dropout", "attention_dropout", "init_method_std",
+                    "moe_router_bias_update_rate"}
 
 
 def _loaded_model(flags: argparse.Namespace) -> ModelSpec | None:

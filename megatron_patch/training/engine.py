@@ -19,7 +19,6 @@ of the flags, AdamW, autocast with a loss scaler for ``--mixed-precision``).
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import sys
@@ -343,8 +342,8 @@ def _check_tokenizer_fits(tokenizer, config) -> None:
         if rows != info.padded_vocab_size:
             raise SystemExit(
                 f"rapidformer: error: --tokenizer-type {config.tokenizer_type} has {given} tokens, {rows} rows at "
-                f"TP={tp}, but {source()} stores {info.padded_vocab_size} rows: the checkpoint was trained with another "
-                "tokenizer; give that tokenizer's files (--vocab-file/--merge-file/--tokenizer-model)")
+                f"TP={tp}, but {source()} stores {info.padded_vocab_size} rows: the checkpoint was trained with "
+                "another tokenizer; give that tokenizer's files (--vocab-file/--merge-file/--tokenizer-model)")
         return
     if given > stored or (info.hf_config is None and given != stored):
         raise SystemExit(

@@ -330,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == [_RANK_ENTRY]:
         from megatron_patch.startup import paused_collector
 
-        with paused_collector():  # the rank's first import of torch (startup.py); here: the launcher's --help needs none
+        # The rank's first import of torch (startup.py); here, as the launcher's --help needs none.
+        with paused_collector():
             from megatron_patch.distributed import exit_rank, report_failure
 
         try:

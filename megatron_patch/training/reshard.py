@@ -120,7 +120,8 @@ def _plan(args: argparse.Namespace) -> _Plan:
     world = saved.tensor * saved.pipeline * saved.expert
     target = None
     if relaid:
-        target = (args.target_tensor_parallel_size or saved.tensor, args.target_pipeline_parallel_size or saved.pipeline)
+        target = (args.target_tensor_parallel_size or saved.tensor,
+                  args.target_pipeline_parallel_size or saved.pipeline)
         layout = ParallelConfig(tensor_model_parallel_size=target[0], pipeline_model_parallel_size=target[1],
                                 expert_model_parallel_size=saved.expert)
         try:
@@ -228,7 +229,8 @@ def _load_and_save(plan: _Plan, source: str, destination: str, tensor: int, pipe
                         DistributedDataParallelConfig(
                             use_distributed_optimizer=True, overlap_grad_reduce=getattr(args, "overlap_grad_reduce",
                                                                                         False),
-                            grad_reduce_in_fp32=getattr(args, "accumulate_allreduce_grads_in_fp32", precision != "fp32"),
+                            grad_reduce_in_fp32=getattr(args, "accumulate_allreduce_grads_in_fp32",
+                                                        precision != "fp32"),
                             bucket_size=getattr(args, "ddp_bucket_size", None)))
     optimizer = build_optimizer(chunks, OptimizerConfig(
         optimizer="adam", lr=getattr(args, "lr", None) or 1e-4, fp16=precision == "fp16", bf16=precision == "bf16",
