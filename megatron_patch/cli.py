@@ -13,7 +13,8 @@ import os
 import sys
 from typing import Callable, NoReturn
 
-from megatron_patch.errors import DEBUG_ENV, FlagParser, PrintVersions
+from megatron_patch.compat import PrintVersions
+from megatron_patch.errors import DEBUG_ENV, FlagParser
 from megatron_patch.startup import show_known_noise
 
 

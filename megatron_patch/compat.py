@@ -12,7 +12,7 @@ are megatron-core 0.16.1's where no release is named) and the releases it was ch
 the CPU); where they differ, a workaround asks the installed release for the feature (``megatron_core_at_least``,
 ``hasattr``) and names both:
 
-- the megatron-core version gate;
+- the megatron-core version gate, and what ``--version`` prints (``installed_versions``, ``PrintVersions``);
 - the CPU shim (``apply_cpu_shim``), checked against megatron-core 0.16.1 and 0.19.2. It only replaces
   behaviour that would raise on a CPU-only build ("Torch not compiled with CUDA enabled"), so it can never change
   what happens on a GPU. ``docs/megatron-core-on-cpu.md`` says what runs on CPU as-is and what each patch is for;
@@ -33,6 +33,7 @@ the CPU); where they differ, a workaround asks the installed release for the fea
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import contextvars
 import ctypes
@@ -207,6 +208,22 @@ def installed_versions() -> str:
         f"Transformer Engine {te}" if te else "Transformer Engine: not installed (megatron-core's local layers)",
         f"apex {apex}" if apex else "apex: not installed",
     ])
+
+
+class PrintVersions(argparse.Action):
+    """``--version``: :func:`installed_versions`, printed when the flag is given.
+
+    Example::
+
+        parser.add_argument("--version", action=PrintVersions, help="print the versions and exit")
+    """
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=argparse.SUPPRESS, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(installed_versions())
+        parser.exit()
 
 
 @functools.cache

@@ -84,19 +84,6 @@ class FlagParser(argparse.ArgumentParser):
         super().error(message + did_you_mean(self._given, option_strings(self)))
 
 
-class PrintVersions(argparse.Action):
-    """``--version``: ``compat.installed_versions()``, looked up only when the flag is given."""
-
-    def __init__(self, option_strings, dest=argparse.SUPPRESS, help=None):
-        super().__init__(option_strings, dest=dest, default=argparse.SUPPRESS, nargs=0, help=help)
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        from megatron_patch.compat import installed_versions
-
-        print(installed_versions())
-        parser.exit()
-
-
 class CorruptCheckpointError(UserError, RuntimeError):
     """A checkpoint directory with a missing, truncated or damaged file (a save that died half-way, a damaged disk
     or copy), or a file whose pickle would run code (``unpickle``)."""

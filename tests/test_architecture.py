@@ -7,7 +7,8 @@ Example::
     python -m pytest -q tests/test_architecture.py
 
 Every import counts: at module level or inside a function, absolute or relative, ``from megatron_patch import
-convert``, and ``importlib.import_module("megatron_patch.convert...")`` with a literal name.
+convert``, and ``importlib.import_module("megatron_patch.convert...")`` with a literal name. No two modules import each
+other, directly or through others (``import_cycles``), inside a function either: such an import only hides the cycle.
 """
 
 from __future__ import annotations
@@ -63,24 +64,33 @@ def imported_modules(source: str, module: str, is_package: bool = False) -> set[
         >>> sorted(imported_modules("from .. import convert", "megatron_patch.training.models"))
         ['megatron_patch', 'megatron_patch.convert']
     """
-    package = module if is_package else module.rpartition(".")[0]
     found = set()
+    for origin, names in _imports(source, module, is_package):
+        found.add(origin)
+        found.update(f"{origin}.{name}" for name in names)
+    return found
+
+
+def _imports(source: str, module: str, is_package: bool = False) -> list[tuple[str, tuple[str, ...]]]:
+    """Each import of ``source`` as (the absolute module it names, the names taken from it): ``import a.b`` is
+    ``("a.b", ())``, ``from .a import b, c`` in package ``p`` is ``("p.a", ("b", "c"))``."""
+    package = module if is_package else module.rpartition(".")[0]
+    found = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
+            found += [(alias.name, ()) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")[: len(package.split(".")) - node.level + 1]
                 origin = ".".join(base + ([node.module] if node.module else []))
             else:
                 origin = node.module
-            found.add(origin)
-            found.update(f"{origin}.{alias.name}" for alias in node.names)
+            found.append((origin, tuple(alias.name for alias in node.names)))
         elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
               and isinstance(node.args[0].value, str)
               and (getattr(node.func, "attr", None) == "import_module" or getattr(node.func, "id", None) in
                    ("import_module", "__import__"))):
-            found.add(node.args[0].value)
+            found.append((node.args[0].value, ()))
     return found
 
 
@@ -253,3 +263,70 @@ def test_file_io_is_seen(source):
 def test_a_call_that_touches_no_file_is_not_taken_for_file_io():
     assert file_io_calls("import os\nimport torch\nos.environ.get('RANK')\ntorch.distributed.barrier()\n"
                          "optimizer.load_state_dict(state)\nscheduler.state_dict()") == []
+
+
+def import_cycles(sources: dict[str, tuple[str, bool]]) -> list[list[str]]:
+    """The groups of modules that import each other, directly or through others, among ``sources`` (module name ->
+    (its text, whether it is a package's ``__init__``)), each sorted. ``from a import b`` is an import of module
+    ``a.b`` where there is one, else of ``a``; a module's parent packages, which Python imports before it, count only
+    where it imports them by name.
+
+    Example::
+
+        >>> import_cycles({"p.a": ("from p import b", False), "p.b": ("def f():\\n    import p.a", False)})
+        [['p.a', 'p.b']]
+    """
+    graph = {}
+    for module, (source, is_package) in sources.items():
+        edges = set()
+        for origin, names in _imports(source, module, is_package):
+            submodules = {f"{origin}.{name}" for name in names} & sources.keys()
+            edges |= submodules if submodules and len(submodules) == len(names) else submodules | {origin}
+        graph[module] = sorted(edges & sources.keys() - {module})
+    # Tarjan's strongly connected components.
+    order, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(module: str) -> None:
+        order[module] = low[module] = len(order)
+        stack.append(module)
+        on_stack.add(module)
+        for imported in graph[module]:
+            if imported not in order:
+                visit(imported)
+                low[module] = min(low[module], low[imported])
+            elif imported in on_stack:
+                low[module] = min(low[module], order[imported])
+        if low[module] == order[module]:
+            component = []
+            while not component or component[-1] != module:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in order:
+            visit(module)
+    return sorted(cycles)
+
+
+def test_no_modules_import_each_other():
+    sources = {_module_name(path): (path.read_text(), path.name == "__init__.py") for path in PACKAGE.rglob("*.py")}
+    assert import_cycles(sources) == []
+
+
+@pytest.mark.parametrize("sources", [
+    {"p.a": ("import p.b", False), "p.b": ("import p.a", False)},
+    {"p.a": ("def f():\n    from p import b", False), "p.b": ("from . import a", False)},
+    {"p.a": ("from p.b import f", False), "p.b": ("from p.c import g", False), "p.c": ("import p.a", False)},
+    {"p": ("from p.a import f", True), "p.a": ("import importlib\nimportlib.import_module('p')", False)},
+])
+def test_an_import_cycle_is_seen(sources):
+    """The check above would pass on a checker that sees nothing; each of these cycles must be caught."""
+    assert import_cycles(sources) == [sorted(sources)]
+
+
+def test_importing_a_package_and_its_module_is_no_cycle():
+    """``from p import a`` in ``p.b`` imports module ``p.a``, not package ``p`` (whose ``__init__`` imports ``p.b``)."""
+    assert import_cycles({"p": ("from p.b import f", True), "p.a": ("", False),
+                          "p.b": ("from p import a", False)}) == []

@@ -184,7 +184,7 @@ def megatron_to_hf(args) -> int:
 
 def peft_to_megatron(args) -> int:
     from megatron_patch import compat
-    from megatron_patch.convert.lora import peft_to_megatron as convert
+    from megatron_patch.convert.peft import peft_to_megatron as convert
     from megatron_patch.convert.startup import import_megatron_core
 
     import_megatron_core()

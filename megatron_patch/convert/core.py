@@ -39,7 +39,9 @@ from megatron_patch.checkpoint.format import (
 )
 from megatron_patch.checkpoint.legacy import save_legacy
 from megatron_patch.checkpoint.load import load_into_reference_model
+from megatron_patch.checkpoint.lora import read_lora_record
 from megatron_patch.checkpoint.torch_dist import stream_dist
+from megatron_patch.convert import lora as lora_export
 from megatron_patch.convert.families import (
     FAMILIES, Family, Rule, Table, UnsupportedCheckpoint, architecture_of, family_for, recognised_model_type,
     recognised_model_types,
@@ -567,9 +569,6 @@ def megatron_to_hf(
     (``checkpoint.lora``) is written as a PEFT adapter directory for its base, or with ``merge_lora`` as the
     base with the adapters merged in (``convert.lora``).
     """
-    from megatron_patch.checkpoint.lora import read_lora_record
-    from megatron_patch.convert import lora as lora_export
-
     info = read_info(load_dir)
     hf_config = dict(info.hf_config or {})
     if model_type:

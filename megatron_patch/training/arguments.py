@@ -33,7 +33,8 @@ import os
 import sys
 
 from megatron_patch.checkpoint.format import find_info, read_tracker
-from megatron_patch.errors import FlagParser, PrintVersions, did_you_mean, option_strings
+from megatron_patch.compat import PrintVersions
+from megatron_patch.errors import FlagParser, did_you_mean, option_strings
 from megatron_patch.model.config import (
     _SWITCH_FLAGS, _VALUE_FLAGS, HF_SIZE_KEYS, add_model_arguments, hf_size_key, model_flag_values, switch_name,
 )
