@@ -208,17 +208,12 @@ def one_rank_world():
             yield
     finally:
         if started:
-            destroy_distributed()
+            from megatron.core import parallel_state
 
-
-def destroy_distributed() -> None:
-    """Tear down megatron-core's groups and the process group (safe to call when nothing was set up)."""
-    from megatron.core import parallel_state
-
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+            if parallel_state.model_parallel_is_initialized():
+                parallel_state.destroy_model_parallel()
+            if torch.distributed.is_initialized():  # the block may have destroyed it
+                torch.distributed.destroy_process_group()
 
 
 def sum_over_data_parallel(values: list, device=None) -> list[float]:

@@ -83,20 +83,16 @@ def read_lora_record(root: str) -> dict | None:
                                                 "lora_base_digest")}
 
 
-def _innermost(chunk: torch.nn.Module) -> torch.nn.Module:
-    """The model under DDP and Float16Module (whose state methods call it): where a state filter must sit for
-    every loader, those that unwrap the chunk as well as those that do not."""
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
-
-
 @contextlib.contextmanager
 def _state_of(chunks: list, keep):
     """Within it the model chunks' sharded state holds only the tensors whose key ``keep`` accepts, and loading a
     state of those leaves the others as they are, so ``checkpoint.megatron`` and ``checkpoint.load`` save and load
     a part of the model unchanged."""
-    modules = [_innermost(chunk) for chunk in chunks]
+    from megatron.core.utils import unwrap_model
+
+    # The model under DDP and Float16Module (whose state methods call it): where a state filter must sit for every
+    # loader, those that unwrap the chunk as well as those that do not.
+    modules = unwrap_model(list(chunks))
 
     def sharded_state_dict(module, *args, **kwargs):
         state = type(module).sharded_state_dict(module, *args, **kwargs)

@@ -33,16 +33,13 @@ from megatron_patch.checkpoint.torch_dist import exact_storage
 from megatron_patch.errors import UserError
 
 
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    """The model under megatron-core's DDP (Float16Module keeps the same sharded keys as its module)."""
-    return chunk.module if hasattr(chunk, "ddp_config") else chunk
-
-
 def _megatron_state(model, optimizer, scheduler, is_loading: bool, with_optimizer: bool, metadata: dict) -> dict:
     """The sharded state of the model chunks (with the optimizer's and the scheduler's state) that megatron-core
     builds from ``metadata``, given to the model and the optimizer alike as in Megatron-LM's
     ``generate_state_dict``: a checkpoint loads into the state built with the metadata it was saved with."""
-    chunks = [_unwrap(c) for c in model]
+    from megatron.core.utils import unwrap_model
+
+    chunks = unwrap_model(list(model))
     # Copies: megatron-core adds its data-parallel group to the dict it is given (ensure_metadata_has_dp_cp_group).
     if len(chunks) == 1:
         state = {"model": chunks[0].sharded_state_dict(metadata=dict(metadata))}
@@ -168,6 +165,7 @@ def load_megatron_checkpoint(root: str, chunks: list, optimizer, scheduler, *, f
     def read_state(path: str, with_optimizer: bool, finetune: bool) -> None:
         from megatron.core import dist_checkpointing
         from megatron.core.dist_checkpointing.validation import StrictHandling
+        from megatron.core.utils import unwrap_model
 
         common = read_args_state(compat.common_state_source(path))
         metadata = saved_metadata(common)
@@ -187,7 +185,7 @@ def load_megatron_checkpoint(root: str, chunks: list, optimizer, scheduler, *, f
                 _check_finetune_coverage(path, state, absent, logger)
             else:
                 loaded = dist_checkpointing.load(state, path, **load_options)
-        modules = [_unwrap(c) for c in chunks]
+        modules = unwrap_model(list(chunks))
         for i, module in enumerate(modules):
             module.load_state_dict(loaded["model" if len(modules) == 1 else f"model{i}"], strict=not finetune)
         if with_optimizer:
@@ -461,13 +459,10 @@ def _load_legacy(root: str, iteration: int, model, optimizer, scheduler, with_op
 def _load_model_only(root: str, model) -> CheckpointInfo:
     """Load ``root``'s model, either format a conversion or Megatron-LM writes (torch_dist, the legacy per-rank
     files); return its description."""
+    from megatron.core.utils import unwrap_model
+
     info = read_info(root)
-    modules = []
-    for chunk in model:
-        # The bare model: the legacy files are merged by parameter name, which Float16Module prefixes.
-        while hasattr(chunk, "module"):
-            chunk = chunk.module
-        modules.append(chunk)
-    load_into_chunks(modules, root, info)
+    # The bare model: the legacy files are merged by parameter name, which Float16Module prefixes.
+    load_into_chunks(unwrap_model(list(model)), root, info)
     torch.distributed.barrier()
     return info

@@ -220,8 +220,3 @@ def _require_input_grad(chunk: torch.nn.Module) -> None:
     embedding = getattr(chunk, "embedding", None)
     if embedding is not None:
         embedding.register_forward_hook(lambda module, inputs, output: output.requires_grad_(True))
-
-
-def lora_parameter_names(chunk: torch.nn.Module) -> list[str]:
-    """Names of the adapter parameters of ``chunk`` (``...linear_qkv.lora_A``)."""
-    return [name for name, _ in chunk.named_parameters() if name.rsplit(".", 1)[-1] in ("lora_A", "lora_B")]

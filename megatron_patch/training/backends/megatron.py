@@ -75,9 +75,9 @@ def _is_sequence_classifier(chunk) -> bool:
 
 def holds_last_stage(chunk) -> bool:
     """Whether ``chunk`` holds the last pipeline stage (where the loss is computed)."""
-    module = chunk
-    while hasattr(module, "module"):
-        module = module.module
+    from megatron.core.utils import unwrap_model
+
+    module = unwrap_model(chunk)
     # A sequence classifier keeps post_process off (no LM head) and marks its last stage with ``classify``.
     return getattr(module, "classify", getattr(module, "post_process", True))
 
