@@ -424,24 +424,33 @@ def _rewrite_function(owner, name: str, replacements: list[tuple[str, str]]) -> 
     """Recompile ``owner.name`` (a module-level function or a method) with exact string replacements.
 
     Each ``old`` string must still be present, so a megatron-core change fails here, loudly, instead of
-    leaving a patch silently inactive.
+    leaving a patch silently inactive. Each ``new`` string has as many lines as its ``old``, and the function is
+    compiled under its file's name at its own first line: a traceback through it names the upstream file and line,
+    and shows that line's upstream text.
     """
     module = owner if isinstance(owner, types.ModuleType) else sys.modules[owner.__module__]
     raw = owner.__dict__[name]
     wrapper = type(raw) if isinstance(raw, (classmethod, staticmethod)) else None
-    source = textwrap.dedent(inspect.getsource(raw.__func__ if wrapper else raw))
+    function = raw.__func__ if wrapper else raw
+    lines, first_line = inspect.getsourcelines(function)
+    source = textwrap.dedent("".join(lines))
     for old, new in replacements:
         if old not in source:
             raise RuntimeError(
                 f"megatron_patch.compat: '{old}' is no longer in {module.__name__}.{name} of megatron-core "
                 f"{importlib.metadata.version('megatron-core')}; the CPU shim needs updating for it"
             )
+        if new.count("\n") != old.count("\n"):
+            raise ValueError(f"megatron_patch.compat: a rewrite of {module.__name__}.{name} must keep its lines "
+                             f"(the lines after it would be misnumbered in a traceback): {old!r} -> {new!r}")
         source = source.replace(old, new)
     is_method = not isinstance(owner, types.ModuleType)
     if is_method:  # compile inside a class body so zero-argument super() gets its __class__ cell
         source = f"class {owner.__name__}:\n" + textwrap.indent(source, "    ")
+        first_line -= 1  # the class line goes just above the method's (a method never starts its file)
     namespace: dict = {}
-    exec(compile(source, module.__file__, "exec"), module.__dict__, namespace)
+    # Blank lines before it: its line numbers are the file's, with no need to rewrite the compiled code afterwards.
+    exec(compile("\n" * (first_line - 1) + source, function.__code__.co_filename, "exec"), module.__dict__, namespace)
     new = namespace[owner.__name__].__dict__[name] if is_method else namespace[name]
     if wrapper:
         new = new.__func__

@@ -146,6 +146,104 @@ def test_shim_rewrites_fail_loudly_when_upstream_changes():
         compat._rewrite_function(clip_grads, "clip_grad_by_total_norm_fp32", [("text that is not there", "")])
 
 
+_UPSTREAM = '''"""Stands in for a megatron-core module: what _rewrite_function rewrites, a few lines into its file."""
+
+
+def total(values, device):
+    result = 0
+    for value in values:
+        result += value
+    if device == "cuda":
+        raise RuntimeError("Torch not compiled with CUDA enabled")
+    return result
+
+
+class Optimizer(dict):
+    def step(self, device):
+        if device == "cuda":
+            raise RuntimeError("Torch not compiled with CUDA enabled")
+        return super().keys()
+'''
+
+
+def test_a_rewritten_function_raises_at_its_upstream_line(tmp_path, monkeypatch):
+    """A traceback through a function compat rewrote names the line of the upstream file that raised, with its text
+    (before, the function was compiled as a file of its own: its line 5 was reported as the file's line 5)."""
+    import importlib.util
+    import traceback
+
+    path = tmp_path / "upstream_module.py"
+    path.write_text(_UPSTREAM)
+    spec = importlib.util.spec_from_file_location("upstream_module", path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "upstream_module", module)
+    spec.loader.exec_module(module)
+    gpu_too = [('if device == "cuda":', 'if device in ("cuda", "gpu"):')]
+    compat._rewrite_function(module, "total", gpu_too)
+    compat._rewrite_function(module.Optimizer, "step", gpu_too)
+    raising = [number for number, line in enumerate(_UPSTREAM.splitlines(), 1) if "raise RuntimeError" in line]
+    for call, line in zip((lambda: module.total([1, 2], "gpu"), lambda: module.Optimizer().step("gpu")), raising):
+        with pytest.raises(RuntimeError) as raised:
+            call()  # "gpu" raises only in the rewritten function
+        frame = traceback.extract_tb(raised.tb)[-1]
+        assert (frame.filename, frame.lineno, frame.line) == (
+            str(path), line, 'raise RuntimeError("Torch not compiled with CUDA enabled")')
+    assert module.total([1, 2], "cpu") == 3 and list(module.Optimizer(a=1).step("cpu")) == ["a"]  # super() works
+
+
+def test_a_rewrite_that_changes_the_line_count_is_refused():
+    import megatron.core.optimizer.clip_grads as clip_grads
+
+    with pytest.raises(ValueError, match="must keep its lines"):
+        compat._rewrite_function(clip_grads, "clip_grad_by_total_norm_fp32",
+                                 [("== 'torch.cuda.FloatTensor'", "== 'torch.cuda.FloatTensor'\n")])
+
+
+def rewritten_megatron_core_lines(rank, world_size):
+    """In a rank (the CPU shim applied): the upstream line each function compat rewrote starts at, and the line a
+    traceback names when the line the MoE rewrite changed raises."""
+    import linecache
+    import traceback
+
+    import megatron.core.optimizer.clip_grads as clip_grads
+    import megatron.core.optimizer.distrib_optimizer as distrib_optimizer
+    import megatron.core.optimizer.optimizer as optimizer
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    import torch
+
+    rewritten = [clip_grads.clip_grad_by_total_norm_fp32, optimizer.Float16OptimizerWithFloat16Params.__init__,
+                 distrib_optimizer.DistributedOptimizer._build_model_and_main_param_groups,
+                 distrib_optimizer.DistributedOptimizer.__init__, moe_utils.maybe_move_tensor_to_cpu]
+    starts = []
+    for function in rewritten:  # its first line, or its decorators' (as Python numbers a decorated function)
+        code = function.__code__
+        lines = [linecache.getline(code.co_filename, code.co_firstlineno + i).strip() for i in range(3)]
+        starts.append(next(line for line in lines if not line.startswith("@")))
+
+    class CudaUnknown(torch.Tensor):
+        @property
+        def is_cuda(self):
+            raise RuntimeError("is_cuda asked")
+
+    try:
+        moe_utils.maybe_move_tensor_to_cpu(torch.zeros(2).as_subclass(CudaUnknown))
+    except RuntimeError as error:
+        frames = [f for f in traceback.extract_tb(error.__traceback__) if f.name == "maybe_move_tensor_to_cpu"]
+        return starts, [(f.filename, f.line) for f in frames]
+    return starts, []
+
+
+def test_a_traceback_through_a_rewritten_megatron_core_function_names_its_upstream_line():
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    [(starts, frames)] = run_on_ranks(rewritten_megatron_core_lines, 1)
+    names = ["clip_grad_by_total_norm_fp32", "__init__", "_build_model_and_main_param_groups", "__init__",
+             "maybe_move_tensor_to_cpu"]
+    assert [start.startswith(f"def {name}(") for start, name in zip(starts, names)] == [True] * len(names), starts
+    # The line as megatron-core wrote it, which the rewrite changed (_moe_split_sizes_on_cpu).
+    assert frames == [(moe_utils.__file__, "if torch.is_tensor(tensor) and tensor.is_cuda:")]
+
+
 _WITH_CUDA = """
 import sys
 import torch
