@@ -24,7 +24,8 @@ the CPU); where they differ, a workaround asks the installed release for the fea
 - checkpoint workarounds: the distributed optimizer's Adam state, its loading and its resharding metadata,
   megatron-core's sharded-key renaming and its collections (``initialise_adam_state``, ``restore_adam_step``,
   ``distrib_optimizer_metadata``, ``by_sharded_key``, ``collect_only_new_objects``,
-  ``write_results_in_this_process``, ``async_save_options``, ``common_state_source``), and torch DCP's and
+  ``write_results_in_this_process``, ``async_save_options``, ``with_write_function``,
+  ``torch_dist_readers_through``, ``common_state_source``), and torch DCP's and
   megatron-core's readers of a checkpoint's pickles made to run no code (``read_checkpoints_running_no_code``);
 - APIs 0.19 moved: the batch ramp-up (``init_num_microbatches_calculator``), the dense MLP spec
   (``dense_mlp_submodule``), the MoE aux-loss tracker (``take_moe_aux_losses``), torchrun's flags
@@ -1148,6 +1149,57 @@ def async_save_options() -> dict:
     if "async_strategy" in inspect.signature(dist_checkpointing.save).parameters:
         return {"async_strategy": "mcore"}
     return {}
+
+
+def with_write_function(request, write):
+    """``request``, megatron-core's ``AsyncRequest`` of an asynchronous torch_dist save, writing its files with
+    ``write(transforms, rank, write_buckets, results_queue)`` instead of megatron-core's own write function, given the
+    storage transforms that one was given (checked on megatron-core 0.16.1 and 0.19.2).
+
+    Example::
+
+        request = dist_checkpointing.save(state, staging, async_sharded_save=True, **async_save_options())
+        request = with_write_function(request, functools.partial(write_checksummed, staging, checksums))
+
+    ``FileSystemWriterAsync.get_save_function_and_args`` (dist_checkpointing/strategies/filesystem_async.py) makes
+    the request's ``async_fn`` as ``partial(writer, transform_list, use_msc)``, called with ``(rank, write_buckets,
+    results_queue)``: its writer is ``write_preloaded_data_multiproc`` on 0.16.1, ``write_preloaded_data_multithread``
+    on 0.19.2. A rank that holds only replicas another rank writes gets no ``async_fn``: its request is returned
+    as it is.
+    """
+    if request.async_fn is None:
+        return request
+    return request._replace(async_fn=functools.partial(write, request.async_fn.args[0]))
+
+
+@contextlib.contextmanager
+def torch_dist_readers_through(wrap):
+    """Let every reader megatron-core's torch_dist load strategy makes inside the block be ``wrap(reader)``
+    (``reader`` a torch DCP ``FileSystemReader``, or MSC's), and megatron-core's own again after it (checked on
+    megatron-core 0.16.1 and 0.19.2 with torch 2.11 and 2.13).
+
+    Example::
+
+        with torch_dist_readers_through(read_in_place):
+            loaded = dist_checkpointing.load(state, "ckpt/iter_0000100")
+
+    ``TorchDistLoadShardedStrategy`` takes its readers from the module's private ``_get_filesystem_reader``
+    (dist_checkpointing/strategies/torch.py, by that name in both releases; 0.19.2 adds an ``async_strategy``
+    argument), which the block wraps.
+    """
+    from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
+
+    megatron_reader = torch_strategy._get_filesystem_reader
+
+    @functools.wraps(megatron_reader)
+    def wrapped_reader(*args, **kwargs):
+        return wrap(megatron_reader(*args, **kwargs))
+
+    torch_strategy._get_filesystem_reader = wrapped_reader
+    try:
+        yield
+    finally:
+        torch_strategy._get_filesystem_reader = megatron_reader
 
 
 # The file of a torch_dist checkpoint that megatron-core 0.16.1 keeps its common (non-sharded) state in; 0.19.0 and

@@ -136,8 +136,7 @@ def write_checksummed(staging: str, checksums: dict, transforms: list, rank: int
     Example::
 
         request = dist_checkpointing.save(state, staging, async_sharded_save=True, **async_save_options())
-        transforms = request.async_fn.args[0]         # what megatron-core's own write function was given
-        request = request._replace(async_fn=functools.partial(write_checksummed, staging, checksums, transforms))
+        request = compat.with_write_function(request, functools.partial(write_checksummed, staging, checksums))
 
     Threads suffice: torch.save's writes release the GIL. So no save forks a process (an ``--async-save`` runs
     this in a thread of its own: ``checkpoint.async_save``). The write results (or the first failure) go to

@@ -114,10 +114,8 @@ def save_megatron_checkpoint(root: str, iteration: int, chunks: list, optimizer,
         if request.async_fn is None:  # this rank holds only replicas another rank writes: no .distcp of its own
             write_rank_checksums(staging, rank, checksums)
         else:
-            # The transforms megatron-core's own write function was given (filesystem_async.py:203-207).
-            transforms = request.async_fn.args[0]
-            request = request._replace(async_fn=functools.partial(write_checksummed, staging, checksums, transforms,
-                                                                  background=async_queue is not None))
+            request = compat.with_write_function(request, functools.partial(
+                write_checksummed, staging, checksums, background=async_queue is not None))
         request.add_finalize_fn(finalize)
         if async_queue is None:
             request.execute_sync()

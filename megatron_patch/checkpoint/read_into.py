@@ -34,6 +34,8 @@ from typing import NamedTuple
 
 import torch
 
+from megatron_patch import compat
+
 _STORAGE_DTYPES = {name: dtype for dtype, name in torch.storage._dtype_to_storage_type_map().items()}
 
 
@@ -181,27 +183,13 @@ def read_in_place(reader):
 
 @contextlib.contextmanager
 def reading_into_place():
-    """Let the ``dist_checkpointing.load`` calls in the block read through :func:`read_in_place` (checked on
-    megatron-core 0.16.1 and 0.19.2 with torch 2.11 and 2.13).
+    """Let the ``dist_checkpointing.load`` calls in the block read through :func:`read_in_place`
+    (``compat.torch_dist_readers_through``).
 
     Example::
 
         with reading_into_place():
             loaded = dist_checkpointing.load(state, path, **compat.dist_load_options())
-
-    megatron-core's torch_dist load strategy takes its reader from ``_get_filesystem_reader``
-    (strategies/torch.py:798 in 0.16.1, :976 in 0.19.2); the block wraps that function, and puts it back afterwards.
     """
-    from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
-
-    megatron_reader = torch_strategy._get_filesystem_reader
-
-    @functools.wraps(megatron_reader)
-    def reader_reading_in_place(*args, **kwargs):
-        return read_in_place(megatron_reader(*args, **kwargs))
-
-    torch_strategy._get_filesystem_reader = reader_reading_in_place
-    try:
+    with compat.torch_dist_readers_through(read_in_place):
         yield
-    finally:
-        torch_strategy._get_filesystem_reader = megatron_reader
