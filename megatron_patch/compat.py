@@ -6,8 +6,9 @@ Example::
     compat.apply_cpu_shim()          # no-op when torch.cuda.is_available()
     spec_backend = "te" if compat.transformer_engine_available() else "local"
 
-Everything version-specific lives here, each workaround naming the upstream lines it works around (line numbers
-are megatron-core 0.16.1's where no release is named) and the releases it was checked on. CI runs the two ends of
+Everything version-specific lives here, and every patch of megatron-core's or torch's internals, each workaround
+naming the upstream functions it works around (by module and name, megatron-core 0.16.1's where no release is
+named: line numbers drift) and the releases it was checked on. CI runs the two ends of
 ``TESTED_MEGATRON_CORE``: 0.16.1 (Python 3.11, torch 2.13.0+cpu) and 0.19.2 (Python 3.12, PyPI's torch 2.11.0 on
 the CPU); where they differ, a workaround asks the installed release for the feature (``megatron_core_at_least``,
 ``hasattr``) and names both:
@@ -100,7 +101,7 @@ def _spec_running_after(finder, fullname, path, target, after_exec):
 
 
 def _defer_compile(module) -> None:
-    if module.jit_fuser is module.torch.compile:  # enable_jit_fuser()'s choice at import (jit.py:21)
+    if module.jit_fuser is module.torch.compile:  # enable_jit_fuser()'s choice at import (jit.py)
         module.jit_fuser = _compile_on_first_call
 
 
@@ -109,11 +110,11 @@ class _FusionsCompiledOnFirstCall(importlib.abc.MetaPathFinder):
     (checked on megatron-core 0.16.1 and 0.19.2).
 
     ``import megatron.core`` imports the fusions (bias-GeLU, SwiGLU, bias-dropout-add, ...), each decorated with
-    ``jit_fuser``, which is ``torch.compile`` (megatron/core/jit.py:21); the first decoration imports torch._dynamo
-    and torch._inductor, about 1.6 s of CPU of every process's ~5 s start-up (``python -X importtime``), while most
-    processes never call a fused function: they run only with ``--fused-kernels`` (``ParallelConfig.fused_kernels``,
-    off by default), and conversions, tools and the CPU never do. ``torch.compile`` compiles on the first call
-    anyway, so what runs is unchanged; only the import waits until a fusion is used.
+    ``jit_fuser``, which is ``torch.compile`` (megatron/core/jit.py, ``enable_jit_fuser``); the first decoration imports
+    torch._dynamo and torch._inductor, about 1.6 s of CPU of every process's ~5 s start-up (``python -X importtime``),
+    while most processes never call a fused function: they run only with ``--fused-kernels``
+    (``ParallelConfig.fused_kernels``, off by default), and conversions, tools and the CPU never do. ``torch.compile``
+    compiles on the first call anyway, so what runs is unchanged; only the import waits until a fusion is used.
     """
 
     def find_spec(self, fullname, path, target=None):
@@ -298,12 +299,13 @@ def _cpu_device(device):
 
 class _CpuStream:
     """A CUDA stream as megatron-core's MoE all-to-all dispatcher uses one, on the CPU, where work is synchronous:
-    waiting orders nothing and an event is complete when recorded (``transformer/moe/token_dispatcher.py:445``
-    creates the stream, ``:871-899`` copies the routing counts to the host on it and synchronises)."""
+    waiting orders nothing and an event is complete when recorded (transformer/moe/token_dispatcher.py:
+    ``MoEAlltoAllTokenDispatcher.__init__`` creates the stream, ``_maybe_dtoh_and_synchronize`` copies the routing
+    counts to the host on it and synchronises)."""
 
     def __eq__(self, other) -> bool:
         # One CPU "stream": the dispatcher then sees it copies on the current stream (no record_stream on a CPU
-        # tensor, token_dispatcher.py:871).
+        # tensor, token_dispatcher.py's _maybe_dtoh_and_synchronize).
         return isinstance(other, _CpuStream)
 
     def __hash__(self) -> int:
@@ -325,12 +327,14 @@ _CPU_STREAM = _CpuStream()
 class _CpuCuda(types.ModuleType):
     """``torch.cuda`` as megatron-core modules see it on a CPU-only build.
 
-    megatron-core allocates on ``torch.cuda.current_device()`` at ~175 sites (e.g.
-    ``tensor_parallel/utils.py:70``, ``tensor_parallel/mappings.py:91``, ``utils.py:631``),
-    synchronises after p2p (``pipeline_parallel/p2p_communication.py:242,398``) and checkpoint writes
-    (``dist_checkpointing/strategies/filesystem_async.py:230``), puts the MoE dispatcher's host copies on a side
-    stream (:class:`_CpuStream`), and forks the CUDA generator for
-    tensor-parallel dropout (``tensor_parallel/random.py:243-277,422``). On CPU the current device is the CPU,
+    megatron-core allocates on ``torch.cuda.current_device()`` at ~175 sites (e.g. tensor_parallel/utils.py's
+    ``split_tensor_into_1d_equal_chunks``, tensor_parallel/mappings.py's ``_gather_along_last_dim``, utils.py's
+    ``GlobalMemoryBuffer.get_tensor``), synchronises after p2p (pipeline_parallel/p2p_communication.py's
+    ``P2PCommunicator._communicate`` and ``_communicate_shapes``) and checkpoint writes
+    (dist_checkpointing/strategies/filesystem_async.py's ``FileSystemWriterAsync.preload_tensors``), puts the MoE
+    dispatcher's host copies on a side stream (:class:`_CpuStream`), and forks the CUDA generator for
+    tensor-parallel dropout (tensor_parallel/random.py's ``CudaRNGStatesTracker.fork`` and
+    ``model_parallel_cuda_manual_seed``). On CPU the current device is the CPU,
     synchronisation is a no-op and the CPU generator plays the CUDA generator's role.
     """
 
@@ -386,13 +390,17 @@ _FACTORIES = (
 class _CpuTorch(types.ModuleType):
     """``torch`` as megatron-core modules see it on a CPU-only build: factories ignore ``device="cuda"``.
 
-    The literal ``device="cuda"`` appears in the code paths we use at ``pipeline_parallel/schedules.py:596,983,
-    2138``, ``optimizer/optimizer.py:473,481,485,907``, ``optimizer/clip_grads.py:90,103,115,174,207``,
-    ``optimizer/grad_scaler.py:15,88,91,94``, ``transformer/utils.py:35,40``,
-    ``distributed/param_and_grad_buffer.py:768``, ``tensor_parallel/data.py:37``, ``utils.py:1207``,
-    ``dist_checkpointing/strategies/state_dict_saver.py:204``, ``dist_checkpointing/exchange_utils.py:104,110,
-    326`` and ``rerun_state_machine.py:261,265``. Only megatron-core's own modules get this view of torch; our
-    code and the user's keep the real one (``Tensor.cuda``, a method, is the one global patch: see
+    The literal ``device="cuda"`` appears in the code paths we use in pipeline_parallel/schedules.py (the three
+    ``forward_backward_*`` schedules), optimizer/optimizer.py (``MixedPrecisionOptimizer.__init__``,
+    ``FP32Optimizer.__init__``), optimizer/clip_grads.py (``get_grad_norm_fp32``, ``clip_grad_by_total_norm_fp32``,
+    ``count_zeros_fp32``), optimizer/grad_scaler.py (``MegatronGradScaler.__init__``,
+    ``DynamicGradScaler.__init__``), transformer/utils.py (``get_default_causal_mask``,
+    ``get_sliding_window_causal_mask``), distributed/param_and_grad_buffer.py (``_ParamAndGradBuffer.__init__``),
+    tensor_parallel/data.py (``_build_key_size_numel_dictionaries``), utils.py (``local_multi_tensor_l2_norm``),
+    dist_checkpointing/strategies/state_dict_saver.py (``verify_global_md_reuse``),
+    dist_checkpointing/exchange_utils.py (``_get_empty_tensor_for_exchange``, ``exchange_loaded_tensors_gather_rounds``)
+    and rerun_state_machine.py (``RerunStateMachine._reduce_any``). Only megatron-core's own modules get this view of
+    torch; our code and the user's keep the real one (``Tensor.cuda``, a method, is the one global patch: see
     :func:`apply_cpu_shim`).
     """
 
@@ -465,8 +473,9 @@ def _rewrite_function(owner, name: str, replacements: list[tuple[str, str]]) -> 
     setattr(owner, name, wrapper(new) if wrapper else new)
 
 
-# The optimizer refuses parameters whose type() is not a CUDA type string:
-# optimizer/clip_grads.py:167, optimizer/optimizer.py:671,690, optimizer/distrib_optimizer.py:361,420,582.
+# The optimizer refuses parameters whose type() is not a CUDA type string: optimizer/clip_grads.py's
+# clip_grad_by_total_norm_fp32, optimizer/optimizer.py's Float16OptimizerWithFloat16Params.__init__,
+# optimizer/distrib_optimizer.py's DistributedOptimizer._build_model_and_main_param_groups and __init__.
 _HALF_TYPES = (
     "['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']",
     "['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor', 'torch.HalfTensor', 'torch.BFloat16Tensor']",
@@ -494,9 +503,9 @@ def _accept_cpu_type_strings() -> None:
 def _skip_step_on_optimizer_load() -> None:
     """Not CPU-specific: without TE/apex the optimizer is torch's Adam, whose per-parameter ``step`` tensor is not
     among the tensors a distributed-optimizer load hands ``_set_main_param_and_optimizer_states``, which copies every
-    tensor of the parameter's state from them: ``KeyError: 'step'``. On 0.16.1 the copy takes the whole state
-    (``distrib_optimizer.py:938-940``); on 0.19.2 every tensor in it (``:1218-1225``), while
-    ``load_parameter_state_from_fully_reshardable`` leaves ``step`` out on purpose (``:2385-2387``)."""
+    tensor of the parameter's state from them: ``KeyError: 'step'``. On 0.16.1 the copy takes the whole state; on
+    0.19.2 every tensor in it, while its ``load_parameter_state_from_fully_reshardable`` leaves ``step`` out on
+    purpose (optimizer/distrib_optimizer.py)."""
     import megatron.core.optimizer.distrib_optimizer as distrib_optimizer
 
     if megatron_core_at_least("0.19"):
@@ -509,7 +518,8 @@ def _skip_step_on_optimizer_load() -> None:
 
 def _save_a_zero_optimizer_step() -> None:
     """Not CPU-specific: without TE/apex the optimizer is torch's Adam, whose per-parameter ``step`` megatron-core
-    saves as one ``common_step``, but only ``if step:`` (``optimizer.py:845`` and ``:1033``), so a checkpoint
+    saves as one ``common_step``, but only ``if step:`` (optimizer.py's ``Float16OptimizerWithFloat16Params`` and
+    ``FP32Optimizer``, ``sharded_state_dict``), so a checkpoint
     taken before any step succeeded (fp16 skips its first overflowing steps) has none and its load raises
     ``KeyError: 'step'`` in torch's Adam."""
     import megatron.core.optimizer.optimizer as optimizer
@@ -519,20 +529,22 @@ def _save_a_zero_optimizer_step() -> None:
 
 
 def _moe_router_without_te() -> None:
-    """Not CPU-specific: ``transformer/moe/moe_utils.py:34`` defines ``te_general_gemm`` only when Transformer Engine
-    imports, yet the router's gating GEMM reads it unguarded (``:1192``, ``:1226``), so without TE every MoE forward
-    raises NameError. None is the value those lines test for, falling back to ``torch.mm``. 0.19.2 sets it to None
-    itself without TE (moe_utils.py:41-53), so there this changes nothing."""
+    """Not CPU-specific: transformer/moe/moe_utils.py imports ``te_general_gemm`` only when Transformer Engine
+    imports, yet the router's gating GEMM reads it unguarded (``RouterGatingLinearFunction.forward`` and
+    ``backward``), so without TE every MoE forward raises NameError. None is the value those lines test for, falling
+    back to ``torch.mm``. 0.19.2 sets it to None itself without TE (at the module's import), so there this changes
+    nothing."""
     import megatron.core.transformer.moe.moe_utils as moe_utils
 
     moe_utils.__dict__.setdefault("te_general_gemm", None)
 
 
 def _mla_without_te() -> None:
-    """Not CPU-specific: without Transformer Engine, ``transformer/multi_latent_attention.py:54-66`` (core_v0.16.1)
+    """Not CPU-specific: without Transformer Engine, transformer/multi_latent_attention.py (core_v0.16.1, at its import)
     still sets ``HAVE_TE = True``, because ``extensions/transformer_engine.py`` imports with placeholder objects for
-    TE's classes; ``MLASelfAttention.__init__`` then calls ``isinstance(self.linear_proj, TELinear)`` (``:185``) with
-    such a placeholder and raises TypeError. False is what that module would say with a failing import."""
+    TE's classes; ``MLASelfAttention.__init__`` then calls ``isinstance(self.linear_proj, TELinear)``
+    (``MultiLatentAttention.__init__``) with such a placeholder and raises TypeError. False is what that module would
+    say with a failing import."""
     import megatron.core.transformer.multi_latent_attention as mla
 
     mla.HAVE_TE = False
@@ -540,8 +552,9 @@ def _mla_without_te() -> None:
 
 def _moe_split_sizes_on_cpu() -> None:
     """The all-to-all dispatcher turns its split sizes into numpy arrays (the form ``all_to_all_single`` takes) only
-    while moving them off a GPU (``transformer/moe/moe_utils.py:1093``, ``if ... tensor.is_cuda``); on the CPU they
-    stay tensors, which gloo's ``all_to_all_single`` rejects (``mappings.py:444``)."""
+    while moving them off a GPU (transformer/moe/moe_utils.py's ``maybe_move_tensor_to_cpu``, ``if ...
+    tensor.is_cuda``); on the CPU they stay tensors, which gloo's ``all_to_all_single`` rejects
+    (tensor_parallel/mappings.py's ``_AllToAll.forward``)."""
     import megatron.core.transformer.moe.moe_utils as moe_utils
     import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
 
@@ -602,13 +615,14 @@ def apply_cpu_shim() -> bool:
 
     import megatron.core.tensor_parallel.random as mcore_random
 
-    # tensor_parallel/random.py:55 and :111 read and write the CUDA generator directly.
+    # tensor_parallel/random.py's _get_cuda_rng_state and _set_cuda_rng_state read and write the CUDA generator.
     mcore_random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
     mcore_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
-    # `.cuda()` on tensors (tensor_parallel/data.py:84 in broadcast_data, language_module.py:244 for tied
-    # embeddings, dist_checkpointing/exchange_utils.py:336,499) raises on a CPU build; there it means "stay".
+    # `.cuda()` on tensors (tensor_parallel/data.py's broadcast_data, LanguageModule.setup_embeddings_and_output_layer
+    # for tied embeddings, dist_checkpointing/exchange_utils.py's exchange_loaded_tensors_gather_rounds and
+    # exchange_loaded_tensors_broadcast) raises on a CPU build; there it means "stay".
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
-    # tensor_parallel/random.py:265 warns "CPU RNG state changed within GPU RNG context" when the CPU generator
+    # CudaRNGStatesTracker.fork warns "CPU RNG state changed within GPU RNG context" when the CPU generator
     # moved inside a tracker fork; here the CPU generator IS the forked generator, so it fires at every dropout.
     logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)
     _accept_cpu_type_strings()
@@ -643,7 +657,7 @@ def apply() -> None:
 
 def _rampup_as_step_schedule(global_batch_size: int, rampup: tuple[int, int, int]) -> str:
     """``--rampup-batch-size START INCR SAMPLES`` as megatron-core 0.19's step schedule, in samples: each step
-    where 0.16.1's ``RampupBatchsizeNumMicroBatchesCalculator`` (num_microbatches_calculator.py:436-450) changes
+    where 0.16.1's ``RampupBatchsizeNumMicroBatchesCalculator`` (num_microbatches_calculator.py) changes
     the batch, found with its own arithmetic (START plus INCR for every whole SAMPLES / ((GLOBAL - START) / INCR)
     samples consumed, GLOBAL after SAMPLES), so both releases give each iteration the same batch.
 
@@ -674,7 +688,7 @@ def _rampup_as_step_schedule(global_batch_size: int, rampup: tuple[int, int, int
 
 def _step_batch_size_schedule() -> bool:
     """Whether megatron-core ramps the batch up by a step schedule: 0.19.2 takes ``step_batch_size_schedule``
-    and ignores ``rampup_batch_size``, only logging that it is deprecated (num_microbatches_calculator.py:64-114);
+    and ignores ``rampup_batch_size``, only logging that it is deprecated (``init_num_microbatches_calculator``);
     0.16.1 has no step schedule."""
     from megatron.core import num_microbatches_calculator
 
@@ -731,10 +745,10 @@ def dense_mlp_submodule(submodules):
 
         mlp = dense_mlp_submodule(MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
 
-    0.19.2 builds the ``mlp`` of a layer by calling it (transformer/transformer_layer.py:433-438), and rewraps a
-    ``ModuleSpec`` of ``MLP`` into ``MLP.as_mlp_submodule`` with a warning for each layer (:419-432), the form
-    its own specs use (models/gpt/gpt_layer_specs.py:541-552). 0.16.1 has no ``as_mlp_submodule`` and builds the
-    spec with ``build_module`` (transformer_layer.py:351-370).
+    0.19.2's ``TransformerLayer.__init__`` (transformer/transformer_layer.py) builds the ``mlp`` of a layer by
+    calling it, and rewraps a ``ModuleSpec`` of ``MLP`` into ``MLP.as_mlp_submodule`` with a warning for each layer,
+    the form its own specs use (models/gpt/gpt_layer_specs.py's ``get_mlp_module_spec_for_backend``). 0.16.1 has no
+    ``as_mlp_submodule``, and its ``TransformerLayer.__init__`` builds the spec with ``build_module``.
     """
     from megatron.core.transformer.mlp import MLP
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -752,9 +766,9 @@ def clear_moe_aux_losses() -> None:
         clear_moe_aux_losses()    # before a run in a process whose earlier groups were destroyed
 
     0.19.2 keeps them in a global ``MoEMetricsTracker``, dropped by ``destroy_moe_metrics_tracker``
-    (transformer/moe/moe_logging.py:63-66); 0.16.1 in the dict ``get_moe_layer_wise_logging_tracker`` returns. On
+    (transformer/moe/moe_logging.py); 0.16.1 in the dict ``get_moe_layer_wise_logging_tracker`` returns. On
     0.19.2 that function returns a copy, so clearing what it returns clears nothing, and it warns that it is
-    deprecated (moe_utils.py:1085-1096).
+    deprecated (moe_utils.py).
     """
     from megatron.core.transformer.moe import moe_utils
 
@@ -776,9 +790,9 @@ def take_moe_aux_losses() -> dict:
 
         losses = take_moe_aux_losses()      # {"load_balancing_loss": tensor([1.02, 1.01, ...])}
 
-    0.19.2 keeps the values in a ``MoEMetricsTracker`` (transformer/moe/moe_logging.py:67) and reduces them with
-    ``_sync_metrics`` (:249-288), the method its deprecated ``reduce_aux_losses_tracker_across_ranks`` names as
-    the replacement (moe_utils.py:1066-1082); 0.16.1 keeps a dict (``get_moe_layer_wise_logging_tracker``) and
+    0.19.2 keeps the values in a ``MoEMetricsTracker`` (transformer/moe/moe_logging.py) and reduces them with
+    ``MoEMetricsTracker._sync_metrics``, the method its deprecated ``reduce_aux_losses_tracker_across_ranks`` names
+    as the replacement (moe_utils.py); 0.16.1 keeps a dict (``get_moe_layer_wise_logging_tracker``) and
     reduces it with ``reduce_aux_losses_tracker_across_ranks``.
     """
     from megatron.core.transformer.moe import moe_utils
@@ -830,14 +844,15 @@ def destroy_model_parallel_and_free_groups() -> None:
         destroy_model_parallel_and_free_groups()    # before initialize_model_parallel with other sizes
 
     ``parallel_state.destroy_model_parallel()`` only drops its references: it sets its group globals to None and
-    destroys just the gloo data-parallel groups (megatron/core/parallel_state.py:2085-2234, the destroys at
-    :2159,2170,2209,2223). torch keeps every other group registered, each with its own communication threads, so
+    destroys just the gloo data-parallel groups (megatron/core/parallel_state.py, ``destroy_model_parallel``).
+    torch keeps every other group registered, each with its own communication threads, so
     re-initialising in a long-lived process (the test harness's workers) would leak ~30 groups a time. torch has
-    no public list of live groups; ``distributed_c10d._world.pg_map`` (torch/distributed/distributed_c10d.py:703,
-    the singleton at :805) is the registry that ``destroy_process_group`` itself reads (:2383) and prunes (:2436).
+    no public list of live groups; ``distributed_c10d._world.pg_map`` (torch/distributed/distributed_c10d.py,
+    ``_World.pg_map`` of the module's ``_world``) is the registry that ``destroy_process_group`` itself reads and
+    prunes.
 
     megatron-core also caches rotary tables with ``functools.lru_cache`` on the method
-    (models/common/embeddings/rotary_pos_embedding.py:177, yarn_rotary_pos_embedding.py:159): each entry keeps its
+    (``RotaryEmbedding.forward`` and ``YarnRotaryEmbedding.forward``, models/common/embeddings/): each entry keeps its
     ``RotaryEmbedding`` alive after the model is gone, and with it the context-parallel group, whose threads then
     outlive its destruction (one gloo group per trained RoPE model in a reused test worker). The tables belong to
     the models of the groups torn down here, so their caches are cleared with them.
@@ -864,8 +879,8 @@ def cuda_graph_fields() -> dict:
         TransformerConfig(num_layers=2, ..., **cuda_graph_fields())
 
     Both releases default to the scope "full" and warn at every TransformerConfig built that it is deprecated, "Use
-    empty ... to capture the whole layer": 0.16.1 for ``cuda_graph_scope`` (transformer/transformer_config.py:784,
-    :1700-1708), 0.19.2 for ``cuda_graph_modules``, which replaces it (:1047, :2414-2418). The empty list they name
+    empty ... to capture the whole layer": 0.16.1 for ``cuda_graph_scope``, 0.19.2 for ``cuda_graph_modules``,
+    which replaces it (transformer/transformer_config.py, ``TransformerConfig.__post_init__``). The empty list they name
     means the same.
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -883,12 +898,13 @@ def pipeline_p2p_flags(interleaved: bool) -> dict[str, bool]:
         >>> pipeline_p2p_flags(interleaved=True)
         {'overlap_p2p_comm': True, 'batch_p2p_comm': False}
 
-    megatron-core defaults to ``batch_p2p_comm=True`` (megatron/core/model_parallel_config.py:302): each exchange
-    is one ``torch.distributed.batch_isend_irecv`` (pipeline_parallel/p2p_communication.py:48, chosen at :353).
+    megatron-core defaults to ``batch_p2p_comm=True`` (``ModelParallelConfig``): each exchange is one
+    ``torch.distributed.batch_isend_irecv`` (pipeline_parallel/p2p_communication.py's ``_batched_p2p_ops``, chosen in
+    ``P2PCommunicator._communicate``).
     Under the interleaved (virtual pipeline) schedule on gloo that pairs the wrong messages and training silently
     diverges (docs/megatron-core-on-cpu.md, item 6); megatron-core only rejects batching together with overlap
-    (pipeline_parallel/schedules.py:921). So the interleaved schedule overlaps plain isend/irecv, and the others
-    keep megatron-core's default.
+    (pipeline_parallel/schedules.py's ``forward_backward_pipelining_with_interleaving``). So the interleaved schedule
+    overlaps plain isend/irecv, and the others keep megatron-core's default.
     """
     return {"overlap_p2p_comm": interleaved, "batch_p2p_comm": not interleaved}
 
@@ -901,7 +917,7 @@ def default_store():
         default_store().set("rank_3_progress", "8")   # readable by every rank, and by the launcher's agent
 
     torch has no public accessor for it; ``distributed_c10d._get_default_store``
-    (torch/distributed/distributed_c10d.py:1433) reads it from the group registry. The hang report needs this
+    (torch/distributed/distributed_c10d.py) reads it from the group registry. The hang report needs this
     store rather than a collective: it must work when a rank is dead or stuck.
     """
     import torch
@@ -919,9 +935,10 @@ def bert_lm_head_norm(norm: type):
         with bert_lm_head_norm(TorchNorm):
             super().__init__(config, **kwargs)     # megatron-core's BertModel.__init__ builds the LM head
 
-    ``BertLMHead`` takes no norm argument: it builds its LayerNorm (megatron/core/models/bert/bert_lm_head.py:38)
-    from the module global ``LNImpl``, fixed at import (:10-16): apex's ``FusedLayerNorm`` or, without apex,
-    ``WrappedTorchNorm``, which asserts that sequence parallelism is off (transformer/torch_norm.py:32).
+    ``BertLMHead`` takes no norm argument: its ``__init__`` (megatron/core/models/bert/bert_lm_head.py) builds its
+    LayerNorm from the module global ``LNImpl``, fixed at import: apex's ``FusedLayerNorm`` or, without apex,
+    ``WrappedTorchNorm``, which asserts that sequence parallelism is off (transformer/torch_norm.py,
+    ``WrappedTorchNorm.__new__``).
     """
     from megatron.core.models.bert import bert_lm_head
 
@@ -951,9 +968,9 @@ def die_with_parent(parent: int | None = None) -> None:
 
 def write_results_queue_getter(filesystem_async) -> str:
     """The name of the function of megatron-core's ``filesystem_async`` module that makes (once) and returns the
-    queue its checkpoint writers report through: ``get_write_results_queue(mp_mode="spawn")`` on 0.19.2
-    (strategies/filesystem_async.py:52-66, read by the writer at :200), ``_get_write_results_queue()`` on 0.16.1
-    (:51-56, read at :185).
+    queue its checkpoint writers report through: ``get_write_results_queue(mp_mode="spawn")`` on 0.19.2,
+    ``_get_write_results_queue()`` on 0.16.1 (strategies/filesystem_async.py; the writer reads it in
+    ``FileSystemWriterAsync.prepare_write_data``).
 
     Example::
 
@@ -987,8 +1004,9 @@ def _writer_queue_dies_with_its_process() -> None:
 
 def torchrun_shutdown_flags(seconds: int) -> list[str]:
     """torchrun's flag for the time between SIGTERM and SIGKILL when it stops the ranks after a signal, where it has
-    one (torch 2.13's ``--shutdown-timeout``, run.py:691); torch 2.11's has none and closes them with
-    ``PContext.close``'s default timeout (agent/server/local_elastic_agent.py:416), which
+    one (torch 2.13's ``--shutdown-timeout``, run.py's ``get_args_parser``); torch 2.11's has none and closes them
+    with ``PContext.close``'s default timeout (agent/server/local_elastic_agent.py, ``LocalElasticAgent._shutdown``),
+    which
     ``shorten_elastic_shutdown`` sets in its stead. Decided by asking torchrun's own parser, not by version.
 
     Example::
@@ -1013,9 +1031,10 @@ def shorten_elastic_shutdown(seconds: int) -> None:
 
         >>> shorten_elastic_shutdown(5)    # before torch.distributed.run.run(args) in this process
 
-    On a failure the agent's process context closes itself (torch/distributed/elastic/multiprocessing/api.py:990,
-    ``self.close()``; :974 on torch 2.11) with ``PContext.close``'s default timeout of 30 s; torchrun's
-    ``--shutdown-timeout`` reaches only the close that follows a signal (agent/server/api.py:754), and torch 2.11
+    On a failure the agent's process context closes itself (torch/distributed/elastic/multiprocessing/api.py,
+    ``SubprocessContext._poll``'s ``self.close()``, torch 2.11 and 2.13) with ``PContext.close``'s default timeout of
+    30 s; torchrun's ``--shutdown-timeout`` reaches only the close that follows a signal (agent/server/api.py,
+    ``SimpleElasticAgent.run``), and torch 2.11
     has no such flag: its close after a signal takes the default too (``torchrun_shutdown_flags``). A hung or
     stopped rank that handles SIGTERM (``--exit-signal-handler``) used up those 30 s every time, after the job had
     already failed.
@@ -1043,14 +1062,14 @@ def distrib_optimizer_metadata(fully_reshardable: bool = False) -> dict:
         distrib_optimizer_metadata()                          # {'distrib_optim_sharding_type': 'dp_reshardable'}
         distrib_optimizer_metadata(fully_reshardable=True)    # Megatron-LM's --dist-ckpt-optim-fully-reshardable
 
-    Megatron-LM's default, "dp_reshardable" (optimizer/distrib_optimizer.py:1187-1191), writes each rank's buckets
+    Megatron-LM's default, "dp_reshardable" (``DistributedOptimizer.sharded_state_dict``), writes each rank's buckets
     as they are, resharded on load across data-parallel ranks only: it loads at the tensor/pipeline layout it was
-    saved at. "fully_reshardable" (:1192-1196) gathers one state tensor per model parameter, which every rank
+    saved at. "fully_reshardable" gathers one state tensor per model parameter, which every rank
     slices for itself on load, at any layout; it took 2.2-2.6x a plain write to save here and blocked an async save
     for 0.8 s, against 1.1-1.3x and 0.1 s. megatron-core's default where the metadata names none,
-    "fully_sharded_model_space" (:1224-1226), builds flattened tensors its own dist_checkpointing refuses,
-    "ShardedTensor.flattened_range is not supported" (dist_checkpointing/mapping.py:134; docs/megatron-core-on-cpu.md,
-    item 9).
+    "fully_sharded_model_space", builds flattened tensors its own dist_checkpointing refuses,
+    "ShardedTensor.flattened_range is not supported" (``ShardedTensor.validate_metadata_integrity``;
+    docs/megatron-core-on-cpu.md, item 9).
     """
     return {"distrib_optim_sharding_type": "fully_reshardable" if fully_reshardable else "dp_reshardable"}
 
@@ -1083,9 +1102,9 @@ def collect_only_new_objects():
             optimizer.sharded_state_dict(model_state, is_loading, metadata=distrib_optimizer_metadata())
 
     Building the distributed optimizer's ``fully_reshardable`` state ends in ``gc.collect()``
-    (optimizer/distrib_optimizer.py:1283), there to free the cycles among the buffers it has just built when the
+    (``DistributedOptimizer.sharded_state_dict``), there to free the cycles among the buffers it has just built when the
     trainer runs with the collector off (``--manual-gc``); so does each ``IndexedDatasetBuilder.add_index``
-    (datasets/indexed_dataset.py:1023), which merges a ``.bin/.idx`` pair into another. A full collection also walks
+    (datasets/indexed_dataset.py), which merges a ``.bin/.idx`` pair into another. A full collection also walks
     every object the process made before (modules, the model, the data), which took 0.2 s of a save, 0.6 s of a
     load and 0.13-0.2 s of each merged file here. Those are set aside (``gc.freeze``) for the block and returned
     after it, so the new buffers are still collected. A process that froze objects itself keeps them frozen: the
@@ -1112,12 +1131,13 @@ def write_results_in_this_process():
             request = dist_checkpointing.save(state, staging, async_sharded_save=True, **async_save_options())
 
     megatron-core's file writer takes its results queue from ``_get_write_results_queue``
-    (strategies/filesystem_async.py:51-56): a ``Manager().Queue()``, served by a process it spawns the first time a
+    (strategies/filesystem_async.py): a ``Manager().Queue()``, served by a process it spawns the first time a
     process saves, so that the forked writer of its own asynchronous save can report through it. That start is a new
     interpreter importing what the saving one imported: ~2 s of every training job's first save here. Our writes never
     leave the saving process (``integrity.write_checksummed`` runs its writers in threads, ``--async-save`` in a thread:
     ``checkpoint.async_save``), so a ``queue.Queue`` serves them; the writer keeps the queue it was given
-    (``prepare_write_data``, :185), and the module's own is put back after the block for any other caller.
+    (``FileSystemWriterAsync.prepare_write_data``), and the module's own is put back after the block for any other
+    caller.
     """
     import queue
 
@@ -1139,7 +1159,7 @@ def async_save_options() -> dict:
         request = dist_checkpointing.save(state, staging, async_sharded_save=True, **async_save_options())
 
     0.19.2 saves asynchronously through NVIDIA Resiliency Extension by default (``async_strategy="nvrx"``,
-    dist_checkpointing/serialization.py:359; strategies/torch.py:1127-1165), which needs the
+    ``dist_checkpointing.save``; strategies/torch.py's ``get_async_strategy``), which needs the
     ``nvidia-resiliency-ext`` package: "A compatible `nvidia-resiliency-ext` installation is required". Our saves
     replace megatron-core's write function and read its arguments (``integrity.write_checksummed``), which are
     those of its own writer, ``async_strategy="mcore"``, the only one 0.16.1 has (no such argument there).
@@ -1204,7 +1224,8 @@ def torch_dist_readers_through(wrap):
 
 # The file of a torch_dist checkpoint that megatron-core 0.16.1 keeps its common (non-sharded) state in; 0.19.0 and
 # later save that state as one ShardedObject, "common_state", among the sharded ones instead
-# (dist_checkpointing/serialization.py:439-445 at 0.19.2), and still read a common.pt where there is one (:223-225).
+# (dist_checkpointing/serialization.py's save at 0.19.2), and still read a common.pt where there is one
+# (load_common_state_dict).
 COMMON_STATE_FILE = "common.pt"
 # PyTorch DCP's index of a torch_dist checkpoint's .distcp files, written by rank 0 when the save is finalized.
 DCP_METADATA_FILE = ".metadata"
@@ -1230,8 +1251,8 @@ def load_common_state_object(ckpt_dir: str) -> dict:
 
         load_common_state_object("ckpt/iter_0000100")["args"].hidden_size      # a checkpoint saved by 0.19.2
 
-    0.19 reads it with its own ``load_common_state_dict`` (serialization.py:206-236). 0.16.1 has no reader for it
-    (``TorchCommonLoadStrategy.load_common`` opens common.pt, strategies/common.py:73-98), so PyTorch DCP reads that
+    0.19 reads it with its own ``load_common_state_dict`` (serialization.py). 0.16.1 has no reader for it
+    (``TorchCommonLoadStrategy.load_common`` opens common.pt, strategies/common.py), so PyTorch DCP reads that
     one object here the way 0.19 does: a checkpoint saved at one end resumes at the other.
     """
     import io
@@ -1267,9 +1288,9 @@ def dist_load_options() -> dict:
 
         loaded = dist_checkpointing.load(state, "ckpt/iter_0000100", **dist_load_options())
 
-    0.19 reads both kinds of common state itself (serialization.py:223-236). 0.16.1 reads a common.pt only, through
-    its common strategy (serialization.py:121); given one whose ``load_common`` falls back to
-    :func:`load_common_state_object`, it resumes what 0.19 saved.
+    0.19 reads both kinds of common state itself (serialization.py's ``load_common_state_dict``). 0.16.1 reads a
+    common.pt only, through its common strategy (serialization.py's ``load``); given one whose ``load_common`` falls
+    back to :func:`load_common_state_object`, it resumes what 0.19 saved.
     """
     if megatron_core_at_least("0.19"):
         return {}
@@ -1427,7 +1448,8 @@ def detach_main_param_views(optimizer) -> None:
         detach_main_param_views(optimizer)
 
     For fp32 parameters megatron-core takes this rank's shard as ``model_param.view(-1)[start:end]``
-    (``optimizer/distrib_optimizer.py:421``; its 16-bit branch detaches first, :368): a view that records its
+    (``DistributedOptimizer._build_model_and_main_param_groups``; its 16-bit branch detaches first): a view that
+    records its
     autograd history, whose graph holds each parameter's gradient accumulator. DDP hangs its gradient hooks on those
     accumulators, and their closures hold DDP: Python's collector sees through an accumulator only while nothing
     else owns it (torch/csrc/autograd/python_cpp_function.cpp, ``THPCppFunction_traverse``), so the model, the
@@ -1436,7 +1458,7 @@ def detach_main_param_views(optimizer) -> None:
     megatron-core keeps it: the shard groups and the torch optimizer's parameter lists.
 
     Loads copy into these views in place without ``torch.no_grad()`` (``_set_main_param_and_optimizer_states``,
-    :940, for Megatron-LM's default ``dp_reshardable`` state; ``load_parameter_state_from_dp_zero``, :2067, for its
+    for Megatron-LM's default ``dp_reshardable`` state; ``load_parameter_state_from_dp_zero`` for its
     legacy files), which autograd refuses on a view of a parameter; detached, they load as they are.
     """
     for part, inner in optimizer_parts(optimizer):
@@ -1448,7 +1470,7 @@ def detach_main_param_views(optimizer) -> None:
                     view.__dict__.update(shard.__dict__)  # the tensor-parallel attributes megatron-core copied
                     group[index] = detached[id(shard)] = view
         for param_group in inner.param_groups if detached else ():
-            # In place: the distributed optimizer's group ranges share these lists (distrib_optimizer.py:441, :607).
+            # In place: the distributed optimizer's group ranges share these lists (DistributedOptimizer.__init__).
             param_group["params"][:] = [detached.get(id(p), p) for p in param_group["params"]]
 
 
@@ -1462,7 +1484,8 @@ def detach_moe_dispatcher_state(model) -> None:
         detach_moe_dispatcher_state(chunk)
 
     The dispatcher keeps the last forward's routing probabilities on itself, with their autograd history
-    (``local_probs``, token_dispatcher.py:304; ``probs``, :610), and that graph holds the router weight's gradient
+    (``local_probs``, ``MoEAllGatherTokenDispatcher.dispatch_postprocess``; ``probs``,
+    ``MoEAlltoAllTokenDispatcher.dispatch_preprocess``), and that graph holds the router weight's gradient
     accumulator, which DDP's hooks hang on: as with the distributed optimizer's views (``detach_main_param_views``)
     the model, its optimizer and their process groups could then never be freed in that process. Nothing reads the
     cached tensors' history after the forward (the backward has its own graph, a recompute runs the forward again),
@@ -1494,7 +1517,7 @@ def initialise_adam_state(optimizer, is_loading: bool) -> None:
         optimizer.sharded_state_dict(model_state, True, metadata=distrib_optimizer_metadata())
 
     Without TE/apex the optimizer is torch's Adam, which has no state before its first step, and the distributed
-    optimizer's ``state_dict`` reads each parameter's ``step`` (``optimizer/distrib_optimizer.py:640-642`` asserts
+    optimizer's ``state_dict`` reads each parameter's ``step`` (``DistributedOptimizer.state_dict`` asserts
     there is exactly one). So a fresh optimizer about to be loaded gets one, and so does an optimizer saved before
     any step was taken (fp16 may skip every step so far); one that has stepped is left alone.
     """
@@ -1520,8 +1543,8 @@ def restore_adam_step(optimizer) -> None:
         optimizer.load_state_dict(loaded["optimizer"])
         restore_adam_step(optimizer)
 
-    Without TE/apex megatron-core saves torch Adam's step per param group (``optimizer/distrib_optimizer.py:
-    672-674``, ``param_group["step"] = step``) but torch Adam reads it per parameter; without this its bias
+    Without TE/apex megatron-core saves torch Adam's step per param group (``DistributedOptimizer.state_dict``,
+    ``param_group["step"] = step``) but torch Adam reads it per parameter; without this its bias
     correction restarts after a resume.
     """
     import torch
@@ -1536,13 +1559,13 @@ def restore_adam_step(optimizer) -> None:
 def by_sharded_key(sharded_state_dict) -> dict:
     """megatron-core's sharded state dict flattened and grouped by checkpoint key, main replicas only: what its
     torch_dist save strategy hands PyTorch DCP (``TorchDistSaveShardedStrategy.async_save``,
-    dist_checkpointing/strategies/torch.py:655-658, checked on megatron-core 0.16.1 and 0.19.2).
+    dist_checkpointing/strategies/torch.py, checked on megatron-core 0.16.1 and 0.19.2).
 
     Example::
 
         dcp_save(mcore_to_pyt_state_dict(by_sharded_key(sharded_state_dict), is_loading=False), planner=planner)
 
-    The grouping is megatron-core's private ``_replace_state_dict_keys_with_sharded_keys`` (torch.py:363); a save
+    The grouping is megatron-core's private ``_replace_state_dict_keys_with_sharded_keys`` (torch.py); a save
     strategy that replaces only the writing (``checkpoint.torch_dist.stream_dist``) has to repeat it.
     """
     from megatron.core.dist_checkpointing.strategies.torch import _replace_state_dict_keys_with_sharded_keys

@@ -65,7 +65,7 @@ def _check_experts(world_size, tp, pp, ep, etp, sequence_parallel, num_layers, n
     if moe_ffn_hidden_size is not None and moe_ffn_hidden_size % etp:
         raise LayoutError(f"--moe-ffn-hidden-size {moe_ffn_hidden_size} is not divisible by "
                           f"--expert-tensor-parallel-size {etp}; choose a size that divides it")
-    # MoELayer.forward refuses to train a TP-split MoE model without it (moe_layer.py:379 at core_v0.16.1).
+    # MoELayer.forward refuses to train a TP-split MoE model without it (MoELayer.forward at core_v0.16.1).
     if num_moe_experts is not None and tp > 1 and not sequence_parallel:
         raise LayoutError("mixture-of-experts layers with --tensor-model-parallel-size greater than 1 need "
                           "--sequence-parallel (megatron-core refuses to train without it); add it")

@@ -42,16 +42,16 @@ KNOWN_WARNINGS = (
      "megatron-core warns at import, once per module, that TE/apex are missing; our spec builder makes the choice "
      "between TE and local layers and reports it"),
     (DeprecationWarning, r"The following imports from `dynamic_context.py` will be removed",
-     "megatron/core/inference/contexts/__init__.py:9-15 (0.16.1 and 0.19.2) about its own imports, raised whenever "
+     "megatron/core/inference/contexts/__init__.py (0.16.1 and 0.19.2) about its own imports, raised whenever "
      "megatron-core's models import it"),
     (FutureWarning, r"`load_state_dict` is deprecated and will be removed in future versions",
-     "megatron-core's torch_dist loader calls torch DCP's load_state_dict (dist_checkpointing/strategies/torch.py:799 "
-     "in 0.16.1) at every checkpoint load"),
+     "megatron-core's torch_dist loader calls torch DCP's load_state_dict (TorchDistLoadShardedStrategy.load in "
+     "0.16.1) at every checkpoint load"),
     (FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor",
      "megatron-core's torch_dist checkpoints are made of ShardedTensors (0.16.1 and 0.19.2), so torch DCP warns at "
      "every save and load; the format is megatron-core's to change"),
     (UserWarning, r"MimoModelConfig is experimental",
-     "megatron-core 0.19.2 warns when its models package imports models/mimo (mimo/config/base_configs.py:12); no "
+     "megatron-core 0.19.2 warns when its models package imports models/mimo (mimo/config/base_configs.py); no "
      "MIMO model is built here"),
     (UserWarning, r"torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to (save|load) "
                   r"in a single process",
@@ -66,27 +66,27 @@ KNOWN_WARNINGS = (
      "torch 2.13 deprecates the collective megatron-core 0.16.1's tensor-parallel gathers call "
      "(tensor_parallel/mappings.py, dist_all_gather_func), in every TP rank; the call is megatron-core's to change"),
     (UserWarning, r"The argument order of load has been changed",
-     "torch 2.11's DCP warns at every dcp.load with keyword arguments (distributed/checkpoint/logger.py:90), which is "
+     "torch 2.11's DCP warns at every dcp.load with keyword arguments (distributed/checkpoint/logger.py), which is "
      "how the converters call it"),
 )
 # (logger, start of the message, why it is dropped) of upstream log records.
 KNOWN_LOG_RECORDS = (
     ("megatron.core.models.gpt.gpt_model", "GPTModel IS DEPRECATED",
-     "0.19.2 logs it at every GPTModel built (models/gpt/gpt_model.py:118-124); its successor HybridModel is not in "
+     "0.19.2 logs it at every GPTModel built (GPTModel.__init__); its successor HybridModel is not in "
      "0.16.1, which CI also runs, and GPTModel is what Megatron-LM's GPT checkpoints and our converters are laid "
      "out for"),
     ("megatron.core.dist_checkpointing.strategies.torch", "MCore's async save is deprecated",
-     "0.19.2 logs it once per process for every save, synchronous ones included (strategies/torch.py:727,745-752); "
-     "ours must stay on megatron-core's writer (compat.async_save_options)"),
+     "0.19.2 logs it once per process for every save, synchronous ones included "
+     "(TorchDistSaveShardedStrategy.async_save); ours must stay on megatron-core's writer (compat.async_save_options)"),
     ("megatron.core.dist_checkpointing.strategies.common", "load_common is deprecated",
-     "0.19.2 logs it at every read of a common.pt (strategies/common.py:39-42), which is how it reads every "
+     "0.19.2 logs it at every read of a common.pt (strategies/common.py, load_common), which is how it reads every "
      "checkpoint 0.16.1 or Megatron-LM on it saved"),
     ("megatron.core.datasets.gpt_dataset", "Unable to save Mock",
-     "--mock-data's indexes are made in memory in a moment; there is nothing to cache (gpt_dataset.py:556, once "
-     "per split)"),
+     "--mock-data's indexes are made in memory in a moment; there is nothing to cache "
+     "(GPTDataset._build_document_sample_shuffle_indices, once per split)"),
     ("torch.utils.cpp_extension", "No CUDA runtime is found",
      "PyPI's CUDA build of torch logs it on a machine without a GPU when megatron-core imports cpp_extension "
-     "(utils/cpp_extension.py:140); nothing here runs on CUDA then"),
+     "(at the import of torch/utils/cpp_extension.py); nothing here runs on CUDA then"),
     ("megatron.core.datasets.megatron_tokenizer", "You're using the legacy tokenizer system",
      "megatron-core 0.16.1's MegatronLegacyTokenizer logs it at every tokenizer built; our tokenizers "
      "(tokenizer/base.py) do not use it, Megatron-LM's own do"),

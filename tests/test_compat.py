@@ -539,7 +539,8 @@ def moe_patches(rank, world_size):
     # also in the name token_dispatcher.py imported.
     splits = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([3, 1]), as_numpy=True)
     numpy_splits = isinstance(splits, np.ndarray) and splits.tolist() == [3, 1]
-    # _CpuStream: the dispatcher's device-to-host stream as token_dispatcher.py:445 and :871-899 use it.
+    # _CpuStream: the dispatcher's device-to-host stream as MoEAlltoAllTokenDispatcher.__init__ and
+    # _maybe_dtoh_and_synchronize use it.
     cuda = token_dispatcher.torch.cuda
     side = cuda.Stream()
     side.wait_stream(cuda.current_stream())
@@ -557,7 +558,7 @@ def test_moe_patches_are_in_place():
 
 
 def _rampup_batch(consumed, global_batch, rampup):
-    """megatron-core 0.16.1's RampupBatchsizeNumMicroBatchesCalculator (num_microbatches_calculator.py:436-450):
+    """megatron-core 0.16.1's RampupBatchsizeNumMicroBatchesCalculator (num_microbatches_calculator.py):
     START plus INCR for every whole SAMPLES / ((GLOBAL - START) / INCR) samples consumed, GLOBAL after SAMPLES."""
     start, increment, samples = rampup
     if consumed > samples:

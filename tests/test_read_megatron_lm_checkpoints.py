@@ -274,8 +274,8 @@ def _common_state(iteration: str) -> dict:
 
 def _rewrite_common_state(iteration: str, state: dict) -> None:
     """Replace a torch_dist save's common state with ``state``, as a common.pt: both ends of the tested range read
-    one first (0.19: dist_checkpointing/serialization.py:223-225), and Megatron-LM saves of 0.16.1 hold it so. Written
-    aside and renamed: ``state`` may be memory-mapped from the file it replaces (``read_args_state``)."""
+    one first (0.19: dist_checkpointing/serialization.py's load_common_state_dict), and Megatron-LM saves of 0.16.1 hold
+    it so. Written aside and renamed: ``state`` may be memory-mapped from the file it replaces (``read_args_state``)."""
     path = os.path.join(iteration, compat.COMMON_STATE_FILE)
     torch.save(state, path + ".tmp")
     os.replace(path + ".tmp", path)

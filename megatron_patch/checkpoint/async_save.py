@@ -8,13 +8,14 @@ Example::
     saves.maybe_finalize_async_calls(blocking=False)  # after each step, on every rank: publishes finished saves
 
 megatron-core's ``AsyncCallsQueue`` forks a process for each save (``TemporalAsyncCaller``,
-dist_checkpointing/strategies/async_utils.py:216-221). Training on a CPU keeps its whole state in host memory, which
-the fork shares copy-on-write: the first step after it copied every page it wrote (the weights, the gradients,
-Adam's moments), which made that step two to four times as long. A thread shares the memory instead, so the tensors it
-writes must be ones training does not write: megatron-core's save already copies the model's parameters (views of
-DDP's buffer, ``_clone_if_needed``, filesystem_async.py:136) and builds the distributed optimizer's state anew, and
-:func:`with_snapshot` copies whatever else still shares memory with the model or the optimizer (a plain optimizer's
-moments, parameters outside DDP's buffer). On a GPU the save's own device-to-host copy is the snapshot.
+dist_checkpointing/strategies/async_utils.py, ``TemporalAsyncCaller.schedule_async_call``). Training on a CPU keeps its
+whole state in host memory, which the fork shares copy-on-write: the first step after it copied every page it wrote (the
+weights, the gradients, Adam's moments), which made that step two to four times as long. A thread shares the memory
+instead, so the tensors it writes must be ones training does not write: megatron-core's save already copies the model's
+parameters (views of DDP's buffer, ``FileSystemWriterAsync.prepare_write_data``'s ``_clone_if_needed``) and builds the
+distributed optimizer's state anew, and :func:`with_snapshot` copies whatever else still shares memory with the model or
+the optimizer (a plain optimizer's moments, parameters outside DDP's buffer). On a GPU the save's own device-to-host
+copy is the snapshot.
 
 The thread runs the same write function the process would (``integrity.write_checksummed``): the files, checksums,
 publishing on finalization and the crash safety are the same.
@@ -41,8 +42,8 @@ def _thread_caller():
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCaller
 
     class ThreadCaller(AsyncCaller):
-        """``TemporalAsyncCaller`` (async_utils.py:178) with a thread where it forks a process; done on every rank
-        is agreed the same way (``sync_all_async_calls``, one all-reduce per check)."""
+        """``TemporalAsyncCaller`` (strategies/async_utils.py) with a thread where it forks a process; done on every
+        rank is agreed the same way (``sync_all_async_calls``, one all-reduce per check)."""
 
         def __init__(self):
             self.thread: threading.Thread | None = None

@@ -128,9 +128,9 @@ def checksum_files(paths: list[str]) -> list[dict]:
 def write_checksummed(staging: str, checksums: dict, transforms: list, rank: int, write_buckets: list,
                       results_queue, *, background: bool = False) -> None:
     """megatron-core's torch_dist write (``async_fn(rank, write_buckets, results_queue)`` of
-    ``FileSystemWriterAsync.get_save_function_and_args``, strategies/filesystem_async.py:191) with its own
-    per-file writer, ``FileSystemWriterAsync.write_preloaded_data`` (:342), run in a thread per file instead of the
-    process per file ``write_preloaded_data_multiproc`` (:235) forks; then the CRC-32 of each ``.distcp``, read back
+    ``FileSystemWriterAsync.get_save_function_and_args``, strategies/filesystem_async.py) with its own
+    per-file writer, ``FileSystemWriterAsync.write_preloaded_data``, run in a thread per file instead of the
+    process per file 0.16.1's ``write_preloaded_data_multiproc`` forks; then the CRC-32 of each ``.distcp``, read back
     from the page cache it was just written through, and this rank's checksums file.
 
     Example::

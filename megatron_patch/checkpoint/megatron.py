@@ -95,8 +95,8 @@ def save_megatron_checkpoint(root: str, iteration: int, chunks: list, optimizer,
         if async_queue is None:
             _write_views_in_place(state)
         # Asynchronous in form even for a synchronous save (run at once by execute_sync, as megatron-core's own
-        # synchronous save does: strategies/base.py:212), so that its write function can be replaced by ours, which
-        # runs megatron-core's per-file writer in threads and checksums the files (integrity.write_checksummed).
+        # synchronous save does: AsyncSaveShardedStrategy.save), so that its write function can be replaced by ours,
+        # which runs megatron-core's per-file writer in threads and checksums the files (integrity.write_checksummed).
         # content_metadata: the metadata the state was built with, which Megatron-LM's load reads back
         # (load_content_metadata) to build the state it loads into; without it, it guesses another optimizer format.
         # Fully parallel, as Megatron-LM's default --ckpt-fully-parallel-save: the data-parallel replicas share the
@@ -108,7 +108,7 @@ def save_megatron_checkpoint(root: str, iteration: int, chunks: list, optimizer,
                                               content_metadata=dict(metadata),
                                               **compat.async_save_options())
         # Only now: rank 0's dist_checkpointing.save warns "Overwriting old incomplete / corrupted checkpoint" when
-        # the directory holds a file (serialization.py:383-387), and no rank leaves save() before rank 0 has
+        # the directory holds a file (serialization.py's save), and no rank leaves save() before rank 0 has
         # passed that check (its sharding validation is a collective).
         checksums = write_rng()
         if request.async_fn is None:  # this rank holds only replicas another rank writes: no .distcp of its own
@@ -129,11 +129,11 @@ def _write_views_in_place(state: dict) -> None:
     """Give megatron-core's writer each CPU tensor of ``state`` over a storage of exactly its bytes
     (``torch_dist.exact_storage``, sharing them), so that it writes the tensor where it is.
 
-    The writer copies a tensor that is a view of a larger storage (strategies/filesystem_async.py:136
-    ``_clone_if_needed`` in 0.16.1, :146 in 0.19.2), since ``torch.save`` would write all of that storage: every
-    parameter, a view of DDP's buffer (half of bench/checkpoint_io.py's 406 MB checkpoint: 0.05 s and as much memory
-    again). A synchronous save has written them before training goes on; an ``--async-save`` keeps the copy, which is
-    its snapshot (``checkpoint.async_save``).
+    The writer copies a tensor that is a view of a larger storage (strategies/filesystem_async.py,
+    ``prepare_write_data``'s ``_clone_if_needed`` in 0.16.1, ``_clone_or_dequantize_if_needed`` in 0.19.2), since
+    ``torch.save`` would write all of that storage: every parameter, a view of DDP's buffer (half of
+    bench/checkpoint_io.py's 406 MB checkpoint: 0.05 s and as much memory again). A synchronous save has written them
+    before training goes on; an ``--async-save`` keeps the copy, which is its snapshot (``checkpoint.async_save``).
     """
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
@@ -358,7 +358,7 @@ def _optimizer_layout_refusal(root: str, path: str, metadata: dict, args, reques
     data-parallel ranks only (distrib_optimizer.py ``sharded_state_dict``), and Megatron-LM refuses a TP/PP change
     likewise (training/checkpointing.py ``load_checkpoint``: "(TP, PP) mismatch after resume"). Megatron-LM's
     default before megatron-core 0.13, ``fully_sharded_model_space``, stores flattened slices of each parameter's
-    state, which megatron-core 0.16.1 no longer reads at any layout (dist_checkpointing/mapping.py:134,
+    state, which megatron-core 0.16.1 no longer reads at any layout (``ShardedTensor.validate_metadata_integrity``,
     "ShardedTensor.flattened_range is not supported"). A run without the distributed optimizer records no sharding
     (``_build_sharded_state_dict_metadata``); its state is keyed by parameter, not laid out as the distributed
     optimizer's.

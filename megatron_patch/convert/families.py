@@ -145,7 +145,7 @@ def _require(hf_config: dict, key: str, allowed, default=None) -> None:
 
 
 # LLaMA 3.1's rope_scaling values megatron-core's RotaryEmbedding._apply_scaling hard-codes (only the factor is an
-# argument there, rotary_pos_embedding.py:92-99 at core_v0.16.1); transformers reads all four from config.json.
+# argument there, RotaryEmbedding._apply_scaling at core_v0.16.1); transformers reads all four from config.json.
 _LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 

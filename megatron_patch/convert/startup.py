@@ -8,7 +8,7 @@ Example::
 
 ``import megatron.core`` imports nearly every subpackage (megatron/core/__init__.py). Its fusions no longer cost
 an import of torch._dynamo (the package compiles them on first call: ``compat.compile_fusions_on_first_call``),
-but megatron/core/timers.py:18 still imports tensorboard (with fsspec) for ``Timers.write``, under ``try: ...
+but megatron/core/timers.py still imports tensorboard (with fsspec) for ``Timers.write``, under ``try: ...
 except ImportError``; a conversion keeps no timers, so the import is made to fail, as on a machine without
 tensorboard. Only a process that has not imported megatron-core yet is affected; one that has keeps what it has.
 The import runs with the garbage collector paused (:mod:`megatron_patch.startup`).
@@ -20,7 +20,7 @@ import sys
 
 from megatron_patch.startup import paused_collector
 
-# Imported only by Timers.write's SummaryWriter (megatron/core/timers.py:18).
+# Imported only by Timers.write's SummaryWriter (megatron/core/timers.py, at its import).
 _SKIPPED = "torch.utils.tensorboard"
 
 

@@ -237,7 +237,7 @@ def verify_on_rank(hf_dir: str, megatron_dir: str, tp: int = 1, pp: int = 1, tex
     inputs = make_inputs(info, hf_dir, text)
     length = inputs["tokens"].shape[1]
     # The main model only: transformers ignores multi-token prediction layers, and megatron-core's GPTModel runs them
-    # only to compute their loss from labels (gpt_model.py:611 at core_v0.16.1), not for logits.
+    # only to compute their loss from labels (GPTModel._postprocess at core_v0.16.1), not for logits.
     main = dataclasses.replace(info, model_config=info.model_config.replace(mtp_num_layers=None))
     chunks = build_and_load(megatron_dir, main, tp, pp, dtype, ep)
     model_inputs = pad_to_multiple(inputs, tp) if _sequence_parallel(info, tp) else inputs

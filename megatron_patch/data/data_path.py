@@ -201,7 +201,7 @@ def check_data_path(data_path: Sequence[str]) -> list[str]:
     """The dataset prefixes ``--data-path`` names, each checked to have its files and tokens; a ValueError naming the
     prefix and the fix otherwise.
 
-    The words are told apart as megatron-core's ``get_blend_from_list`` (datasets/utils.py:49) tells them: an even
+    The words are told apart as megatron-core's ``get_blend_from_list`` (datasets/utils.py) tells them: an even
     number of words whose every other one, from the first, is a number are weights and prefixes; otherwise all are
     prefixes (weighted by their sizes). A number among those is a broken alternation, which megatron-core would take
     for a dataset's name.
@@ -218,8 +218,8 @@ def check_data_path(data_path: Sequence[str]) -> list[str]:
                 f"--data-path {prefix}: {' and '.join(missing)} not found; give the prefix without "
                 "the suffix, e.g. data/corpus_text_document"
             )
-        # megatron-core memory-maps the .bin (indexed_dataset.py:402), which numpy refuses for an empty file:
-        # "cannot mmap an empty file", deep in the dataset build.
+        # megatron-core memory-maps the .bin (indexed_dataset.py's _MMapBinReader), which numpy refuses for an empty
+        # file: "cannot mmap an empty file", deep in the dataset build.
         if os.path.getsize(prefix + ".bin") == 0:
             raise EmptyDataError(
                 f"--data-path {prefix}: {prefix}.bin holds no tokens (its input had no documents, or only empty "

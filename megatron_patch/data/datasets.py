@@ -50,7 +50,7 @@ def _process_group() -> Iterator[None]:
     """A one-process gloo group for the duration of a build when none exists.
 
     megatron-core 0.16.1 calls `torch.distributed.get_rank()` unguarded while building indices
-    (`datasets/masked_dataset.py:184`, `datasets/blended_dataset.py:153` when caching), so a
+    (`MaskedWordPieceDataset._build_sample_index`, `BlendedDataset._build_indices` when caching), so a
     single process without `init_process_group` would fail there.
     """
     if torch.distributed.is_initialized():
@@ -73,7 +73,8 @@ def _yields_samples(cls, config, low_level, first: int, last: int, chunk: int = 
                 return True
             continue
         # build_mapping (helpers.cpp) samples a document with at least the minimum number of sentences (2 with the
-        # binary head: bert_dataset.py:60) and, when it has several, none longer than LONG_SENTENCE_LEN.
+        # binary head: BERTMaskedWordPieceDataset.__init__) and, when it has several, none longer than
+        # LONG_SENTENCE_LEN.
         bounds = low_level.document_indices[start:end + 1]
         sentences = numpy.diff(bounds)
         long = low_level.sequence_lengths[bounds[0]:bounds[-1]] > _LONG_SENTENCE_LEN

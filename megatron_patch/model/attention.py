@@ -65,7 +65,7 @@ class SDPAttention(MegatronModule):
         self.num_attention_heads_per_partition = divide(config.num_attention_heads, tp_size)
         self.num_query_groups_per_partition = divide(config.num_query_groups, tp_size)
         # apply_query_key_layer_scaling divides the scores by layer_number and multiplies them back inside the
-        # fp32 softmax (dot_product_attention.py:93-103): the product is the plain scale, which is what we use.
+        # fp32 softmax (DotProductAttention.__init__): the product is the plain scale, which is what we use.
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
 

@@ -41,7 +41,8 @@ class BertModel(MCoreBertModel):
     def _sanity_check_attention_and_get_attn_mask_dimension(self) -> str:
         # Our SDPA core attention and TE >= 1.10 (the versions megatron-core 0.16 supports) both take a
         # [b, 1, 1, s] mask over keys only, which is what Hugging Face BERT computes. The upstream check
-        # (bert_model.py:205) would ask TE for its version even when TE is not installed.
+        # (BertModel._sanity_check_attention_and_get_attn_mask_dimension) would ask TE for its version even when TE is
+        # not installed.
         return "b11s"
 
 
@@ -54,7 +55,7 @@ def add_embedding_layernorm(embedding: torch.nn.Module, norm: torch.nn.Module) -
         add_embedding_layernorm(model.embedding, TorchNorm(config, hidden_size=768, eps=1e-12))
 
     HF's ``BertEmbeddings`` normalises, then drops out. ``LanguageModelEmbedding.forward`` ends with its dropout
-    (after the sequence-parallel scatter, language_model_embedding.py:150-160), so the norm runs as a pre-hook of
+    (after the sequence-parallel scatter, LanguageModelEmbedding.forward), so the norm runs as a pre-hook of
     that dropout: the order is HF's, and with sequence parallelism each rank normalises its own tokens.
     """
     embedding.layer_norm = norm

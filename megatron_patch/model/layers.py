@@ -64,8 +64,8 @@ class TorchNorm:
         'LayerNorm'
 
     megatron-core's ``WrappedTorchNorm`` (its fallback without apex or TE) asserts ``not config.sequence_parallel``
-    and ``not config.layernorm_zero_centered_gamma`` (``transformer/torch_norm.py:26-32``) although nothing in the
-    maths forbids either; this is the same constructor signature without those assertions.
+    and ``not config.layernorm_zero_centered_gamma`` (``WrappedTorchNorm.__new__``, transformer/torch_norm.py) although
+    nothing in the maths forbids either; this is the same constructor signature without those assertions.
     """
 
     def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **unused) -> torch.nn.Module:

@@ -159,8 +159,9 @@ class ParallelConfig:
             raise ValueError("--moe-token-dispatcher-type flex needs DeepEP or HybridEP on GPUs; use alltoall or "
                              "allgather")
         expert_tp = self.expert_tensor_parallel_size or self.tensor_model_parallel_size
-        # Across expert-TP ranks the all-to-all dispatcher gathers unequal token counts (token_dispatcher.py:693-697
-        # -> mappings.py:149-150 with output_split_sizes), which gloo's all_gather cannot: its tensors must be equal.
+        # Across expert-TP ranks the all-to-all dispatcher gathers unequal token counts
+        # (MoEAlltoAllTokenDispatcher.dispatch_postprocess -> _gather_along_first_dim with output_split_sizes), which
+        # gloo's all_gather cannot: its tensors must be equal.
         if self.moe_token_dispatcher_type == "alltoall" and expert_tp > 1 and not _cuda_available():
             raise ValueError(f"--moe-token-dispatcher-type alltoall with expert tensor parallelism {expert_tp} needs "
                              "NCCL (gloo cannot gather unequal token counts); use --moe-token-dispatcher-type "

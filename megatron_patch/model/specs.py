@@ -67,7 +67,7 @@ def norm_module(model_config: ModelConfig, parallel_config: ParallelConfig | Non
 
 
 def _mla_attention(model_config: ModelConfig, provider: BackendSpecProvider) -> ModuleSpec:
-    """megatron-core's multi-latent attention (its local spec's modules, gpt_layer_specs.py:366-388 at
+    """megatron-core's multi-latent attention (its local spec's modules, get_gpt_layer_local_spec at
     core_v0.16.1); with ``qk_layernorm`` the norms on the query and key/value latents (DeepSeek's
     ``q_a_layernorm``/``kv_a_layernorm``). Every projection is column-parallel as there: the down projections'
     outputs are gathered over TP before their norms."""
@@ -166,7 +166,8 @@ def block_spec(
     """The layers of this pipeline rank's chunk ``vp_stage``, and the final norm (none for post-LN BERT).
 
     Passing the block rather than a layer spec keeps megatron-core from building its final norm from its own
-    ``LayerNormImpl`` global (transformer_block.py:256-259), which refuses sequence parallelism without apex.
+    ``LayerNormImpl`` global (transformer_block.py's ``_get_block_submodules``), which refuses sequence parallelism
+    without apex.
     """
     post_ln = model_config.family == "bert" and model_config.bert_layernorm_style == "post"
     num_layers = get_num_layers_to_build(transformer_config, vp_stage=vp_stage)

@@ -11,7 +11,7 @@ It stands on its own: the base it replaces, megatron-core's ``MegatronLegacyToke
 (``megatron.core.tokenizers.MegatronTokenizerBase``) wants a chat template and a config of every tokenizer. What
 megatron-core's datasets read of a tokenizer is the same in 0.16.1 and 0.19.2: ``vocab_size``, ``inv_vocab``,
 the special-token ids below, and ``unique_identifiers``, which they hash into their cache names
-(datasets/megatron_dataset.py:63-67, ``default=lambda obj: obj.unique_identifiers``).
+(``MegatronDataset.__init__``, ``default=lambda obj: obj.unique_identifiers``).
 """
 
 import json

@@ -50,8 +50,8 @@ def broadcast_batch(keys: list[str], batch: dict | None, datatype: torch.dtype) 
         tokens = broadcast_batch(["tokens", "labels"], raw, torch.int64)["tokens"]
 
     megatron-core's ``broadcast_data`` at TP=1 still makes two collectives per call and a device-to-host copy of
-    the sizes (``tensor_parallel/data.py:37-42``), a sync per microbatch on GPUs. At TP=1 there is nobody to send
-    to: the tensors only move to the device.
+    the sizes (``_build_key_size_numel_dictionaries``, tensor_parallel/data.py), a sync per microbatch on GPUs. At TP=1
+    there is nobody to send to: the tensors only move to the device.
     """
     if parallel_state.get_tensor_model_parallel_world_size() > 1:
         return tensor_parallel.broadcast_data(keys, batch, datatype)
