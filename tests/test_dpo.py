@@ -248,7 +248,8 @@ def test_wrong_input_is_refused_in_one_line_before_any_rank_starts(prefs, tmp_pa
             [sys.executable, "-m", "megatron_patch.cli", "train", "--user-script", SCRIPT, "--nproc-per-node", "1",
              "--dpo", "--load", prefs["models"]["llama"]["mcore"], "--finetune", "--tokenizer-type",
              "HuggingFaceTokenizer", "--tokenizer-model", prefs["tokenizer"], "--data-cache-path",
-             str(tmp_path / "cache"), "--train-iters", "1", "--global-batch-size", "2", *argv], capture_output=True, text=True, timeout=120,
+             str(tmp_path / "cache"), "--train-iters", "1", "--global-batch-size", "2", *argv],
+            capture_output=True, text=True, timeout=120,
             env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"})
         return done.returncode, done.stdout + done.stderr
 
