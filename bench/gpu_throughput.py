@@ -5,13 +5,14 @@ Example::
     python bench/gpu_throughput.py --out bench/results/gpu_throughput.md     # on a GPU machine
     python bench/gpu_throughput.py --dry-run --out /tmp/table.md             # CPU-sized, same code path (CI)
 
-Each case runs in its own process (fresh memory statistics and compile caches): the ~1B LLaMA-style model at
-sequence length 2048 with the local layer spec and our SDPA attention (PyTorch's choice of kernel, and its math
+On a GPU each case runs in its own process (fresh memory statistics and compile caches): the ~1B LLaMA-style model
+at sequence length 2048 with the local layer spec and our SDPA attention (PyTorch's choice of kernel, and its math
 kernel), with and without selective recompute and torch.compile'd fusions, BERT-large, and a mixture-of-experts
 model (Mixtral-8x7B's layer shape, 3 of its 32 layers). FLOPs follow megatron-core's formula
 (``megatron_patch.model.flops``; for MoE only the top-k experts a token passes), so MFU is comparable with
 Megatron's published figures (peak 989 TFLOP/s bf16 dense on H100/H200). The table is rewritten after every case,
-so a run stopped by ``gpu_throughput.sh``'s time limit keeps the rows it finished.
+so a run stopped by ``gpu_throughput.sh``'s time limit keeps the rows it finished. The dry run's tiny cases share
+one process: its start-up (importing torch and megatron-core) took most of each case's time on a CPU.
 """
 
 from __future__ import annotations
@@ -184,25 +185,31 @@ def _rounded(value: float, on_gpu: bool) -> float:
     return round(value, 1) if on_gpu else float(f"{value:.3g}")
 
 
-def run_case_process(case: Case, dry_run: bool) -> NoReturn:
-    """Run ``case`` as this process's whole work, print its row, and end the process the way trainer ranks end.
+def run_cases_process(cases: list[Case], dry_run: bool) -> NoReturn:
+    """Run ``cases`` one after another as this process's whole work, print a row for each that finishes, and end
+    the process the way trainer ranks end (status 1 if any case failed).
 
     Example::
 
-        run_case_process(CASES[0], dry_run=True)     # prints "ROW {...}", never returns
+        run_cases_process(CASES[:1], dry_run=True)     # prints "ROW {...}", never returns
 
     A normal interpreter exit after gloo work sometimes aborts ("terminate called without an active exception",
-    docs/megatron-core-on-cpu.md item 11), which made a finished case look failed; ``exit_rank`` flushes the row
+    docs/megatron-core-on-cpu.md item 11), which made a finished case look failed; ``exit_rank`` flushes the rows
     and leaves with ``os._exit``. The process is a one-rank world of its own: it listens on a free port, not on
     whatever MASTER_PORT says or initialize_distributed's default 29500, either of which another job may hold.
     """
     from megatron_patch.distributed import exit_rank, free_port
 
     os.environ["MASTER_PORT"] = str(free_port())
+    status = 0
     try:
-        print("ROW " + json.dumps(run_case(case, dry_run)), flush=True)
-        status = 0
-    except BaseException:  # noqa: BLE001  (report every failure before the hard exit)
+        for case in cases:
+            try:
+                print("ROW " + json.dumps(run_case(case, dry_run)), flush=True)
+            except Exception:  # noqa: BLE001  (reported; the next case still runs)
+                traceback.print_exc()
+                status = 1
+    except BaseException:  # noqa: BLE001  (Ctrl-C, SystemExit: reported before the hard exit)
         traceback.print_exc()
         status = 1
     exit_rank(status)
@@ -230,24 +237,31 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="Markdown file for the results table")
     parser.add_argument("--dry-run", action="store_true", help="tiny models on the CPU: checks the script runs")
-    parser.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one case, print its row as JSON
+    # internal: run these cases in this process, print their rows as JSON
+    parser.add_argument("--case", action="append", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     cases = {case.name: case for case in CASES}
     if args.case:
-        run_case_process(cases[args.case], args.dry_run)
+        run_cases_process([cases[name] for name in args.case], args.dry_run)
     rows, failures = [], []
-    for case in CASES:
-        command = [sys.executable, os.path.abspath(__file__), "--out", args.out, "--case", case.name]
-        command += ["--dry-run"] if args.dry_run else []
+    for group in [CASES] if args.dry_run else [[case] for case in CASES]:
+        command = [sys.executable, os.path.abspath(__file__), "--out", args.out]
+        command += [flag for case in group for flag in ("--case", case.name)] + (["--dry-run"] if args.dry_run else [])
         result = subprocess.run(command, capture_output=True, text=True)
-        row = [line[4:] for line in result.stdout.splitlines() if line.startswith("ROW ")]
-        if result.returncode or not row:
-            failures.append(case.name)
-            print(f"{case.name}: FAILED\n{result.stderr[-3000:]}", file=sys.stderr)
-            continue
-        rows.append(json.loads(row[0]))
-        print(json.dumps(rows[-1]), flush=True)
-        write_table(args.out, rows)
+        finished = {row["case"]: row for row in (json.loads(line[4:]) for line in result.stdout.splitlines()
+                                                 if line.startswith("ROW "))}
+        for case in group:
+            if case.name not in finished:
+                failures.append(case.name)
+                print(f"{case.name}: FAILED\n{result.stderr[-3000:]}", file=sys.stderr)
+                continue
+            rows.append(finished[case.name])
+            print(json.dumps(rows[-1]), flush=True)
+            write_table(args.out, rows)
+        if result.returncode and len(finished) == len(group):
+            failures.append(f"the process of {', '.join(case.name for case in group)}")
+            print(f"every case wrote its row, but the process exited {result.returncode}\n{result.stderr[-3000:]}",
+                  file=sys.stderr)
     if rows:
         print(markdown_table(rows))
     return 1 if failures else 0
