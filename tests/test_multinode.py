@@ -3,6 +3,9 @@ them: the launcher finds the network the ranks talk through, and a node that fai
 
     sudo python -m pytest -q -p no:cacheprovider tests/test_multinode.py
 
+The recipe's runs (one host's reference, the two-host runs) go side by side (tests/side_by_side.py), each pair of
+nodes in namespaces of its own, after the tests that time how fast a node's failure ends the other.
+
 Each node's /etc/hosts (``ip netns exec`` mounts /etc/netns/NAME/hosts over it) maps the host name to 127.0.1.1,
 as Debian's does: gloo left to itself advertised that loopback address to the other node. The namespace tests need
 root and ``ip netns``, the srun test Debian's slurmctld, slurmd and slurm-client too (.ci/run installs them);
@@ -17,9 +20,13 @@ import subprocess
 import sys
 import time
 
+import contextlib
+import itertools
+
 import psutil
 import pytest
 from seed_scripts.assets import rapidformer_assets
+from side_by_side import After, side_by_side
 from test_preemption import GPT, _start_recipe, recipe_flags
 from test_reliability import ITERS, _assert_same_as, _last_iteration, _records, _tracker
 
@@ -40,13 +47,16 @@ def _ip(*args) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
 
 
-@pytest.fixture
-def two_hosts():
+_PAIRS = itertools.count()  # each pair of nodes its own names: the recipe's runs go side by side
+
+
+@contextlib.contextmanager
+def _namespaces():
     """Two namespaces, 10.201.0.1/24 and 10.201.0.2/24 on either end of a veth pair, each with the Debian
     /etc/hosts trap; removed afterwards with every process still in them."""
     if os.geteuid() != 0 or not shutil.which("ip"):
         pytest.skip("needs root and iproute2's ip (network namespaces)")
-    tag = f"{os.getpid() % 100000}"
+    tag = f"{os.getpid() % 100000}{next(_PAIRS)}"  # mp{tag}v0 stays within the 15 characters of a link name
     names = [f"mp{tag}n{node}" for node in (0, 1)]
     made = []
     try:
@@ -78,6 +88,12 @@ def two_hosts():
                     pass
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
             shutil.rmtree(f"/etc/netns/{name}", ignore_errors=True)
+
+
+@pytest.fixture
+def two_hosts():
+    with _namespaces() as names:
+        yield names
 
 
 def _start_nodes(names, logs, port, command, env_of=None):
@@ -115,15 +131,18 @@ def assets(tmp_path_factory):
     return rapidformer_assets(tmp_path_factory)
 
 
-@pytest.fixture(scope="module")
-def one_host(assets, tmp_path_factory):
+def _one_host(assets, out):
     """The recipe's job unbroken on one host (tests/test_preemption.py's: TP=2 over 2 processes here, no
     namespaces): each iteration's record, which every two-node run of the same flags must match bitwise."""
-    out = tmp_path_factory.mktemp("one_host")
     process = _start_recipe(assets, out)
     output, _ = process.communicate(timeout=300)
     assert process.returncode == 0, output[-5000:]
     return _records(out / "logs")
+
+
+@pytest.fixture(scope="module")
+def one_host(jobs):
+    return jobs["one_host"].result()
 
 
 def _recipe_on_nodes(names, logs, port, assets, out, *extra):
@@ -135,30 +154,6 @@ def _recipe_on_nodes(names, logs, port, assets, out, *extra):
     finally:
         for node in nodes:
             node.kill()
-
-
-def test_two_hosts_train_and_resume_as_one_host_does(two_hosts, assets, one_host, tmp_path):
-    """Failed before: node 1's rank failed at once ("Gloo connectFullMesh failed ... remote=[127.0.1.1]") and node 0
-    waited for it. Now each launcher sets GLOO_SOCKET_IFNAME to its veth end and says so; TP=2 across the nodes
-    trains, saves half-way and at the end, and resumed from the half-way save repeats the one-host run's records."""
-    out = tmp_path / "out"
-    statuses, logs = _recipe_on_nodes(two_hosts, tmp_path / "trained", 29542, assets, out, "--save-interval",
-                                      str(ITERS // 2))
-    assert statuses == [0, 0], [log[-3000:] for log in logs]
-    tag = two_hosts[0][2:-2]
-    for rank, log in enumerate(logs):
-        [line] = [line for line in log.splitlines() if line.startswith(f"rapidformer: node {rank} of 2 ")]
-        assert (f"reaches MASTER_ADDR={ADDRESSES[0]} through mp{tag}v{rank} ({ADDRESSES[rank]}): "
-                f"GLOO_SOCKET_IFNAME=mp{tag}v{rank} NCCL_SOCKET_IFNAME=mp{tag}v{rank}") in line, log
-        assert log.index(line) < log.index("-m torch.distributed.run"), log  # before torchrun's command
-    assert _tracker(out / "checkpoints") == ITERS
-    write_tracker(str(out / "checkpoints"), ITERS // 2)
-
-    statuses, logs = _recipe_on_nodes(two_hosts, tmp_path / "resumed", 29552, assets, out)
-    assert statuses == [0, 0], [log[-3000:] for log in logs]
-    records = _records(out / "logs")
-    assert [r["iteration"] for r in records] == [*range(1, ITERS + 1), *range(ITERS // 2 + 1, ITERS + 1)]
-    _assert_same_as(one_host, records)
 
 
 def _has_a_rank(launcher) -> bool:
@@ -357,37 +352,80 @@ def test_the_launcher_counts_the_nodes_of_an_srun_step():
     assert "--global-batch-size 4 is not divisible by --micro-batch-size 1 x data-parallel size 3" in result.stderr
 
 
+def _two_hosts_train_and_resume(assets, root, one_host):
+    """The recipe on two nodes, saving half-way and at the end; then, with the tracker set back to the half-way save,
+    the same command again (it resumes there). Stops after a run that failed, whose logs the test shows."""
+    out = root / "out"
+    with _namespaces() as names:
+        trained = _recipe_on_nodes(names, root / "trained", 29542, assets, out, "--save-interval", str(ITERS // 2))
+        if trained[0] != [0, 0]:
+            return names, trained, None, None, None, None
+        tracked = _tracker(out / "checkpoints")
+        write_tracker(str(out / "checkpoints"), ITERS // 2)
+        resumed = _recipe_on_nodes(names, root / "resumed", 29552, assets, out)
+    return names, trained, tracked, resumed, _records(out / "logs"), one_host.result()
+
+
+def test_two_hosts_train_and_resume_as_one_host_does(job):
+    """Failed before: node 1's rank failed at once ("Gloo connectFullMesh failed ... remote=[127.0.1.1]") and node 0
+    waited for it. Now each launcher sets GLOO_SOCKET_IFNAME to its veth end and says so; TP=2 across the nodes
+    trains, saves half-way and at the end, and resumed from the half-way save repeats the one-host run's records."""
+    names, (statuses, logs), tracked, resumed, records, one_host = job
+    assert statuses == [0, 0], [log[-3000:] for log in logs]
+    tag = names[0][2:-2]
+    for rank, log in enumerate(logs):
+        [line] = [line for line in log.splitlines() if line.startswith(f"rapidformer: node {rank} of 2 ")]
+        assert (f"reaches MASTER_ADDR={ADDRESSES[0]} through mp{tag}v{rank} ({ADDRESSES[rank]}): "
+                f"GLOO_SOCKET_IFNAME=mp{tag}v{rank} NCCL_SOCKET_IFNAME=mp{tag}v{rank}") in line, log
+        assert log.index(line) < log.index("-m torch.distributed.run"), log  # before torchrun's command
+    assert tracked == ITERS
+
+    statuses, logs = resumed
+    assert statuses == [0, 0], [log[-3000:] for log in logs]
+    assert [r["iteration"] for r in records] == [*range(1, ITERS + 1), *range(ITERS // 2 + 1, ITERS + 1)]
+    _assert_same_as(one_host, records)
+
+
+def _sigterm_to_one_nodes_recipe_then_resume(assets, root, signalled, one_host):
+    """The recipe on two nodes, SIGTERM to node ``signalled``'s process group once both train; then the same command
+    again. Stops after a run that failed, whose logs the test shows."""
+    out = root / "out"
+    with _namespaces() as names:
+        nodes = _start_nodes(names, root / "preempted", 29547 + signalled,
+                             ["bash", GPT, *recipe_flags(assets, out, nproc_per_node=1)])
+        try:
+            deadline = time.monotonic() + 180
+            while _last_iteration(out / "logs") < 3:
+                assert all(node.poll() is None for node in nodes), [log[-3000:] for log in _logs(root / "preempted")]
+                assert time.monotonic() < deadline, "the job did not start training"
+                time.sleep(0.05)
+            os.killpg(nodes[signalled].pid, signal.SIGTERM)
+            statuses = [_wait(node, 90) for node in nodes]
+        finally:
+            for node in nodes:
+                node.kill()
+        if statuses != [0, 0]:
+            return (statuses, _logs(root / "preempted"), None, None), None, None, None
+        preempted = statuses, _logs(root / "preempted"), _last_iteration(out / "logs"), _tracker(out / "checkpoints")
+        resumed = _recipe_on_nodes(names, root / "resumed", 29557 + signalled, assets, out)
+    return preempted, resumed, _records(out / "logs"), one_host.result()
+
+
 @pytest.mark.parametrize("signalled", [1, 0])
-def test_sigterm_to_one_nodes_recipe_saves_on_both_and_resumes_exactly(two_hosts, assets, one_host, tmp_path,
-                                                                       signalled):
+def test_sigterm_to_one_nodes_recipe_saves_on_both_and_resumes_exactly(job, signalled):
     """A scheduler's SIGTERM to one node's recipe (its process group) only: that node's ranks record it, the
     all-reduce after each iteration tells the other node's (signals.ExitSignal), both save the same iteration and
     every node exits 0; the watch over the nodes takes no part (a node that ends well is no failure). The same
     command again resumes and repeats the one-host run's records."""
-    out = tmp_path / "out"
-    nodes = _start_nodes(two_hosts, tmp_path / "preempted", 29547 + signalled,
-                         ["bash", GPT, *recipe_flags(assets, out, nproc_per_node=1)])
-    try:
-        deadline = time.monotonic() + 180
-        while _last_iteration(out / "logs") < 3:
-            assert all(node.poll() is None for node in nodes), [log[-3000:] for log in _logs(tmp_path / "preempted")]
-            assert time.monotonic() < deadline, "the job did not start training"
-            time.sleep(0.05)
-        os.killpg(nodes[signalled].pid, signal.SIGTERM)
-        statuses = [_wait(node, 90) for node in nodes]
-    finally:
-        for node in nodes:
-            node.kill()
-    logs = _logs(tmp_path / "preempted")
-    stopped = _last_iteration(out / "logs")
+    (statuses, logs, stopped, tracked), resumed, records, one_host = job
     assert statuses == [0, 0], [log[-3000:] for log in logs]
-    assert 3 <= stopped < ITERS and _tracker(out / "checkpoints") == stopped, logs
+    assert 3 <= stopped < ITERS and tracked == stopped, logs
     assert f"exiting on signal {int(signal.SIGTERM)}: saved iteration {stopped}" in logs[0] + logs[1], logs
     assert "the job failed" not in logs[0] + logs[1], logs
 
-    statuses, logs = _recipe_on_nodes(two_hosts, tmp_path / "resumed", 29557 + signalled, assets, out)
+    statuses, logs = resumed
     assert statuses == [0, 0], [log[-3000:] for log in logs]
-    _assert_same_as(one_host, _records(out / "logs"))
+    _assert_same_as(one_host, records)
 
 
 SLURM_CONF = """\
@@ -505,3 +543,18 @@ def test_a_node_without_its_place_is_refused_in_one_line(env, message):
     assert result.returncode == 1, result.stdout + result.stderr
     [line] = result.stderr.splitlines()
     assert line.startswith(f"rapidformer: error: {message}"), line
+
+
+# The tests below by pytest name, and the job each one checks; the reference comes first, as the others wait for it.
+SIGTERM = "test_sigterm_to_one_nodes_recipe_saves_on_both_and_resumes_exactly"
+JOBS = {
+    "one_host": (_one_host,),
+    "test_two_hosts_train_and_resume_as_one_host_does": (_two_hosts_train_and_resume, After("one_host")),
+    f"{SIGTERM}[1]": (_sigterm_to_one_nodes_recipe_then_resume, 1, After("one_host")),
+    f"{SIGTERM}[0]": (_sigterm_to_one_nodes_recipe_then_resume, 0, After("one_host")),
+}
+
+
+@pytest.fixture(scope="module")
+def jobs(assets, tmp_path_factory, request):
+    yield from side_by_side(request, tmp_path_factory, JOBS, assets)
