@@ -7,8 +7,9 @@
 #
 # A recipe sets RECIPE, RECIPE_SUMMARY, DEFAULT_MODEL, CPU_MODEL, DEFAULT_LR, DEFAULT_MIN_LR, DEFAULT_TRAIN_ITERS
 # and DEFAULT_TOKENIZER, sources this file, calls `parse_flags "$@"` (a fine-tuning recipe then
-# `finetune_from_load`) and ends in `launch <its own rapidformer flags>`. Environment, as in the seed's scripts: CUDA_VISIBLE_DEVICES MASTER_ADDR MASTER_PORT NNODES NODE_RANK
-# (defaults: every visible GPU, one node, 127.0.0.1, a free port); PYTHON names the interpreter.
+# `finetune_from_load`) and ends in `launch <its own rapidformer flags>`. Environment, as in the seed's scripts:
+# CUDA_VISIBLE_DEVICES MASTER_ADDR MASTER_PORT NNODES NODE_RANK (defaults: every visible GPU, one node, 127.0.0.1,
+# a free port); PYTHON names the interpreter.
 
 set -euo pipefail
 

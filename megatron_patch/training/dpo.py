@@ -33,6 +33,7 @@ from megatron_patch.errors import UserError
 from megatron_patch.model.forward import forward_only_step
 from megatron_patch.training.sft import per_token_loss
 
+
 @dataclasses.dataclass(frozen=True)
 class DPOSettings:
     """The loss of a DPO run: beta, the preference loss (``sigmoid`` or ``ipo``) and the weight of the chosen
@@ -86,15 +87,16 @@ def dpo_loss(batch: dict, token_losses: torch.Tensor, reference: torch.Tensor, s
     logps, counts = sequence_logps(token_losses, batch["loss_mask"], batch["cu_seqlens"])
     ref = reference[items.cpu()].to(logps.device) if pairs else torch.zeros(0, 2, device=logps.device)
     beta = settings.beta
-    chosen = logps[0:2 * pairs:2] - ref[:, 0]
+    chosen_logps, chosen_tokens = logps[0:2 * pairs:2], counts[0:2 * pairs:2].clamp(min=1.0)
+    chosen = chosen_logps - ref[:, 0]
     rejected = logps[1:2 * pairs:2] - ref[:, 1]
     if settings.loss_type == "sigmoid":
         losses = -torch.nn.functional.logsigmoid(beta * (chosen - rejected))
     else:  # TRL's ipo: the log-ratios per completion token
-        margin = chosen / counts[0:2 * pairs:2].clamp(min=1.0) - rejected / counts[1:2 * pairs:2].clamp(min=1.0)
+        margin = chosen / chosen_tokens - rejected / counts[1:2 * pairs:2].clamp(min=1.0)
         losses = (margin - 1 / (2 * beta)) ** 2
     if settings.sft_weight:
-        losses = losses - settings.sft_weight * logps[0:2 * pairs:2] / counts[0:2 * pairs:2].clamp(min=1.0)
+        losses = losses - settings.sft_weight * chosen_logps / chosen_tokens
     # A sample of no pairs (the padding of a dev set) still gives a loss joined to the model's output.
     loss = losses.sum() if pairs else token_losses.sum() * 0.0
     count = torch.tensor(float(pairs), device=logps.device)
