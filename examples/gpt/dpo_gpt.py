@@ -38,7 +38,7 @@ class DPOFinetuner(Finetuner):
 
     def after_load(self):
         self.reference = ReferenceLogps.for_run(self, self.train_set, self.dev_set, log=self.engine.logger.info)
-        self.settings = DPOSettings.of(self.args)
+        self.settings = DPOSettings.of(self.config.data)
 
     def run_forward_step(self, batch, model):
         return dpo_forward_step(batch, model, self.reference.train, self.settings)

@@ -41,7 +41,7 @@ class DPOSettings:
 
     Example::
 
-        DPOSettings.of(args)      # from --dpo-beta, --dpo-loss-type and --dpo-sft-loss-weight
+        DPOSettings.of(config.data)      # from --dpo-beta, --dpo-loss-type and --dpo-sft-loss-weight
     """
 
     beta: float = 0.1
@@ -49,8 +49,8 @@ class DPOSettings:
     sft_weight: float = 0.0
 
     @classmethod
-    def of(cls, args) -> "DPOSettings":
-        return cls(args.dpo_beta, args.dpo_loss_type, args.dpo_sft_loss_weight)
+    def of(cls, data) -> "DPOSettings":
+        return cls(data.dpo_beta, data.dpo_loss_type, data.dpo_sft_loss_weight)
 
 
 REPORTS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
