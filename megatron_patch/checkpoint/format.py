@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from megatron_patch import compat
 from megatron_patch.errors import UserError, read_json
-from megatron_patch.model.config import ModelConfig
+from megatron_patch.model.config import SETTINGS, ModelConfig
 from megatron_patch.model.names import LAYER
 
 ARGS_FILE = "megatron_patch_args.json"
@@ -391,36 +391,45 @@ _UNSUPPORTED_ARGS = {
 # Megatron-LM's MoE args (name, the value our MoE layer computes) that change what a MoE model computes and which
 # ModelConfig does not carry: any other value is refused by name.
 _MOE_FIXED_ARGS = {"moe_latent_size": None}
-# Megatron-LM's MoE router args that are ModelConfig fields of the same name, with Megatron-LM's defaults.
-_MOE_ROUTER_ARGS = {"moe_layer_freq": 1, "moe_router_score_function": "softmax", "moe_router_enable_expert_bias": False,
-                    "moe_router_bias_update_rate": 1e-3, "moe_router_topk_scaling_factor": None,
-                    "moe_router_num_groups": None, "moe_router_group_topk": None}
-# Megatron-LM's multi-latent attention args, ModelConfig fields of the same name, with the defaults megatron-core's
-# MLATransformerConfig gives a run that left them out (transformer_config.py at core_v0.16.1: YaRN, factor 40).
-_MLA_ARGS = {"q_lora_rank": 512, "kv_lora_rank": 512, "qk_head_dim": 128, "qk_pos_emb_head_dim": 64,
-             "v_head_dim": 128, "rope_type": "yarn", "rotary_scaling_factor": 40.0, "mscale": 1.0,
-             "mscale_all_dim": 0.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0}
 
 
-def _mla_from_megatron_lm(arg) -> dict:
-    """ModelConfig's multi-latent attention fields from Megatron-LM's args; none without MLA."""
-    if not arg("multi_latent_attention"):
-        return {}
-    # A None q_lora_rank is a directly projected query (DeepSeek-V2-Lite), not the default.
-    return dict({name: arg(name, default) for name, default in _MLA_ARGS.items()}, multi_latent_attention=True,
-                q_lora_rank=arg("q_lora_rank"))
+def _settings_from_megatron_lm(args: argparse.Namespace, source: str) -> dict:
+    """ModelConfig's fields that Megatron-LM's ``args`` hold as they are (model/config.py's ``Setting.megatron_lm``),
+    a feature's only in a model that has it; a value outside a field's choices is refused by name."""
+    on = {None: True, "moe": bool(getattr(args, "num_experts", None)),
+          "mla": bool(getattr(args, "multi_latent_attention", None))}
+    values = {}
+    for s in SETTINGS.values():
+        if not s.megatron_lm or not on[s.feature]:
+            continue
+        given = [v for v in (getattr(args, name, None) for name in s.megatron_lm) if v is not None]
+        if not given and s.megatron_lm_default is dataclasses.MISSING:
+            raise AttributeError(name=s.megatron_lm[0], obj=args)
+        value = given[0] if given else s.megatron_lm_default
+        if s.options.get("type") in (int, float) and value is not None:
+            value = s.options["type"](value)
+        _check_choice(source, s.megatron_lm[0], value, s.options.get("choices"))
+        values[s.name] = value
+    return values
 
 
-def _mla_megatron_lm_args(m: ModelConfig) -> dict:
-    """Megatron-LM's multi-latent attention args of ``m`` (the inverse of :func:`_mla_from_megatron_lm`)."""
-    return dict({name: getattr(m, name) if m.multi_latent_attention else None for name in _MLA_ARGS},
-                multi_latent_attention=m.multi_latent_attention)
+def _settings_as_megatron_lm(m: ModelConfig) -> dict:
+    """Megatron-LM's args of the fields :func:`_settings_from_megatron_lm` reads (None for a feature ``m`` lacks,
+    which leaves Megatron-LM's own flags in charge)."""
+    return {name: getattr(m, s.name) if m.uses(s.feature) else None
+            for s in SETTINGS.values() for name in s.megatron_lm}
 
 
-def _moe_from_megatron_lm(arg, source: str, fmt: str) -> dict:
-    """ModelConfig's mixture-of-experts fields from Megatron-LM's args (``arg(name, default)``); none when dense."""
+def _check_choice(source: str, name: str, value, allowed) -> None:
+    if allowed is not None and value not in allowed:
+        raise CheckpointMismatch(f"{source}: args.{name}={value!r} is not supported by our model (one of "
+                                 f"{', '.join(allowed)})")
+
+
+def _check_moe_args(arg, source: str, fmt: str) -> None:
+    """Refuse a mixture-of-experts checkpoint our model would read wrong."""
     if not arg("num_experts"):
-        return {}
+        return
     if fmt == "torch":  # expert ranks are in the rank files' names (mp_rank_TT_EEE), which checkpoint.legacy lacks
         raise CheckpointMismatch(f"{source}: per-rank files of a mixture-of-experts model are not read; save it as "
                                  "torch_dist (--ckpt-format torch_dist) first")
@@ -429,41 +438,6 @@ def _moe_from_megatron_lm(arg, source: str, fmt: str) -> dict:
         if given != value:
             raise CheckpointMismatch(f"{source}: args.{name}={given!r} is not supported by our MoE layer (only "
                                      f"{value!r})")
-    return dict(
-        {name: arg(name, default) for name, default in _MOE_ROUTER_ARGS.items()},
-        num_moe_experts=arg("num_experts"), moe_router_topk=arg("moe_router_topk", 2),
-        moe_ffn_hidden_size=arg("moe_ffn_hidden_size"),
-        moe_shared_expert_intermediate_size=arg("moe_shared_expert_intermediate_size"),
-        moe_shared_expert_gate=arg("moe_shared_expert_gate", False),
-        moe_router_pre_softmax=arg("moe_router_pre_softmax", False),
-        moe_router_load_balancing_type=arg("moe_router_load_balancing_type", "aux_loss"),
-        moe_aux_loss_coeff=arg("moe_aux_loss_coeff", 0.0),
-        moe_expert_capacity_factor=arg("moe_expert_capacity_factor"),
-        moe_pad_expert_input_to_capacity=arg("moe_pad_expert_input_to_capacity", False),
-        moe_token_drop_policy=arg("moe_token_drop_policy", "probs"),
-    )
-
-
-def _moe_megatron_lm_args(m: ModelConfig) -> dict:
-    """Megatron-LM's MoE args of ``m`` (the inverse of :func:`_moe_from_megatron_lm`); None for a dense model, which
-    leaves Megatron-LM's own flags in charge."""
-    names = ("num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_pre_softmax",
-             "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_router_load_balancing_type",
-             "moe_aux_loss_coeff", "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity",
-             "moe_token_drop_policy", *_MOE_FIXED_ARGS, *_MOE_ROUTER_ARGS)
-    if m.num_moe_experts is None:
-        return dict.fromkeys(names)
-    return dict(
-        _MOE_FIXED_ARGS, **{name: getattr(m, name) for name in _MOE_ROUTER_ARGS}, num_experts=m.num_moe_experts,
-        moe_ffn_hidden_size=m.moe_ffn_hidden_size,
-        moe_router_topk=m.moe_router_topk, moe_router_pre_softmax=m.moe_router_pre_softmax,
-        moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
-        moe_shared_expert_gate=m.moe_shared_expert_gate,
-        moe_router_load_balancing_type=m.moe_router_load_balancing_type, moe_aux_loss_coeff=m.moe_aux_loss_coeff,
-        moe_expert_capacity_factor=m.moe_expert_capacity_factor,
-        moe_pad_expert_input_to_capacity=m.moe_pad_expert_input_to_capacity,
-        moe_token_drop_policy=m.moe_token_drop_policy,
-    )
 
 
 # Tokens a Megatron-LM tokenizer adds after the --vocab-size ids it is built from: its NullTokenizer's eod is id
@@ -508,15 +482,16 @@ def info_from_megatron_lm(state: dict, fmt: str, source: str) -> CheckpointInfo:
         raise CheckpointMismatch(f"{source}: args.virtual_pipeline_model_parallel_size="
                                  f"{arg('virtual_pipeline_model_parallel_size')}: per-rank files of an interleaved "
                                  "pipeline are not read; save it as torch_dist (--ckpt-format torch_dist) first")
+    _check_moe_args(arg, source, fmt)
+    try:
+        settings = _settings_from_megatron_lm(args, source)
+    except AttributeError as error:  # one of the shape fields every Megatron-LM run has
+        raise CheckpointMismatch(f"{source}: args lack {error.name}; not a Megatron-LM GPT or BERT checkpoint"
+                                 ) from None
     activation = "swiglu" if arg("swiglu") else "gelu_tanh" if arg("openai_gelu") else "gelu"
     # Older Megatron-LM args have only use_rotary_position_embeddings.
     position = arg("position_embedding_type", "rope" if arg("use_rotary_position_embeddings") else "learned_absolute")
-    choices = {"position_embedding_type": (position, ("learned_absolute", "rope")),
-               "normalization": (arg("normalization", "LayerNorm"), ("LayerNorm", "RMSNorm"))}
-    for name, (value, allowed) in choices.items():
-        if value not in allowed:
-            raise CheckpointMismatch(f"{source}: args.{name}={value!r} is not supported by our model (one of "
-                                     f"{', '.join(allowed)})")
+    _check_choice(source, "position_embedding_type", position, ("learned_absolute", "rope"))
     shapes = _tensor_shapes(state, fmt, source)
     # The rows of the stored embedding, which args.padded_vocab_size records; Megatron-LM's args keep the
     # tokenizer's own size only through --vocab-size (None without it), so the padded rows are the vocabulary then.
@@ -530,31 +505,14 @@ def info_from_megatron_lm(state: dict, fmt: str, source: str) -> CheckpointInfo:
     bert = any(name.startswith("encoder.") for name in shapes)
     binary_head = bool(bert and arg("bert_binary_head", True))
     token_types = arg("num_tokentypes", 2 if binary_head else 0) if bert else 0
-    moe = {**_moe_from_megatron_lm(arg, source, fmt), **_mla_from_megatron_lm(arg)}
     try:
         model_config = ModelConfig(
-            family="bert" if bert else "gpt", num_tokentypes=token_types, add_binary_head=binary_head,
-            bert_layernorm_style="pre", num_layers=args.num_layers, hidden_size=args.hidden_size,
-            num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
-            ffn_hidden_size=arg("ffn_hidden_size"),
+            **settings, family="bert" if bert else "gpt",
+            num_tokentypes=token_types, add_binary_head=binary_head, bert_layernorm_style="pre",
             num_query_groups=arg("num_query_groups") if arg("group_query_attention") else None,
-            kv_channels=arg("kv_channels"), max_position_embeddings=arg("max_position_embeddings"),
-            position_embedding_type=position, rotary_base=int(arg("rotary_base", 10000)),
-            rotary_percent=float(arg("rotary_percent", 1.0)), normalization=choices["normalization"][0],
-            # --norm-epsilon's dest; checkpoints of older Megatron-LM have only layernorm_epsilon.
-            layernorm_epsilon=arg("norm_epsilon", arg("layernorm_epsilon", 1e-5)), activation=activation,
-            add_bias_linear=arg("add_bias_linear", True), add_qkv_bias=arg("add_qkv_bias", False),
-            qk_layernorm=arg("qk_layernorm", False), rope_scaling=arg("use_rope_scaling", False),
-            rope_scaling_factor=float(arg("rope_scaling_factor", 8.0)),
-            untie_embeddings_and_output_weights=arg("untie_embeddings_and_output_weights", False),
-            vocab_size=vocab or padded, make_vocab_size_divisible_by=arg("make_vocab_size_divisible_by", 128),
-            hidden_dropout=arg("hidden_dropout", 0.1), attention_dropout=arg("attention_dropout", 0.1),
-            init_method_std=arg("init_method_std", 0.02),
-            layernorm_zero_centered_gamma=arg("apply_layernorm_1p", False), **moe,
+            max_position_embeddings=arg("max_position_embeddings"), position_embedding_type=position,
+            activation=activation, vocab_size=vocab or padded,
         )
-    except AttributeError as error:  # one of the shape fields every Megatron-LM run has
-        raise CheckpointMismatch(f"{source}: args lack {error.name}; not a Megatron-LM GPT or BERT checkpoint"
-                                 ) from None
     except ValueError as error:
         raise CheckpointMismatch(f"{source}: its args describe no model: {error}") from None
     return CheckpointInfo(
@@ -604,33 +562,22 @@ def megatron_lm_args(info: CheckpointInfo, **training) -> argparse.Namespace:
     if vocab is not None:
         vocab -= _TOKENS_AFTER_VOCAB_SIZE.get(training.get("tokenizer_type"), 0)
     fields = dict(
-        num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size, seq_length=m.seq_length,
-        num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
-        group_query_attention=m.num_query_groups != m.num_attention_heads, kv_channels=m.kv_channels,
-        max_position_embeddings=m.max_positions, position_embedding_type=m.position_embedding_type,
+        _settings_as_megatron_lm(m), num_query_groups=m.num_query_groups,
+        group_query_attention=m.num_query_groups != m.num_attention_heads, max_position_embeddings=m.max_positions,
+        position_embedding_type=m.position_embedding_type,
         add_position_embedding=m.position_embedding_type == "learned_absolute",
-        use_rotary_position_embeddings=m.position_embedding_type == "rope", rotary_base=m.rotary_base,
-        rotary_percent=m.rotary_percent, rotary_interleaved=False, add_bias_linear=m.add_bias_linear,
-        add_qkv_bias=m.add_qkv_bias, qk_layernorm=m.qk_layernorm, use_rope_scaling=m.rope_scaling,
-        rope_scaling_factor=m.rope_scaling_factor, squared_relu=False, swiglu=m.activation == "swiglu",
-        openai_gelu=m.activation == "gelu_tanh",
-        untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
-        apply_layernorm_1p=m.layernorm_zero_centered_gamma, normalization=m.normalization,
-        # Megatron-LM's flag is --norm-epsilon but its checkpoints (and check_checkpoint_args' readers) keep the
-        # older name next to it; both carry the same value.
-        norm_epsilon=m.layernorm_epsilon, layernorm_epsilon=m.layernorm_epsilon,
-        apply_query_key_layer_scaling=False, attention_dropout=m.attention_dropout,
-        hidden_dropout=m.hidden_dropout, init_method_std=m.init_method_std,
-        hybrid_override_pattern=None, spec=None, hybrid_attention_ratio=None, hybrid_mlp_ratio=None,
-        moe_token_dispatcher_type=None, moe_grouped_gemm=None, **_moe_megatron_lm_args(m), **_mla_megatron_lm_args(m),
+        use_rotary_position_embeddings=m.position_embedding_type == "rope", rotary_interleaved=False,
+        squared_relu=False, swiglu=m.activation == "swiglu", openai_gelu=m.activation == "gelu_tanh",
+        apply_query_key_layer_scaling=False, hybrid_override_pattern=None, spec=None, hybrid_attention_ratio=None,
+        hybrid_mlp_ratio=None, moe_token_dispatcher_type=None, moe_grouped_gemm=None,
+        **{name: value if m.uses("moe") else None for name, value in _MOE_FIXED_ARGS.items()},
         mamba_state_dim=None, mamba_head_dim=None, mamba_num_groups=None, mamba_num_heads=None,
         is_hybrid_model=False, heterogeneous_layers_config_path=None,
         heterogeneous_layers_config_encoded_json=None,
         # A conversion's tokenizer is the Hugging Face one saved in hf_tokenizer/ (Megatron-LM's
         # HuggingFaceTokenizer); the path is left to the reader's --tokenizer-model, the directory may move.
         tokenizer_type="HuggingFaceTokenizer" if info.tokenizer_files else None, tokenizer_model=None,
-        tiktoken_pattern=None, padded_vocab_size=info.padded_vocab_size, vocab_size=vocab,
-        make_vocab_size_divisible_by=m.make_vocab_size_divisible_by, ckpt_format=info.format,
+        tiktoken_pattern=None, padded_vocab_size=info.padded_vocab_size, vocab_size=vocab, ckpt_format=info.format,
         fp16=info.dtype == "float16", bf16=info.dtype == "bfloat16",
         tensor_model_parallel_size=info.tensor_model_parallel_size,
         pipeline_model_parallel_size=info.pipeline_model_parallel_size,

@@ -30,6 +30,8 @@ from megatron_patch.startup import paused_collector
 
 
 def _parser() -> argparse.ArgumentParser:
+    from megatron_patch.model.config import SETTINGS, add_flag
+
     parser = FlagParser(prog="megatron-patch convert", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -44,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     to_mcore.add_argument("--target-expert-model-parallel-size", type=int, default=1,
                           help="EP the conversion is verified at; a torch_dist checkpoint loads at any EP dividing "
                                "the experts")
-    to_mcore.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    add_flag(to_mcore, "make_vocab_size_divisible_by", default=SETTINGS["make_vocab_size_divisible_by"].default)
     to_mcore.add_argument("--no-verify", action="store_true", help="skip the numerical check against transformers")
     to_mcore.add_argument("--overwrite", action="store_true")
 

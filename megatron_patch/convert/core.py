@@ -52,7 +52,7 @@ from megatron_patch.convert.transforms import Shapes, apply_to_hf, apply_to_mcor
 from megatron_patch.distributed import initialize_distributed, one_rank_world, start_one_rank_world
 from megatron_patch.errors import UserError, first_problems
 from megatron_patch.layout import LayoutError
-from megatron_patch.model.config import ModelConfig
+from megatron_patch.model.config import SETTINGS, ModelConfig
 from megatron_patch.staging import killed_leftovers, staging_tag, tag_pattern
 
 
@@ -256,15 +256,11 @@ def _source(hf_dir: str, make_vocab_size_divisible_by: int = 128) -> _Source:
     return _Source(hf_config, family, architecture, model_config, family.table(model_config, architecture))
 
 
-# The model's family and every tensor shape. A pair that differs in one of them is two models, and verify must say
-# so before building either: it used to build the checkpoint's model type from the other directory's config.json,
-# where transformers' defaults filled the gaps (a GPT-2 directory next to a LLaMA checkpoint: LLaMA-7B, 16.8 GB).
-_PAIRED_FIELDS = ("family", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
-                  "ffn_hidden_size", "vocab_size", "normalization", "position_embedding_type", "activation",
-                  "add_qkv_bias", "untie_embeddings_and_output_weights", "num_moe_experts", "moe_ffn_hidden_size",
-                  "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_layer_freq",
-                  "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
-                  "v_head_dim", "mtp_num_layers")
+# The fields that fix the model's family or a tensor's shape (Setting.shape). A pair that differs in one of them is
+# two models, and verify must say so before building either: it used to build the checkpoint's model type from the
+# other directory's config.json, where transformers' defaults filled the gaps (a GPT-2 directory next to a LLaMA
+# checkpoint: LLaMA-7B, 16.8 GB).
+_PAIRED_FIELDS = tuple(s.name for s in SETTINGS.values() if s.shape)
 
 
 def check_pair(hf_dir: str, megatron_dir: str) -> tuple[CheckpointInfo, str]:

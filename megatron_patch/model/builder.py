@@ -55,25 +55,11 @@ def to_transformer_config(model_config: ModelConfig, parallel_config: ParallelCo
     m, p = model_config, parallel_config
     activation_func, gated, fusable = _ACTIVATIONS[m.activation]
     interleaved = p.virtual_pipeline_model_parallel_size is not None
-    config_class, mla = (MLATransformerConfig, _mla_fields(m)) if m.multi_latent_attention else (TransformerConfig, {})
+    config_class = MLATransformerConfig if m.uses("mla") else TransformerConfig
     return config_class(
-        num_layers=m.num_layers,
-        hidden_size=m.hidden_size,
-        ffn_hidden_size=m.ffn_hidden_size,
-        num_attention_heads=m.num_attention_heads,
-        num_query_groups=m.num_query_groups,
-        kv_channels=m.kv_channels,
-        hidden_dropout=m.hidden_dropout,
-        attention_dropout=m.attention_dropout,
-        layernorm_epsilon=m.layernorm_epsilon,
-        layernorm_zero_centered_gamma=m.layernorm_zero_centered_gamma,
-        normalization=m.normalization,
-        add_bias_linear=m.add_bias_linear,
-        add_qkv_bias=m.add_qkv_bias,
-        qk_layernorm=m.qk_layernorm,
+        **m.settings("transformer"),
         gated_linear_unit=gated,
         activation_func=activation_func,
-        init_method_std=m.init_method_std,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
@@ -94,47 +80,15 @@ def to_transformer_config(model_config: ModelConfig, parallel_config: ParallelCo
         bias_dropout_fusion=p.fused_kernels,
         attention_backend=AttnBackend[p.attention_backend],
         transformer_impl="transformer_engine" if p.use_transformer_engine else "local",
-        **_moe_fields(m, p),
-        **mla,
-        mtp_num_layers=m.mtp_num_layers,
-        mtp_loss_scaling_factor=m.mtp_loss_scaling_factor,
+        **_expert_parallel_fields(p) if m.uses("moe") else {},
+        # MLATransformerConfig computes its RoPE itself; GPTModel computes the others' (_gpt).
+        **dict(rotary_base=m.rotary_base) if m.uses("mla") else {},
     )
 
 
-def _mla_fields(m: ModelConfig) -> dict:
-    """MLATransformerConfig's multi-latent attention and YaRN fields (megatron-core's names are ours)."""
+def _expert_parallel_fields(p: ParallelConfig) -> dict:
+    """TransformerConfig's fields of how a mixture-of-experts model's experts are laid out and computed."""
     return dict(
-        q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank, qk_head_dim=m.qk_head_dim,
-        qk_pos_emb_head_dim=m.qk_pos_emb_head_dim, v_head_dim=m.v_head_dim, rope_type=m.rope_type,
-        rotary_base=m.rotary_base, rotary_scaling_factor=m.rotary_scaling_factor, mscale=m.mscale,
-        mscale_all_dim=m.mscale_all_dim, original_max_position_embeddings=m.original_max_position_embeddings,
-        beta_fast=m.beta_fast, beta_slow=m.beta_slow,
-    )
-
-
-def _moe_fields(m: ModelConfig, p: ParallelConfig) -> dict:
-    """TransformerConfig's mixture-of-experts fields (megatron-core's names are ours); none for a dense model."""
-    if m.num_moe_experts is None:
-        return {}
-    return dict(
-        num_moe_experts=m.num_moe_experts,
-        moe_router_topk=m.moe_router_topk,
-        moe_ffn_hidden_size=m.moe_ffn_hidden_size,
-        moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
-        moe_shared_expert_gate=m.moe_shared_expert_gate,
-        moe_router_pre_softmax=m.moe_router_pre_softmax,
-        moe_router_load_balancing_type=m.moe_router_load_balancing_type,
-        moe_aux_loss_coeff=m.moe_aux_loss_coeff,
-        moe_expert_capacity_factor=m.moe_expert_capacity_factor,
-        moe_pad_expert_input_to_capacity=m.moe_pad_expert_input_to_capacity,
-        moe_token_drop_policy=m.moe_token_drop_policy,
-        moe_layer_freq=m.moe_layer_freq,
-        moe_router_score_function=m.moe_router_score_function,
-        moe_router_enable_expert_bias=m.moe_router_enable_expert_bias,
-        moe_router_bias_update_rate=m.moe_router_bias_update_rate,
-        moe_router_num_groups=m.moe_router_num_groups,
-        moe_router_group_topk=m.moe_router_group_topk,
-        moe_router_topk_scaling_factor=m.moe_router_topk_scaling_factor,
         moe_token_dispatcher_type=p.moe_token_dispatcher_type,
         moe_grouped_gemm=p.moe_grouped_gemm,
         expert_model_parallel_size=p.expert_model_parallel_size,

@@ -19,7 +19,116 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import typing
 from typing import Callable, Literal
+
+
+def moe_layer_freq(text: str) -> int | list[int]:
+    """``--moe-layer-freq``'s value as Megatron-LM reads it: every N-th layer, or a Python list expression of 0s
+    and 1s (evaluated from its syntax tree: list literals, ``*`` and ``+`` of integers, nothing else).
+
+    Example::
+
+        >>> moe_layer_freq("2"), moe_layer_freq("([0]*2+[1]*3)")
+        (2, [0, 0, 1, 1, 1])
+    """
+    def value(node):
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.List):
+            return [value(item) for item in node.elts]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mult, ast.Add)):
+            left, right = value(node.left), value(node.right)
+            return left * right if isinstance(node.op, ast.Mult) else left + right
+        raise ValueError(text)
+
+    try:
+        parsed = value(ast.parse(text.strip(), mode="eval").body)
+    except (SyntaxError, ValueError, TypeError):
+        raise argparse.ArgumentTypeError(f"{text!r} is neither an integer nor a list such as ([0]*3+[1]*58)") from None
+    return parsed
+
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """Where one ModelConfig field meets the world outside the model, declared once beside the field (``setting``)
+    and read by everything that translates it: the command line, Megatron-LM's checkpoint args, megatron-core's
+    TransformerConfig and the check that two checkpoints hold one model.
+
+    Example::
+
+        >>> s = SETTINGS["num_moe_experts"]
+        >>> s.flag, s.megatron_lm, s.transformer, s.shape
+        ('--num-experts', ('num_experts',), True, True)
+
+    A field without one of these is translated by code that computes it (``activation`` is two Megatron-LM
+    switches and a TransformerConfig function, ``family`` a model class).
+    """
+
+    name: str
+    default: object
+    """The field's default; ``dataclasses.MISSING`` for a field every model gives (``--num-layers``)."""
+    flag: str | None
+    """The value flag (``--field-name`` unless named otherwise); None for a field no value flag sets."""
+    options: dict
+    """The flag's argparse keywords: from the field's type (``int``, ``float``, a ``Literal``'s choices) unless
+    given."""
+    switches: dict
+    """Switch flags and the value each sets (``{"--swiglu": "swiglu"}``)."""
+    megatron_lm: tuple[str, ...]
+    """Megatron-LM's ``args`` names holding the value as it is, the current one first (older ones are read when it
+    is missing, and written too); none when the translation computes something."""
+    megatron_lm_default: object
+    """What a Megatron-LM run that stored no value used (megatron-core's default where it differs from ours)."""
+    transformer: bool
+    """Passed as it is to megatron-core's TransformerConfig under the same name."""
+    feature: Literal["moe", "mla"] | None
+    """Meaningful only in a mixture-of-experts or multi-latent-attention model: left out of TransformerConfig and
+    Megatron-LM's args (None there) otherwise, and read from them only for such a model."""
+    shape: bool
+    """Fixes the model's family or a tensor's shape: two checkpoints that differ in it hold two models."""
+
+
+def setting(default=dataclasses.MISSING, *, flag: bool | str = False, switches: dict | None = None,
+            megatron_lm: bool | str | tuple[str, ...] = False, megatron_lm_default=dataclasses.MISSING,
+            transformer: bool = False, feature: str | None = None, shape: bool = False, **options):
+    """A ModelConfig field and its :class:`Setting` (``True`` for a name: the field's own, as a flag ``--field-name``).
+
+    Example::
+
+        num_layers: int = setting(flag=True, megatron_lm=True, transformer=True, shape=True)
+        rope_scaling: bool = setting(False, switches={"--use-rope-scaling": True}, megatron_lm="use_rope_scaling")
+    """
+    how = dict(flag=flag, switches=switches or {}, megatron_lm=megatron_lm, megatron_lm_default=megatron_lm_default,
+               transformer=transformer, feature=feature, shape=shape, options=options)
+    return dataclasses.field(default=default, metadata={"setting": how})
+
+
+def _settings(cls) -> dict[str, Setting]:
+    """Each field's :class:`Setting`, the names and the flag's type resolved from the field."""
+    hints = typing.get_type_hints(cls)
+    found = {}
+    for field in dataclasses.fields(cls):
+        how = dict(field.metadata["setting"])
+        names = how["megatron_lm"]
+        names = (field.name,) if names is True else (names,) if isinstance(names, str) else tuple(names or ())
+        flag = "--" + field.name.replace("_", "-") if how["flag"] is True else how["flag"] or None
+        default = field.default if how["megatron_lm_default"] is dataclasses.MISSING else how["megatron_lm_default"]
+        found[field.name] = Setting(
+            name=field.name, default=field.default, flag=flag,
+            options=how["options"] or (_flag_options(hints[field.name]) if flag else {}), switches=how["switches"],
+            megatron_lm=names, megatron_lm_default=default, transformer=how["transformer"], feature=how["feature"],
+            shape=how["shape"])
+    return found
+
+
+def _flag_options(hint) -> dict:
+    """argparse's keywords for a field of type ``hint``: a Literal's choices, or the int or float it holds."""
+    if typing.get_origin(hint) is Literal:
+        return {"choices": list(typing.get_args(hint))}
+    (kind,) = {t for t in typing.get_args(hint) or (hint,) if t is not type(None)}
+    return {"type": kind}
 
 
 @dataclasses.dataclass
@@ -35,142 +144,163 @@ class ModelConfig:
     them to megatron-core's default for the shape, so the fields always hold the sizes that are built.
     """
 
-    family: Literal["gpt", "bert"]
+    family: Literal["gpt", "bert"] = setting(shape=True)
     """"gpt" builds megatron-core's GPTModel (causal LM), "bert" its BertModel (masked LM + binary head)."""
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    seq_length: int
+    num_layers: int = setting(flag=True, megatron_lm=True, transformer=True, shape=True)
+    hidden_size: int = setting(flag=True, megatron_lm=True, transformer=True, shape=True)
+    num_attention_heads: int = setting(flag=True, megatron_lm=True, transformer=True, shape=True)
+    seq_length: int = setting(flag=True, megatron_lm=True)
     """Training sequence length (``--seq-length``)."""
-    ffn_hidden_size: int | None = None
+    ffn_hidden_size: int | None = setting(None, flag=True, megatron_lm=True, transformer=True, shape=True)
     """MLP width; None becomes 4 x hidden_size (megatron-core's default)."""
-    num_query_groups: int | None = None
+    num_query_groups: int | None = setting(None, flag=True, transformer=True, shape=True)
     """Key/value heads for grouped-query attention (``--num-query-groups``); None becomes one per head (MHA)."""
-    kv_channels: int | None = None
+    kv_channels: int | None = setting(None, flag=True, megatron_lm=True, transformer=True, shape=True)
     """Width of one attention head; None becomes hidden_size / num_attention_heads."""
-    max_position_embeddings: int | None = None
+    max_position_embeddings: int | None = setting(None, flag=True)
     """Rows of the learned position table (and the RoPE cache length); None means seq_length."""
-    position_embedding_type: Literal["learned_absolute", "rope"] = "learned_absolute"
-    rotary_base: int = 10000
+    position_embedding_type: Literal["learned_absolute", "rope"] = setting("learned_absolute", flag=True, shape=True)
+    rotary_base: int = setting(10000, flag=True, megatron_lm=True)
     """RoPE base period theta (LLaMA-2 10000, LLaMA-3 500000, Qwen2 1000000)."""
-    rotary_percent: float = 1.0
+    rotary_percent: float = setting(1.0, flag=True, megatron_lm=True)
     """Fraction of each head's channels that RoPE rotates."""
-    rope_scaling: bool = False
+    rope_scaling: bool = setting(False, switches={"--use-rope-scaling": True}, megatron_lm="use_rope_scaling")
     """LLaMA 3.1's RoPE frequency scaling (``--use-rope-scaling``, transformers' ``rope_type: llama3``).
     megatron-core's RotaryEmbedding._apply_scaling computes transformers' ``_compute_llama3_parameters`` with
     low_freq_factor 1, high_freq_factor 4 and original_max_position_embeddings 8192 fixed (Meta's values); only
     the factor is a field."""
-    rope_scaling_factor: float = 8.0
+    rope_scaling_factor: float = setting(8.0, flag=True, megatron_lm=True)
     """The llama3 scaling ``factor`` (``--rope-scaling-factor``): 8 for LLaMA 3.1, 32 for LLaMA 3.2."""
-    normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
-    layernorm_epsilon: float = 1e-5
-    activation: Literal["gelu", "gelu_tanh", "swiglu"] = "gelu"
+    normalization: Literal["LayerNorm", "RMSNorm"] = setting("LayerNorm", flag=True, megatron_lm=True,
+        transformer=True, shape=True)
+    layernorm_epsilon: float = setting(1e-5, flag="--norm-epsilon", megatron_lm=("norm_epsilon", "layernorm_epsilon"),
+        transformer=True)
+    activation: Literal["gelu", "gelu_tanh", "swiglu"] = setting("gelu",
+        switches={"--swiglu": "swiglu", "--openai-gelu": "gelu_tanh"}, shape=True)
     """"gelu" is erf GeLU (BERT), "gelu_tanh" the tanh approximation GPT-2 was trained with (``--openai-gelu``),
     "swiglu" the gated SiLU MLP of LLaMA/Qwen2 (``--swiglu``)."""
-    add_bias_linear: bool = True
+    add_bias_linear: bool = setting(True, switches={"--disable-bias-linear": False}, megatron_lm=True, transformer=True)
     """Biases on every linear layer; ``--disable-bias-linear`` turns them off (LLaMA, Qwen2)."""
-    add_qkv_bias: bool = False
+    add_qkv_bias: bool = setting(False, switches={"--add-qkv-bias": True}, megatron_lm=True, transformer=True,
+        shape=True)
     """Bias on the fused q/k/v projection even without add_bias_linear (``--add-qkv-bias``, Qwen2)."""
-    qk_layernorm: bool = False
+    qk_layernorm: bool = setting(False, switches={"--qk-layernorm": True}, megatron_lm=True, transformer=True)
     """A norm (of ``normalization``'s kind) over each head's query and key, before RoPE (``--qk-layernorm``,
     Qwen3); megatron-core's ``q_layernorm``/``k_layernorm`` attention submodules."""
-    untie_embeddings_and_output_weights: bool = False
+    untie_embeddings_and_output_weights: bool = setting(False,
+        switches={"--untie-embeddings-and-output-weights": True}, megatron_lm=True, shape=True)
     """A separate output matrix instead of reusing the word embeddings (LLaMA, Qwen2 >= 7B)."""
-    vocab_size: int | None = None
+    vocab_size: int | None = setting(None, shape=True)
     """Unpadded vocabulary; None when the tokenizer decides (see builder.padded_vocab_size)."""
-    make_vocab_size_divisible_by: int = 128
-    hidden_dropout: float = 0.1
-    attention_dropout: float = 0.1
-    init_method_std: float = 0.02
-    num_tokentypes: int = 0
+    make_vocab_size_divisible_by: int = setting(128, flag=True, megatron_lm=True)
+    hidden_dropout: float = setting(0.1, flag=True, megatron_lm=True, transformer=True)
+    attention_dropout: float = setting(0.1, flag=True, megatron_lm=True, transformer=True)
+    init_method_std: float = setting(0.02, flag=True, megatron_lm=True, transformer=True)
+    num_tokentypes: int = setting(0)
     """BERT segment (token type) embeddings: 2 for sentence pairs, 0 for none."""
-    add_binary_head: bool = False
+    add_binary_head: bool = setting(False, switches={"--bert-no-binary-head": False})
     """BERT's next-sentence / sentence-order head on the pooled first token (``--bert-no-binary-head`` = off)."""
-    layernorm_zero_centered_gamma: bool = False
+    layernorm_zero_centered_gamma: bool = setting(False, switches={"--apply-layernorm-1p": True},
+        megatron_lm="apply_layernorm_1p", transformer=True)
     """Norm weights store gamma - 1, initialised to 0 (``--apply-layernorm-1p``; megatron-core's
     ``layernorm_zero_centered_gamma``)."""
-    num_moe_experts: int | None = None
+    num_moe_experts: int | None = setting(None, flag="--num-experts", megatron_lm="num_experts", transformer=True,
+        shape=True)
     """Experts in every layer's MLP (``--num-experts``); None is a dense model. megatron-core's MoELayer: a router,
     the routed experts and, with ``moe_shared_expert_intermediate_size``, a shared expert every token passes."""
-    moe_router_topk: int = 2
+    moe_router_topk: int = setting(2, feature="moe", flag=True, megatron_lm=True, transformer=True)
     """Experts each token is routed to (``--moe-router-topk``)."""
-    moe_ffn_hidden_size: int | None = None
+    moe_ffn_hidden_size: int | None = setting(None, feature="moe", flag=True, megatron_lm=True, transformer=True,
+        shape=True)
     """Width of one routed expert's MLP (``--moe-ffn-hidden-size``); None becomes ffn_hidden_size in a MoE model."""
-    moe_shared_expert_intermediate_size: int | None = None
+    moe_shared_expert_intermediate_size: int | None = setting(None, feature="moe", flag=True, megatron_lm=True,
+        transformer=True, shape=True)
     """Width of the shared expert (``--moe-shared-expert-intermediate-size``, Qwen2-MoE); None: no shared expert."""
-    moe_shared_expert_gate: bool = False
+    moe_shared_expert_gate: bool = setting(False, feature="moe", switches={"--moe-shared-expert-gate": True},
+        megatron_lm=True, transformer=True, shape=True)
     """A sigmoid gate on the shared expert's output (``--moe-shared-expert-gate``, Qwen2-MoE)."""
-    moe_router_pre_softmax: bool = False
+    moe_router_pre_softmax: bool = setting(False, feature="moe", switches={"--moe-router-pre-softmax": True},
+        megatron_lm=True, transformer=True)
     """Softmax over all experts before the top-k, weights not renormalised (``--moe-router-pre-softmax``, Qwen2-MoE's
     ``norm_topk_prob: false``). Off: softmax over the k chosen logits, which equals Mixtral's and Qwen3-MoE's
     softmax-then-top-k-then-renormalise."""
     moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"] = (
-        "aux_loss")
+        setting("aux_loss", feature="moe", flag=True, megatron_lm=True, transformer=True))
     """The router's load balancing (``--moe-router-load-balancing-type``); "aux_loss" is Switch/Mixtral's loss."""
-    moe_aux_loss_coeff: float = 0.0
+    moe_aux_loss_coeff: float = setting(0.0, feature="moe", flag=True, megatron_lm=True, transformer=True)
     """Weight of the load-balancing loss added to the LM loss (``--moe-aux-loss-coeff``; Mixtral 0.02, Qwen 0.001)."""
-    moe_expert_capacity_factor: float | None = None
+    moe_expert_capacity_factor: float | None = setting(None, feature="moe", flag=True, megatron_lm=True,
+        transformer=True)
     """Tokens an expert takes, as a multiple of an even share (``--moe-expert-capacity-factor``); the rest are dropped
     by ``moe_token_drop_policy``. None: dropless (every routed token is computed)."""
-    moe_pad_expert_input_to_capacity: bool = False
+    moe_pad_expert_input_to_capacity: bool = setting(False, feature="moe",
+        switches={"--moe-pad-expert-input-to-capacity": True}, megatron_lm=True, transformer=True)
     """Pad every expert's input to its capacity (``--moe-pad-expert-input-to-capacity``; needs a capacity factor)."""
-    moe_token_drop_policy: Literal["probs", "position"] = "probs"
+    moe_token_drop_policy: Literal["probs", "position"] = setting("probs", feature="moe", flag=True, megatron_lm=True,
+        transformer=True)
     """Which tokens over capacity are dropped: lowest router probability, or last in the sequence."""
-    moe_layer_freq: int | list[int] = 1
+    moe_layer_freq: int | list[int] = setting(1, feature="moe", flag=True, type=moe_layer_freq,
+        metavar="N|([0]*K+[1]*M)", megatron_lm=True, transformer=True, shape=True)
     """Which layers are MoE layers (``--moe-layer-freq``): every N-th layer for an int, or one 0 (dense) / 1 (MoE)
     per layer, as Megatron-LM's ``"([0]*3+[1]*58)"`` gives DeepSeek-V3's first three dense layers
     (``first_k_dense_replace``). Dense layers have ``ffn_hidden_size``, experts ``moe_ffn_hidden_size``."""
-    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    moe_router_score_function: Literal["softmax", "sigmoid"] = setting("softmax", feature="moe", flag=True,
+        megatron_lm=True, transformer=True)
     """The router's score (``--moe-router-score-function``): softmax (Mixtral, Qwen, DeepSeek-V2) or sigmoid with the
     chosen scores renormalised (DeepSeek-V3, Kimi K2, GLM-4.5)."""
-    moe_router_enable_expert_bias: bool = False
+    moe_router_enable_expert_bias: bool = setting(False, feature="moe",
+        switches={"--moe-router-enable-expert-bias": True}, megatron_lm=True, transformer=True)
     """A per-expert bias added to the scores only to choose the experts, moved after each step towards balance
     without an auxiliary loss (``--moe-router-enable-expert-bias``; DeepSeek-V3's ``e_score_correction_bias``,
     arXiv:2408.15664)."""
-    moe_router_bias_update_rate: float = 1e-3
+    moe_router_bias_update_rate: float = setting(1e-3, feature="moe", flag=True, megatron_lm=True, transformer=True)
     """How far the expert bias moves per step (``--moe-router-bias-update-rate``)."""
-    moe_router_num_groups: int | None = None
+    moe_router_num_groups: int | None = setting(None, feature="moe", flag=True, megatron_lm=True, transformer=True)
     """Expert groups for group-limited routing (``--moe-router-num-groups``, DeepSeek's ``n_group``)."""
-    moe_router_group_topk: int | None = None
+    moe_router_group_topk: int | None = setting(None, feature="moe", flag=True, megatron_lm=True, transformer=True)
     """Groups a token may route to (``--moe-router-group-topk``, DeepSeek's ``topk_group``)."""
-    moe_router_topk_scaling_factor: float | None = None
+    moe_router_topk_scaling_factor: float | None = setting(None, feature="moe", flag=True, megatron_lm=True,
+        transformer=True)
     """Factor on the routed experts' weights (``--moe-router-topk-scaling-factor``, DeepSeek's
     ``routed_scaling_factor``); None is 1."""
-    multi_latent_attention: bool = False
+    multi_latent_attention: bool = setting(False, switches={"--multi-latent-attention": True}, megatron_lm=True,
+        shape=True)
     """DeepSeek-V2/V3's multi-latent attention (``--multi-latent-attention``, arXiv:2405.04434): keys and values
     through a low-rank latent, a decoupled RoPE part of each head; megatron-core's ``MLASelfAttention``."""
-    q_lora_rank: int | None = None
+    q_lora_rank: int | None = setting(None, feature="mla", flag=True, megatron_lm=True, transformer=True, shape=True)
     """Rank of the query's low-rank compression (``--q-lora-rank``); None projects the query directly (V2-Lite)."""
-    kv_lora_rank: int = 512
+    kv_lora_rank: int = setting(512, feature="mla", flag=True, megatron_lm=True, transformer=True, shape=True)
     """Rank of the key/value latent (``--kv-lora-rank``)."""
-    qk_head_dim: int = 128
+    qk_head_dim: int = setting(128, feature="mla", flag=True, megatron_lm=True, transformer=True, shape=True)
     """Query/key channels per head without RoPE (``--qk-head-dim``, DeepSeek's ``qk_nope_head_dim``)."""
-    qk_pos_emb_head_dim: int = 64
+    qk_pos_emb_head_dim: int = setting(64, feature="mla", flag=True, megatron_lm=True, transformer=True, shape=True)
     """Query/key channels per head with RoPE (``--qk-pos-emb-head-dim``, DeepSeek's ``qk_rope_head_dim``)."""
-    v_head_dim: int = 128
+    v_head_dim: int = setting(128, feature="mla", flag=True, megatron_lm=True, transformer=True, shape=True)
     """Value channels per head (``--v-head-dim``)."""
-    rope_type: Literal["rope", "yarn"] = "rope"
+    rope_type: Literal["rope", "yarn"] = setting("rope", feature="mla", flag=True, megatron_lm=True,
+        megatron_lm_default="yarn", transformer=True)
     """RoPE of multi-latent attention (``--rope-type``): plain, or YaRN (arXiv:2309.00071) with the fields below."""
-    rotary_scaling_factor: float = 1.0
+    rotary_scaling_factor: float = setting(1.0, feature="mla", flag=True, megatron_lm=True, megatron_lm_default=40.0,
+        transformer=True)
     """YaRN's context extension factor (``--rotary-scaling-factor``; DeepSeek-V3 40)."""
-    mscale: float = 1.0
+    mscale: float = setting(1.0, feature="mla", flag=True, megatron_lm=True, transformer=True)
     """YaRN's attention-temperature coefficient (``--mscale``)."""
-    mscale_all_dim: float = 0.0
+    mscale_all_dim: float = setting(0.0, feature="mla", flag=True, megatron_lm=True, transformer=True)
     """YaRN's softmax-scale coefficient (``--mscale-all-dim``); DeepSeek scales the softmax by its mscale squared."""
-    original_max_position_embeddings: int = 4096
+    original_max_position_embeddings: int = setting(4096, feature="mla", flag=True, megatron_lm=True, transformer=True)
     """The context YaRN extends (``--original-max-position-embeddings``)."""
-    beta_fast: float = 32.0
+    beta_fast: float = setting(32.0, feature="mla", flag=True, megatron_lm=True, transformer=True)
     """YaRN's fast boundary of the frequency ramp (``--beta-fast``)."""
-    beta_slow: float = 1.0
+    beta_slow: float = setting(1.0, feature="mla", flag=True, megatron_lm=True, transformer=True)
     """YaRN's slow boundary of the frequency ramp (``--beta-slow``)."""
-    mtp_num_layers: int | None = None
+    mtp_num_layers: int | None = setting(None, flag=True, transformer=True, shape=True)
     """Multi-token prediction modules after the last layer (``--mtp-num-layers``; DeepSeek-V3's 1,
     ``num_nextn_predict_layers``): module k predicts the token k + 1 ahead from the previous module's hidden state
     and that token's embedding, sharing the embedding and output layer (arXiv:2412.19437 2.2);
     megatron-core's ``MultiTokenPredictionBlock``, built on the last pipeline stage."""
-    mtp_loss_scaling_factor: float = 0.1
+    mtp_loss_scaling_factor: float = setting(0.1, flag=True, transformer=True)
     """Weight of the multi-token prediction losses' mean in the training loss (``--mtp-loss-scaling-factor``)."""
-    bert_layernorm_style: Literal["pre", "post"] = "pre"
+    bert_layernorm_style: Literal["pre", "post"] = setting("pre", flag=True)
     """"pre": Megatron's BERT (norm before attention/MLP, final norm). "post": original BERT as in Hugging Face
     ``BertModel`` (norm after each residual add, a norm on the embeddings, no final norm). Real BERT checkpoints
     only convert exactly into "post"."""
@@ -209,6 +339,28 @@ class ModelConfig:
         """
         derive_again = {name: None for name in self._derived if name not in changes}
         return dataclasses.replace(self, **derive_again, **changes)
+
+    def uses(self, feature: str | None) -> bool:
+        """Whether this model has ``feature`` (a :class:`Setting`'s: "moe" experts, "mla" latent attention; None
+        is every model's).
+
+        Example::
+
+            >>> get_model_config("tiny-mixtral").uses("moe"), get_model_config("tiny-mixtral").uses("mla")
+            (True, False)
+        """
+        return {None: True, "moe": self.num_moe_experts is not None, "mla": self.multi_latent_attention}[feature]
+
+    def settings(self, where: str) -> dict:
+        """This model's fields that ``where`` (a :class:`Setting` attribute: "transformer", "shape") takes as they
+        are, leaving out those of a feature the model lacks.
+
+        Example::
+
+            >>> get_model_config("tiny-llama").settings("transformer")["num_query_groups"]
+            2
+        """
+        return {s.name: getattr(self, s.name) for s in SETTINGS.values() if getattr(s, where) and self.uses(s.feature)}
 
     @property
     def max_positions(self) -> int:
@@ -336,6 +488,9 @@ _DERIVED_SIZES: dict[str, Callable[[ModelConfig], int]] = {
     # Only a MoE model has experts to size (megatron-core asserts None otherwise).
     "moe_ffn_hidden_size": lambda m: m.ffn_hidden_size if m.num_moe_experts else None,
 }
+
+
+SETTINGS: dict[str, Setting] = _settings(ModelConfig)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -737,99 +892,10 @@ register_model_config("tiny-bert")(lambda: _bert(2, 64, 4).replace(
 # Megatron-LM's model flags
 # ----------------------------------------------------------------------------------------------------------
 
-def moe_layer_freq(text: str) -> int | list[int]:
-    """``--moe-layer-freq``'s value as Megatron-LM reads it: every N-th layer, or a Python list expression of 0s
-    and 1s (evaluated from its syntax tree: list literals, ``*`` and ``+`` of integers, nothing else).
-
-    Example::
-
-        >>> moe_layer_freq("2"), moe_layer_freq("([0]*2+[1]*3)")
-        (2, [0, 0, 1, 1, 1])
-    """
-    def value(node):
-        if isinstance(node, ast.Constant) and type(node.value) is int:
-            return node.value
-        if isinstance(node, ast.List):
-            return [value(item) for item in node.elts]
-        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mult, ast.Add)):
-            left, right = value(node.left), value(node.right)
-            return left * right if isinstance(node.op, ast.Mult) else left + right
-        raise ValueError(text)
-
-    try:
-        parsed = value(ast.parse(text.strip(), mode="eval").body)
-    except (SyntaxError, ValueError, TypeError):
-        raise argparse.ArgumentTypeError(f"{text!r} is neither an integer nor a list such as ([0]*3+[1]*58)") from None
-    return parsed
-
-
-# (flag, field, argparse keywords). Every flag defaults to None so that only what the user typed overrides
-# the named configuration.
-_VALUE_FLAGS = [
-    ("--num-layers", "num_layers", dict(type=int)),
-    ("--hidden-size", "hidden_size", dict(type=int)),
-    ("--ffn-hidden-size", "ffn_hidden_size", dict(type=int)),
-    ("--num-attention-heads", "num_attention_heads", dict(type=int)),
-    ("--num-query-groups", "num_query_groups", dict(type=int)),
-    ("--kv-channels", "kv_channels", dict(type=int)),
-    ("--seq-length", "seq_length", dict(type=int)),
-    ("--max-position-embeddings", "max_position_embeddings", dict(type=int)),
-    ("--position-embedding-type", "position_embedding_type", dict(choices=["learned_absolute", "rope"])),
-    ("--rotary-base", "rotary_base", dict(type=int)),
-    ("--rotary-percent", "rotary_percent", dict(type=float)),
-    ("--rope-scaling-factor", "rope_scaling_factor", dict(type=float)),
-    ("--normalization", "normalization", dict(choices=["LayerNorm", "RMSNorm"])),
-    ("--norm-epsilon", "layernorm_epsilon", dict(type=float)),
-    ("--make-vocab-size-divisible-by", "make_vocab_size_divisible_by", dict(type=int)),
-    ("--hidden-dropout", "hidden_dropout", dict(type=float)),
-    ("--attention-dropout", "attention_dropout", dict(type=float)),
-    ("--init-method-std", "init_method_std", dict(type=float)),
-    ("--bert-layernorm-style", "bert_layernorm_style", dict(choices=["pre", "post"])),
-    ("--num-experts", "num_moe_experts", dict(type=int)),
-    ("--moe-router-topk", "moe_router_topk", dict(type=int)),
-    ("--moe-ffn-hidden-size", "moe_ffn_hidden_size", dict(type=int)),
-    ("--moe-shared-expert-intermediate-size", "moe_shared_expert_intermediate_size", dict(type=int)),
-    ("--moe-router-load-balancing-type", "moe_router_load_balancing_type",
-     dict(choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"])),
-    ("--moe-aux-loss-coeff", "moe_aux_loss_coeff", dict(type=float)),
-    ("--moe-expert-capacity-factor", "moe_expert_capacity_factor", dict(type=float)),
-    ("--moe-token-drop-policy", "moe_token_drop_policy", dict(choices=["probs", "position"])),
-    ("--moe-layer-freq", "moe_layer_freq", dict(type=moe_layer_freq, metavar="N|([0]*K+[1]*M)")),
-    ("--moe-router-score-function", "moe_router_score_function", dict(choices=["softmax", "sigmoid"])),
-    ("--moe-router-bias-update-rate", "moe_router_bias_update_rate", dict(type=float)),
-    ("--moe-router-num-groups", "moe_router_num_groups", dict(type=int)),
-    ("--moe-router-group-topk", "moe_router_group_topk", dict(type=int)),
-    ("--moe-router-topk-scaling-factor", "moe_router_topk_scaling_factor", dict(type=float)),
-    ("--q-lora-rank", "q_lora_rank", dict(type=int)),
-    ("--kv-lora-rank", "kv_lora_rank", dict(type=int)),
-    ("--qk-head-dim", "qk_head_dim", dict(type=int)),
-    ("--qk-pos-emb-head-dim", "qk_pos_emb_head_dim", dict(type=int)),
-    ("--v-head-dim", "v_head_dim", dict(type=int)),
-    ("--rope-type", "rope_type", dict(choices=["rope", "yarn"])),
-    ("--rotary-scaling-factor", "rotary_scaling_factor", dict(type=float)),
-    ("--mscale", "mscale", dict(type=float)),
-    ("--mscale-all-dim", "mscale_all_dim", dict(type=float)),
-    ("--original-max-position-embeddings", "original_max_position_embeddings", dict(type=int)),
-    ("--mtp-num-layers", "mtp_num_layers", dict(type=int)),
-    ("--mtp-loss-scaling-factor", "mtp_loss_scaling_factor", dict(type=float)),
-]
-# (flag, field, value it sets)
-_SWITCH_FLAGS = [
-    ("--swiglu", "activation", "swiglu"),
-    ("--openai-gelu", "activation", "gelu_tanh"),
-    ("--disable-bias-linear", "add_bias_linear", False),
-    ("--add-qkv-bias", "add_qkv_bias", True),
-    ("--qk-layernorm", "qk_layernorm", True),
-    ("--use-rope-scaling", "rope_scaling", True),
-    ("--untie-embeddings-and-output-weights", "untie_embeddings_and_output_weights", True),
-    ("--bert-no-binary-head", "add_binary_head", False),
-    ("--apply-layernorm-1p", "layernorm_zero_centered_gamma", True),
-    ("--moe-shared-expert-gate", "moe_shared_expert_gate", True),
-    ("--moe-router-pre-softmax", "moe_router_pre_softmax", True),
-    ("--moe-pad-expert-input-to-capacity", "moe_pad_expert_input_to_capacity", True),
-    ("--moe-router-enable-expert-bias", "moe_router_enable_expert_bias", True),
-    ("--multi-latent-attention", "multi_latent_attention", True),
-]
+# Every model flag, made from the fields' settings: (flag, field, argparse keywords) and (switch, field, value it sets).
+# A value flag defaults to None so that only what the user typed overrides the named configuration.
+VALUE_FLAGS = [(s.flag, s.name, s.options) for s in SETTINGS.values() if s.flag]
+SWITCH_FLAGS = [(flag, s.name, value) for s in SETTINGS.values() for flag, value in s.switches.items()]
 
 
 def switch_name(flag: str) -> str:
@@ -842,6 +908,18 @@ def switch_name(flag: str) -> str:
         'untie_embeddings_and_output_weights'
     """
     return flag[2:].replace("-", "_")
+
+
+def add_flag(parser, field: str, default=None) -> None:
+    """Add the value flag of ModelConfig's ``field`` (its :class:`Setting`'s name and type) to ``parser``; by default
+    None, so that only what the user typed overrides a named configuration.
+
+    Example::
+
+        add_flag(parser, "make_vocab_size_divisible_by", default=128)      # --make-vocab-size-divisible-by
+    """
+    setting = SETTINGS[field]
+    parser.add_argument(setting.flag, dest=field, default=default, **setting.options)
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -859,9 +937,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                        help="without --model-name: which model the flags describe (default gpt)")
     group.add_argument("--group-query-attention", action="store_true",
                        help="accepted for Megatron-LM compatibility; --num-query-groups alone enables GQA")
-    for flag, field, kwargs in _VALUE_FLAGS:
-        group.add_argument(flag, dest=field, default=None, **kwargs)
-    for flag, field, value in _SWITCH_FLAGS:
+    for _, field, _ in VALUE_FLAGS:
+        add_flag(group, field)
+    for flag, field, value in SWITCH_FLAGS:
         group.add_argument(flag, dest=switch_name(flag), action="store_true",
                            help=f"sets {field}={value}")
     return parser
@@ -876,8 +954,8 @@ def model_flag_values(args: argparse.Namespace) -> dict:
         >>> model_flag_values(parser.parse_args(["--num-layers", "2", "--swiglu"]))
         {'num_layers': 2, 'activation': 'swiglu'}
     """
-    values = {field: getattr(args, field) for _, field, _ in _VALUE_FLAGS if getattr(args, field) is not None}
-    for flag, field, value in _SWITCH_FLAGS:
+    values = {field: getattr(args, field) for _, field, _ in VALUE_FLAGS if getattr(args, field) is not None}
+    for flag, field, value in SWITCH_FLAGS:
         if getattr(args, switch_name(flag)):
             values[field] = value
     return values

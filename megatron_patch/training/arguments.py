@@ -36,7 +36,7 @@ from megatron_patch.checkpoint.format import find_info, read_tracker
 from megatron_patch.compat import PrintVersions
 from megatron_patch.errors import FlagParser, did_you_mean, option_strings
 from megatron_patch.model.config import (
-    _SWITCH_FLAGS, _VALUE_FLAGS, HF_SIZE_KEYS, add_model_arguments, hf_size_key, model_flag_values, switch_name,
+    SWITCH_FLAGS, VALUE_FLAGS, HF_SIZE_KEYS, add_model_arguments, hf_size_key, model_flag_values, switch_name,
 )
 from megatron_patch.model.parallel import add_parallel_arguments, parallel_config_from_args, precision_of
 from megatron_patch.tokenizer.registry import add_tokenizer_args, tokenizer_options
@@ -187,14 +187,14 @@ def _loaded_model(flags: argparse.Namespace) -> ModelSpec | None:
     if flags.model_family not in (None, stored.family):
         _refuse(f"--model-family {flags.model_family} contradicts family={stored.family!r} in {path}")
     training = {}
-    for flag, field, _ in _VALUE_FLAGS:
+    for flag, field, _ in VALUE_FLAGS:
         given, kept = getattr(flags, field), getattr(stored, field)
         if given is not None and field in _TRAINING_FIELDS:
             training[field] = given
         elif given not in (None, kept):
             _refuse(f"{flag} {given} contradicts {field}={kept!r} in {path}; drop {flag} (the stored model is "
                     "used) or load another checkpoint")
-    for flag, field, value in _SWITCH_FLAGS:
+    for flag, field, value in SWITCH_FLAGS:
         if getattr(flags, switch_name(flag)) and getattr(stored, field) != value:
             _refuse(f"{flag} (sets {field}={value!r}) contradicts {field}={getattr(stored, field)!r} in {path}")
     loaded = dataclasses.replace(info, model_config=dataclasses.replace(stored, **training))

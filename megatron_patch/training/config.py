@@ -27,7 +27,7 @@ import types
 
 from megatron_patch.checkpoint.format import CheckpointInfo
 from megatron_patch.model.config import (
-    _SWITCH_FLAGS, _VALUE_FLAGS, ModelConfig, get_model_config, model_config_from_flags, switch_name,
+    SWITCH_FLAGS, VALUE_FLAGS, ModelConfig, get_model_config, model_config_from_flags, switch_name,
 )
 from megatron_patch.model.parallel import ParallelConfig
 
@@ -675,8 +675,8 @@ def args_view(config: RunConfig) -> ArgsView:
     values = {f.name: getattr(section, f.name) for section in sections for f in dataclasses.fields(section)
               if not dataclasses.is_dataclass(getattr(section, f.name)) and f.name != "tokenizer_options"}
     spec, parallel, memory = config.model, config.parallel, config.training.memory_optimization
-    values.update({field: spec.value(field) for _, field, _ in _VALUE_FLAGS})
-    values.update({switch_name(flag): spec.value(field) == value for flag, field, value in _SWITCH_FLAGS})
+    values.update({field: spec.value(field) for _, field, _ in VALUE_FLAGS})
+    values.update({switch_name(flag): spec.value(field) == value for flag, field, value in SWITCH_FLAGS})
     values.update({key: None for key in ("vocab_file", "merge_file", "tokenizer_model", "vocab_size",
                                          "vocab_extra_ids")}, **dict(config.tokenizer_options))
     values.update({dest: memory == mode for dest, mode in MEMORY_FLAGS.items()})
