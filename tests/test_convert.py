@@ -5,7 +5,7 @@ are transformers' own; Hugging Face options our model cannot compute are refused
 
 import pytest
 
-from megatron_patch.convert.families import UnsupportedCheckpoint, family_for
+from megatron_patch.model.conversion import UnsupportedCheckpoint, family_for
 from megatron_patch.testing import run_on_ranks
 from tests.convert_oracles import (
     HF_MODELS, assert_bit_exact, cli, hf_greedy, make_hf_model, megatron_greedy_at, training_sequences,

@@ -20,7 +20,7 @@ from megatron_patch.checkpoint.format import (
     CheckpointInfo, CheckpointMismatch, info_from_megatron_lm, megatron_lm_args, write_info,
 )
 from megatron_patch.convert.core import ConversionError, check_pair, hf_to_megatron
-from megatron_patch.convert.families import UnsupportedCheckpoint, family_for
+from megatron_patch.model.conversion import UnsupportedCheckpoint, family_for
 from megatron_patch.model.config import get_model_config
 from megatron_patch.testing import run_on_ranks
 from tests.convert_oracles import (

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from megatron_patch.convert.families import FAMILIES, UnsupportedCheckpoint, family_for
+from megatron_patch.model.conversion import FAMILIES, UnsupportedCheckpoint, family_for
 from megatron_patch.model.config import MODEL_TYPES, get_model_config, is_model_type
 from megatron_patch.convert.transforms import TRANSFORMS, Shapes, apply_to_hf, apply_to_mcore
 
@@ -184,7 +184,7 @@ def test_read_ahead_makes_every_tensor_once_and_leaves_errors_to_the_caller():
     import threading
 
     from megatron_patch.convert.core import _ReadAhead
-    from megatron_patch.convert.families import Rule
+    from megatron_patch.model.conversion import Rule
 
     rules = [Rule((f"hf{i}",), f"m{i}") for i in range(40)]
     made, lock, held = [], threading.Lock(), []

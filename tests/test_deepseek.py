@@ -11,7 +11,7 @@ weights, that transformers' router does; what megatron-core scores otherwise is 
 
 import pytest
 
-from megatron_patch.convert.families import UnsupportedCheckpoint, family_for
+from megatron_patch.model.conversion import UnsupportedCheckpoint, family_for
 from megatron_patch.model.config import get_model_config
 from megatron_patch.testing import run_on_ranks
 from tests.convert_oracles import (

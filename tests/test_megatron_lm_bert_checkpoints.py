@@ -130,7 +130,7 @@ def test_megatron_lm_bert_export_is_refused_by_name(bert_checkpoints, tmp_path):
     """Hugging Face's BERT is post-LN: a pre-LN one has no Hugging Face architecture to be exported to, so
     megatron-to-hf refuses it by its norm placement, before reading weights, and writes nothing."""
     from megatron_patch.checkpoint.format import read_info
-    from megatron_patch.convert.families import family_for
+    from megatron_patch.model.conversion import family_for
 
     load, _ = bert_checkpoints["torch_dist"]
     with pytest.raises(ValueError, match="this BERT is pre-LN .*--bert-layernorm-style post to export"):

@@ -85,7 +85,7 @@ def _hf_parameters(config) -> int:
             vocab_size=config.vocab_size, n_positions=config.max_positions, n_embd=config.hidden_size,
             n_layer=config.num_layers, n_head=config.num_attention_heads, n_inner=config.ffn_hidden_size, **special)
     elif config.multi_latent_attention or config.moe_router_score_function == "sigmoid":
-        from megatron_patch.convert.families import family_for
+        from megatron_patch.model.conversion import family_for
 
         # DeepSeek's or GLM-4.5's own config.json fields of this config (the converter's writer), in its own class.
         model_type, name = (("deepseek_v3", "DeepseekV3") if config.multi_latent_attention

@@ -183,7 +183,7 @@ def test_megatron_lm_checkpoint_of_no_recognised_block_needs_model_type(checkpoi
     refused in one line naming --model-type and its choices, before anything is written. Failed before: the line
     named no choices."""
     from megatron_patch.convert.core import megatron_to_hf
-    from megatron_patch.convert.families import FAMILIES, UnsupportedCheckpoint
+    from megatron_patch.model.conversion import FAMILIES, UnsupportedCheckpoint
 
     _, made = checkpoints
     layer_norm = str(tmp_path / "layer-norm")

@@ -42,7 +42,7 @@ from megatron_patch.checkpoint.load import load_into_reference_model
 from megatron_patch.checkpoint.lora import read_lora_record
 from megatron_patch.checkpoint.torch_dist import stream_dist
 from megatron_patch.convert import lora as lora_export
-from megatron_patch.convert.families import (
+from megatron_patch.model.conversion import (
     FAMILIES, Family, Rule, Table, UnsupportedCheckpoint, architecture_of, family_for, recognised_model_type,
     recognised_model_types,
 )
@@ -561,7 +561,7 @@ def megatron_to_hf(
 
     ``model_type`` is needed only for checkpoints without a recorded Hugging Face config (trained from scratch, or
     saved by Megatron-LM: their model comes from the ``args`` they carry) whose model is not one a type is
-    recognised from (``families.recognised_model_type``: a LLaMA or a GPT-2 block). A LoRA checkpoint
+    recognised from (``conversion.recognised_model_type``: a LLaMA or a GPT-2 block). A LoRA checkpoint
     (``checkpoint.lora``) is written as a PEFT adapter directory for its base, or with ``merge_lora`` as the
     base with the adapters merged in (``convert.lora``).
     """

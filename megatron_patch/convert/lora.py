@@ -70,7 +70,7 @@ def write_peft_adapter(out_dir: str, state: dict[str, torch.Tensor], rules, shap
     """Write ``state``'s adapters as a PEFT LoRA directory, named by the base family's conversion ``rules``."""
     from safetensors.torch import save_file
 
-    from megatron_patch.convert.families import UnsupportedCheckpoint
+    from megatron_patch.model.conversion import UnsupportedCheckpoint
 
     tensors, modules = {}, set()
     for rule in rules:

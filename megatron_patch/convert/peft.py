@@ -17,7 +17,7 @@ import torch
 from megatron_patch.checkpoint.format import DTYPES, megatron_lm_common_state, read_info, write_info
 from megatron_patch.checkpoint.lora import adapters_only, lora_record
 from megatron_patch.convert.core import atomic_directory, build_reference_model, shapes_of
-from megatron_patch.convert.families import family_for
+from megatron_patch.model.conversion import family_for
 from megatron_patch.convert.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from megatron_patch.convert.transforms import apply_to_mcore
 from megatron_patch.distributed import one_rank_world

@@ -28,6 +28,7 @@ import torch
 from megatron_patch.checkpoint.format import DTYPES, CheckpointInfo
 from megatron_patch.checkpoint.load import load_into_chunks
 from megatron_patch.convert.core import check_pair
+from megatron_patch.model.conversion import compared_outputs
 from megatron_patch.model.forward import forward_only
 
 # (max relative difference, min cosine similarity, min top-1 agreement) per dtype the models run in.
@@ -37,23 +38,6 @@ THRESHOLDS = {
     "float16": (1e-2, 0.9999, 0.9),
 }
 
-# Which output of the Hugging Face class is compared, and with which Megatron output.
-_HF_OUTPUTS = {
-    "GPT2LMHeadModel": {"logits": "logits"},
-    "LlamaForCausalLM": {"logits": "logits"},
-    "MistralForCausalLM": {"logits": "logits"},
-    "Qwen2ForCausalLM": {"logits": "logits"},
-    "Qwen3ForCausalLM": {"logits": "logits"},
-    "MixtralForCausalLM": {"logits": "logits"},
-    "Qwen2MoeForCausalLM": {"logits": "logits"},
-    "Qwen3MoeForCausalLM": {"logits": "logits"},
-    "DeepseekV2ForCausalLM": {"logits": "logits"},
-    "DeepseekV3ForCausalLM": {"logits": "logits"},
-    "Glm4MoeForCausalLM": {"logits": "logits"},
-    "BertForPreTraining": {"logits": "prediction_logits", "binary_logits": "seq_relationship_logits"},
-    "BertForMaskedLM": {"logits": "logits"},
-    "BertModel": {"hidden_states": "last_hidden_state"},
-}
 
 
 @dataclasses.dataclass
@@ -164,7 +148,7 @@ def hf_outputs(hf_dir: str, architecture: str, inputs: dict, dtype: str = "float
         kwargs["token_type_ids"] = inputs["types"]
     with torch.no_grad():
         out = model(**kwargs)
-    return {name: getattr(out, attr).float() for name, attr in _HF_OUTPUTS[architecture].items()}
+    return {name: getattr(out, attr).float() for name, attr in compared_outputs(architecture).items()}
 
 
 def _forward_step(family: str, wanted: set[str]):
@@ -233,7 +217,7 @@ def verify_on_rank(hf_dir: str, megatron_dir: str, tp: int = 1, pp: int = 1, tex
     from megatron.core import parallel_state
 
     info, architecture = check_pair(hf_dir, megatron_dir)
-    wanted = set(_HF_OUTPUTS[architecture])
+    wanted = set(compared_outputs(architecture))
     inputs = make_inputs(info, hf_dir, text)
     length = inputs["tokens"].shape[1]
     # The main model only: transformers ignores multi-token prediction layers, and megatron-core's GPTModel runs them

@@ -17,6 +17,8 @@ from megatron_patch.model.config import (
 )
 from megatron_patch.model.flops import num_floating_point_operations, num_parameters
 from megatron_patch.model.parallel import ParallelConfig, add_parallel_arguments, parallel_config_from_args
+# Every family's model types and named configurations, registered by importing its file.
+from megatron_patch.model import families  # noqa: F401, E402
 
 __all__ = [
     "ModelConfig", "ParallelConfig", "add_model_arguments", "add_parallel_arguments", "get_model_config",

@@ -543,41 +543,28 @@ def get_model_config(name: str, **overrides) -> ModelConfig:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Model families: what makes each Hugging Face model type, read by the named configurations below and by the
-# converter (convert/families.py: config.json in and out, and which type a model without a config.json is)
+# Model types: what makes each Hugging Face model type, registered by its family's file (model/families/) and read by
+# the named configurations and the converter (config.json in and out, which type a model without a config.json is)
 # ----------------------------------------------------------------------------------------------------------
 
-_LLAMA = dict(family="gpt", position_embedding_type="rope", normalization="RMSNorm", activation="swiglu",
-              add_bias_linear=False, add_qkv_bias=False, qk_layernorm=False)
-MODEL_TYPES: dict[str, dict] = {
-    # OpenAI GPT-2: learned positions, LayerNorm, biases on every linear layer (its GeLU is the tanh one, but a GPT-2
-    # block with erf-GeLU exports as gelu too).
-    "gpt2": dict(family="gpt", position_embedding_type="learned_absolute", normalization="LayerNorm",
-                 add_bias_linear=True, qk_layernorm=False),
-    # LLaMA: RoPE, RMSNorm, SwiGLU, no bias anywhere. Mistral is LLaMA with a sliding window (ours has none), Qwen2
-    # LLaMA with a bias on q/k/v, Qwen3 LLaMA with an RMSNorm over each head's query and key.
-    "llama": _LLAMA,
-    "mistral": _LLAMA,
-    "qwen2": {**_LLAMA, "add_qkv_bias": True},
-    "qwen3": {**_LLAMA, "qk_layernorm": True},
-    # The same with experts in every MLP; Qwen2-MoE adds a shared expert behind a sigmoid gate.
-    "mixtral": _LLAMA,
-    "qwen2_moe": {**_LLAMA, "add_qkv_bias": True, "moe_shared_expert_gate": True},
-    "qwen3_moe": {**_LLAMA, "qk_layernorm": True},
-    # DeepSeek-V2: multi-latent attention (its latents RMS-normalised), experts after the first dense layers, shared
-    # experts, softmax routing. DeepSeek-V3 (and Kimi K2, Moonlight) routes by sigmoid with a score-correction bias.
-    "deepseek_v2": {**_LLAMA, "qk_layernorm": True, "multi_latent_attention": True},
-    "deepseek_v3": {**_LLAMA, "qk_layernorm": True, "multi_latent_attention": True,
-                    "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True},
-    # GLM-4.5: DeepSeek-V3's experts and router under grouped-query attention with q/k/v biases and half-RoPE; q/k
-    # norms in GLM-4.5, none in GLM-4.5-Air (use_qk_norm), so they do not make the type.
-    "glm4_moe": {**{k: v for k, v in _LLAMA.items() if k != "qk_layernorm"}, "add_qkv_bias": True,
-                 "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True},
-    # Google's BERT: post-LN, erf-GeLU, learned positions.
-    "bert": dict(family="bert", position_embedding_type="learned_absolute", normalization="LayerNorm",
-                 activation="gelu", add_bias_linear=True, bert_layernorm_style="post"),
-}
+MODEL_TYPES: dict[str, dict] = {}
 """Hugging Face model_type -> the ModelConfig fields every model of that type has."""
+
+
+def register_model_type(model_type: str, **fields) -> None:
+    """Register the ModelConfig ``fields`` every model of Hugging Face's ``model_type`` has.
+
+    Example::
+
+        register_model_type("qwen2", **{**LLAMA_TYPE, "add_qkv_bias": True})
+    """
+    if model_type in MODEL_TYPES:
+        raise ValueError(f"model type {model_type!r} is already registered")
+    unknown = set(fields) - set(SETTINGS)
+    if unknown:
+        raise ValueError(f"model type {model_type!r}: {sorted(unknown)} are not ModelConfig fields")
+    MODEL_TYPES[model_type] = fields
+
 
 # config.json's keys for each size: LLaMA/BERT names first, then GPT-2's (n_layer, n_embd, ...) and T5's.
 HF_SIZE_KEYS = {
@@ -647,245 +634,6 @@ def is_model_type(m: ModelConfig, model_type: str) -> bool:
         (True, False)
     """
     return all(getattr(m, field) == value for field, value in MODEL_TYPES[model_type].items())
-
-
-def _gpt2(num_layers: int, hidden_size: int, num_attention_heads: int) -> ModelConfig:
-    # 1024 context, vocabulary 50257 (padded to 50304 by make_vocab_size_divisible_by=128 x TP), tied embeddings.
-    return model_of_type(
-        "gpt2", num_layers=num_layers, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
-        seq_length=1024, max_position_embeddings=1024, activation="gelu_tanh", vocab_size=50257,
-    )
-
-
-def _llama(model_type: str = "llama", **fields) -> ModelConfig:
-    # Untied output and no dropout unless the entry says otherwise.
-    defaults = dict(untie_embeddings_and_output_weights=True, hidden_dropout=0.0, attention_dropout=0.0)
-    return model_of_type(model_type, **{**defaults, **fields})
-
-
-def _qwen2(model_type: str = "qwen2", **fields) -> ModelConfig:
-    # Qwen2's RMSNorm eps 1e-6, RoPE base 1e6, vocabulary 151936 (already a multiple of 128, so no padding), tied
-    # embeddings below 7B.
-    defaults = dict(layernorm_epsilon=1e-6, rotary_base=1000000, vocab_size=151936)
-    return _llama(model_type, **{**defaults, **fields})
-
-
-def _qwen3(model_type: str = "qwen3", **fields) -> ModelConfig:
-    # Qwen3 = Qwen2's values with a head width of 128 whatever hidden_size / heads is.
-    defaults = dict(kv_channels=128, seq_length=4096, max_position_embeddings=40960)
-    return _qwen2(model_type, **{**defaults, **fields})
-
-
-def _mixtral(**fields) -> ModelConfig:
-    # Mixtral = Mistral whose MLP is 8 experts, 2 per token, no shared expert, load-balancing loss weight 0.02;
-    # RoPE base 1e6.
-    defaults = dict(num_moe_experts=8, moe_router_topk=2, moe_aux_loss_coeff=0.02, rotary_base=1000000)
-    return _llama("mixtral", **{**defaults, **fields})
-
-
-def _qwen2_moe(**fields) -> ModelConfig:
-    # Qwen1.5/2-MoE: routed experts in every MLP plus the gated shared expert; top-k weights taken from the softmax
-    # over all experts, not renormalised (norm_topk_prob false).
-    defaults = dict(moe_router_pre_softmax=True, moe_aux_loss_coeff=0.001, untie_embeddings_and_output_weights=True)
-    return _qwen2("qwen2_moe", **{**defaults, **fields})
-
-
-def _qwen3_moe(**fields) -> ModelConfig:
-    # Qwen3-MoE: routed experts in every MLP, no shared expert, top-k weights renormalised (norm_topk_prob true,
-    # which is the softmax over the k chosen logits).
-    defaults = dict(moe_aux_loss_coeff=0.001, untie_embeddings_and_output_weights=True)
-    return _qwen3("qwen3_moe", **{**defaults, **fields})
-
-
-def _deepseek(model_type: str, first_k_dense: int, num_layers: int, **fields) -> ModelConfig:
-    # DeepSeek's MoE models: the first ``first_k_dense`` layers dense (first_k_dense_replace), RMSNorm eps 1e-6, the
-    # bias update without an auxiliary loss (arXiv:2412.19437 2.1.2) where the router has the bias, no dropout.
-    defaults = dict(layernorm_epsilon=1e-6, moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none",
-                    num_layers=num_layers, moe_layer_freq=[0] * first_k_dense + [1] * (num_layers - first_k_dense))
-    return _llama(model_type, **{**defaults, **fields})
-
-
-def _yarn(factor: float, mscale: float, mscale_all_dim: float, original: int = 4096) -> dict:
-    # YaRN as DeepSeek's config.json gives it (rope_scaling type yarn, beta_fast 32, beta_slow 1).
-    return dict(rope_type="yarn", rotary_scaling_factor=factor, mscale=mscale, mscale_all_dim=mscale_all_dim,
-                original_max_position_embeddings=original)
-
-
-def _bert(num_layers: int, hidden_size: int, num_attention_heads: int) -> ModelConfig:
-    # Token types, NSP head, 512 positions, WordPiece vocabulary 30522.
-    return model_of_type(
-        "bert", num_layers=num_layers, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
-        seq_length=512, max_position_embeddings=512, layernorm_epsilon=1e-12, vocab_size=30522,
-        num_tokentypes=2, add_binary_head=True,
-    )
-
-
-register_model_config("gpt2-124m")(lambda: _gpt2(12, 768, 12))
-register_model_config("gpt2-355m")(lambda: _gpt2(24, 1024, 16))
-register_model_config("gpt2-774m")(lambda: _gpt2(36, 1280, 20))
-register_model_config("gpt2-1.5b")(lambda: _gpt2(48, 1600, 25))
-register_model_config("llama2-7b")(lambda: _llama(
-    num_layers=32, hidden_size=4096, ffn_hidden_size=11008, num_attention_heads=32, seq_length=4096,
-    layernorm_epsilon=1e-5, vocab_size=32000,
-))
-register_model_config("llama3.2-1b")(lambda: _llama(
-    num_layers=16, hidden_size=2048, ffn_hidden_size=8192, num_attention_heads=32, num_query_groups=8,
-    seq_length=8192, max_position_embeddings=131072, rotary_base=500000, layernorm_epsilon=1e-5,
-    vocab_size=128256, untie_embeddings_and_output_weights=False,
-    # Its config.json: rope_scaling {rope_type: llama3, factor: 32, low/high_freq_factor 1/4, original 8192}.
-    rope_scaling=True, rope_scaling_factor=32.0,
-))
-register_model_config("llama3-8b")(lambda: _llama(
-    num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32, num_query_groups=8,
-    seq_length=8192, rotary_base=500000, layernorm_epsilon=1e-5, vocab_size=128256,
-))
-register_model_config("llama3.1-8b")(lambda: _llama(
-    num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32, num_query_groups=8,
-    seq_length=8192, max_position_embeddings=131072, rotary_base=500000, rope_scaling=True, rope_scaling_factor=8.0,
-    layernorm_epsilon=1e-5, vocab_size=128256,
-))
-# Mistral-7B-v0.1. Its 4096-token sliding window equals seq_length, where it masks nothing: full causal attention
-# computes the same (a query at position i sees keys i-4095..i either way).
-register_model_config("mistral-7b")(lambda: _llama(
-    num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32, num_query_groups=8,
-    seq_length=4096, max_position_embeddings=32768, layernorm_epsilon=1e-5, vocab_size=32000,
-))
-register_model_config("qwen2-0.5b")(lambda: _qwen2(
-    num_layers=24, hidden_size=896, ffn_hidden_size=4864, num_attention_heads=14, num_query_groups=2,
-    seq_length=4096, max_position_embeddings=32768, untie_embeddings_and_output_weights=False,
-))
-register_model_config("qwen2-1.5b")(lambda: _qwen2(
-    num_layers=28, hidden_size=1536, ffn_hidden_size=8960, num_attention_heads=12, num_query_groups=2,
-    seq_length=4096, max_position_embeddings=32768, untie_embeddings_and_output_weights=False,
-))
-register_model_config("qwen2-7b")(lambda: _qwen2(
-    num_layers=28, hidden_size=3584, ffn_hidden_size=18944, num_attention_heads=28, num_query_groups=4,
-    seq_length=4096, max_position_embeddings=32768, vocab_size=152064,
-))
-register_model_config("qwen3-0.6b")(lambda: _qwen3(
-    num_layers=28, hidden_size=1024, ffn_hidden_size=3072, num_attention_heads=16, num_query_groups=8,
-    untie_embeddings_and_output_weights=False,
-))
-register_model_config("qwen3-1.7b")(lambda: _qwen3(
-    num_layers=28, hidden_size=2048, ffn_hidden_size=6144, num_attention_heads=16, num_query_groups=8,
-    untie_embeddings_and_output_weights=False,
-))
-register_model_config("qwen3-4b")(lambda: _qwen3(
-    num_layers=36, hidden_size=2560, ffn_hidden_size=9728, num_attention_heads=32, num_query_groups=8,
-    untie_embeddings_and_output_weights=False,
-))
-register_model_config("qwen3-8b")(lambda: _qwen3(
-    num_layers=36, hidden_size=4096, ffn_hidden_size=12288, num_attention_heads=32, num_query_groups=8,
-))
-register_model_config("mixtral-8x7b")(lambda: _mixtral(
-    num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32, num_query_groups=8,
-    seq_length=4096, max_position_embeddings=32768, layernorm_epsilon=1e-5, vocab_size=32000,
-))
-# Qwen1.5-MoE-A2.7B (Qwen2MoeForCausalLM): 60 experts of 1408, 4 per token, a 5632-wide shared expert.
-register_model_config("qwen2-moe-a2.7b")(lambda: _qwen2_moe(
-    num_layers=24, hidden_size=2048, ffn_hidden_size=5632, num_attention_heads=16, num_query_groups=16,
-    seq_length=4096, max_position_embeddings=8192, num_moe_experts=60, moe_router_topk=4, moe_ffn_hidden_size=1408,
-    moe_shared_expert_intermediate_size=5632,
-))
-register_model_config("qwen3-moe-30b-a3b")(lambda: _qwen3_moe(
-    num_layers=48, hidden_size=2048, ffn_hidden_size=6144, num_attention_heads=32, num_query_groups=4,
-    num_moe_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768,
-))
-# deepseek-ai/DeepSeek-V3's config.json: 256 routed experts of 2048 and one shared, 8 per token from 4 of 8 groups,
-# weights x 2.5; MLA with q rank 1536, kv rank 512, heads of 128 + 64 (RoPE) channels, values of 128.
-register_model_config("deepseek-v3")(lambda: _deepseek(
-    "deepseek_v3", 3, num_layers=61, hidden_size=7168, ffn_hidden_size=18432, num_attention_heads=128,
-    seq_length=4096, max_position_embeddings=163840, vocab_size=129280, num_moe_experts=256, moe_router_topk=8,
-    moe_ffn_hidden_size=2048, moe_shared_expert_intermediate_size=2048, moe_router_num_groups=8,
-    moe_router_group_topk=4, moe_router_topk_scaling_factor=2.5, q_lora_rank=1536, kv_lora_rank=512,
-    **_yarn(40.0, 1.0, 1.0),
-))
-# deepseek-ai/DeepSeek-V2-Lite: no query compression, 64 experts of 1408 and two shared, 6 per token by softmax,
-# weights not renormalised (norm_topk_prob false: --moe-router-pre-softmax); trained with a sequence-wise balance loss
-# of weight 0.001 (aux_loss_alpha, seq_aux).
-register_model_config("deepseek-v2-lite")(lambda: _deepseek(
-    "deepseek_v2", 1, num_layers=27, hidden_size=2048, ffn_hidden_size=10944, num_attention_heads=16,
-    seq_length=4096, max_position_embeddings=163840, vocab_size=102400, num_moe_experts=64, moe_router_topk=6,
-    moe_ffn_hidden_size=1408, moe_shared_expert_intermediate_size=2816, moe_router_pre_softmax=True,
-    moe_aux_loss_coeff=0.001, moe_router_load_balancing_type="seq_aux_loss", kv_lora_rank=512,
-    **_yarn(40.0, 0.707, 0.707),
-))
-# moonshotai/Moonlight-16B-A3B (model_type deepseek_v3): V2-Lite's shape with V3's router, unscaled RoPE.
-register_model_config("moonlight-16b-a3b")(lambda: _deepseek(
-    "deepseek_v3", 1, num_layers=27, hidden_size=2048, ffn_hidden_size=11264, num_attention_heads=16,
-    seq_length=8192, max_position_embeddings=8192, vocab_size=163840, rotary_base=50000, num_moe_experts=64,
-    moe_router_topk=6, moe_ffn_hidden_size=1408, moe_shared_expert_intermediate_size=2816,
-    moe_router_topk_scaling_factor=2.446, kv_lora_rank=512, layernorm_epsilon=1e-5,
-))
-# moonshotai/Kimi-K2-Instruct (model_type deepseek_v3): 384 experts, 64 heads, one dense layer, no groups.
-register_model_config("kimi-k2")(lambda: _deepseek(
-    "deepseek_v3", 1, num_layers=61, hidden_size=7168, ffn_hidden_size=18432, num_attention_heads=64,
-    seq_length=4096, max_position_embeddings=131072, vocab_size=163840, rotary_base=50000, num_moe_experts=384,
-    moe_router_topk=8, moe_ffn_hidden_size=2048, moe_shared_expert_intermediate_size=2048,
-    moe_router_topk_scaling_factor=2.827, q_lora_rank=1536, kv_lora_rank=512, **_yarn(32.0, 1.0, 1.0),
-))
-# zai-org/GLM-4.5 (model_type glm4_moe): 160 experts of 1536 and one shared, 8 per token by biased sigmoid,
-# weights x 2.5; 96 heads of 128 in 8 KV groups with q/k/v biases and q/k norms, RoPE on half of each head; one
-# multi-token prediction layer. GLM-4.5-Air: 128 experts of 1408, one dense layer, no q/k norms, weights x 1.
-register_model_config("glm-4.5")(lambda: _deepseek(
-    "glm4_moe", 3, num_layers=92, hidden_size=5120, ffn_hidden_size=12288, num_attention_heads=96,
-    num_query_groups=8, kv_channels=128, seq_length=4096, max_position_embeddings=131072, vocab_size=151552,
-    rotary_base=1000000, rotary_percent=0.5, qk_layernorm=True, layernorm_epsilon=1e-5, num_moe_experts=160,
-    moe_router_topk=8, moe_ffn_hidden_size=1536, moe_shared_expert_intermediate_size=1536,
-    moe_router_topk_scaling_factor=2.5, mtp_num_layers=1,
-))
-register_model_config("glm-4.5-air")(lambda: _deepseek(
-    "glm4_moe", 1, num_layers=46, hidden_size=4096, ffn_hidden_size=10944, num_attention_heads=96,
-    num_query_groups=8, kv_channels=128, seq_length=4096, max_position_embeddings=131072, vocab_size=151552,
-    rotary_base=1000000, rotary_percent=0.5, layernorm_epsilon=1e-5, num_moe_experts=128, moe_router_topk=8,
-    moe_ffn_hidden_size=1408, moe_shared_expert_intermediate_size=1408, mtp_num_layers=1,
-))
-register_model_config("bert-base")(lambda: _bert(12, 768, 12))
-register_model_config("bert-large")(lambda: _bert(24, 1024, 16))
-# Debug shapes: seconds on a CPU, every architectural feature switched on.
-register_model_config("tiny-gpt2")(lambda: _gpt2(2, 64, 4).replace(
-    seq_length=32, max_position_embeddings=32, vocab_size=128, make_vocab_size_divisible_by=1,
-))
-register_model_config("tiny-llama")(lambda: _llama(
-    num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2, seq_length=32,
-    vocab_size=128, make_vocab_size_divisible_by=1,
-))
-register_model_config("tiny-qwen2")(lambda: _qwen2(
-    num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2, seq_length=32,
-    vocab_size=128, make_vocab_size_divisible_by=1,
-))
-# Head width 32, not hidden / heads = 16: the q/k norms and the projections must follow kv_channels.
-register_model_config("tiny-qwen3")(lambda: _qwen3(
-    num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2, kv_channels=32,
-    seq_length=32, max_position_embeddings=32, vocab_size=128, make_vocab_size_divisible_by=1,
-))
-# Four experts, two per token: with EP=2 each rank holds two, and tokens cross ranks.
-register_model_config("tiny-mixtral")(lambda: _mixtral(
-    num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2, seq_length=32,
-    vocab_size=128, make_vocab_size_divisible_by=1, num_moe_experts=4, moe_ffn_hidden_size=32,
-))
-register_model_config("tiny-qwen2-moe")(lambda: _qwen2_moe(
-    num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2, seq_length=32,
-    vocab_size=128, make_vocab_size_divisible_by=1, num_moe_experts=4, moe_ffn_hidden_size=32,
-    moe_shared_expert_intermediate_size=48,
-))
-register_model_config("tiny-qwen3-moe")(lambda: _qwen3_moe(
-    num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2, kv_channels=32,
-    seq_length=32, max_position_embeddings=32, vocab_size=128, make_vocab_size_divisible_by=1, num_moe_experts=4,
-    moe_ffn_hidden_size=32,
-))
-# Four layers, the first dense; 4 experts in 2 groups, 2 per token from 1 group, a shared expert; query rank 32,
-# latent 32, heads of 16 + 8 (RoPE) channels, values 16; YaRN.
-register_model_config("tiny-deepseek-v3")(lambda: _deepseek(
-    "deepseek_v3", 1, num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, seq_length=32,
-    max_position_embeddings=32, vocab_size=128, make_vocab_size_divisible_by=1, num_moe_experts=4, moe_router_topk=2,
-    moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=32, moe_router_num_groups=2, moe_router_group_topk=1,
-    moe_router_topk_scaling_factor=2.5, q_lora_rank=32, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8,
-    v_head_dim=16, **_yarn(4.0, 1.0, 1.0, original=8),
-))
-register_model_config("tiny-bert")(lambda: _bert(2, 64, 4).replace(
-    seq_length=32, max_position_embeddings=32, vocab_size=128, make_vocab_size_divisible_by=1,
-))
 
 
 # ----------------------------------------------------------------------------------------------------------
