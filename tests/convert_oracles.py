@@ -39,6 +39,12 @@ HF_MODELS = {
                                          rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
                                          high_freq_factor=4.0, original_max_position_embeddings=8192), **_SMALL),
                  "LlamaForCausalLM"),
+    # Phi-3's fused q/k/v in two key/value groups (cut by their width, not in thirds) and RoPE over half of each head.
+    "phi3": ("Phi3Config", dict(num_hidden_layers=4, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                intermediate_size=48, tie_word_embeddings=False, pad_token_id=0, bos_token_id=0,
+                                eos_token_id=0, rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                                     partial_rotary_factor=0.5), **_SMALL),
+             "Phi3ForCausalLM"),
     "bert-pretraining": ("BertConfig", _BERT, "BertForPreTraining"),
     "bert-mlm": ("BertConfig", _BERT, "BertForMaskedLM"),
     "bert-encoder": ("BertConfig", _BERT, "BertModel"),

@@ -1,4 +1,4 @@
-"""HF -> Megatron -> HF for GPT-2, LLaMA (GQA, LLaMA 3.1's scaled RoPE), Mistral, Qwen2, Qwen3 and BERT (three
+"""HF -> Megatron -> HF for GPT-2, LLaMA (GQA, LLaMA 3.1's scaled RoPE), Mistral, Qwen2, Qwen3, Phi-3 and BERT (three
 kinds): megatron-core's forward equals transformers' at TP=1, TP=2, PP=2 and TP=2 x PP=2, every tensor comes back
 bit for bit, through both checkpoint formats and after a resharded save, and the decoders' greedy tokens at TP=2
 are transformers' own; Hugging Face options our model cannot compute are refused by name."""
@@ -62,7 +62,7 @@ def test_forward_matches_transformers_at_every_layout(converted, name):
         assert_bit_exact(hf, out)
 
 
-DECODERS = ["llama-gqa", "llama3.1", "mistral", "qwen2", "qwen3"]
+DECODERS = ["llama-gqa", "llama3.1", "mistral", "qwen2", "qwen3", "phi3"]
 
 
 @pytest.mark.parametrize("name", DECODERS)
@@ -93,6 +93,9 @@ _LLAMA = dict(model_type="llama", num_hidden_layers=2, hidden_size=32, intermedi
     (dict(rope_parameters={**_LLAMA3, "high_freq_factor": 2.0}), "high_freq_factor=2.0"),
     (dict(rope_parameters={k: v for k, v in _LLAMA3.items() if k != "factor"}), "factor=None"),
     (dict(rope_scaling=dict(type="linear", factor=2.0)), "RoPE scaling 'linear'"),
+    (dict(model_type="phi3", sliding_window=47), "sliding_window=47"),
+    (dict(model_type="phi3", rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0] * 4,
+                                                  long_factor=[1.0] * 4)), "RoPE scaling 'longrope'"),
 ])
 def test_options_our_model_cannot_compute_are_refused_by_name(fields, message):
     config = {**_LLAMA, **fields}

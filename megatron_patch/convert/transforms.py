@@ -71,6 +71,12 @@ def split_qkv(qkv: torch.Tensor, shapes: Shapes) -> Tensors:
     return [t.reshape(-1, *rest).contiguous() for t in (q, k, v)]
 
 
+def _qkv_rows(shapes: Shapes) -> list[int]:
+    """The rows of q, k and v in a projection that stacks them."""
+    d = shapes.kv_channels
+    return [shapes.num_attention_heads * d, shapes.num_query_groups * d, shapes.num_query_groups * d]
+
+
 def pad_vocab(t: torch.Tensor, shapes: Shapes) -> torch.Tensor:
     """Append zero rows up to the padded vocabulary (Megatron pads to a multiple of
     ``make_vocab_size_divisible_by x TP`` so that every TP rank holds the same number of rows)."""
@@ -95,9 +101,10 @@ TRANSFORMS: dict[str, Transform] = {
         to_mcore=lambda ts, s: [fuse_qkv(*ts, s)],
         to_hf=lambda ts, s: split_qkv(ts[0], s),
     ),
-    # GPT-2's c_attn output is [q; k; v] blocks of the full width each.
+    # One projection whose output is [q; k; v]: GPT-2's c_attn (each of the full width), Phi-3's qkv_proj (k and v
+    # of the query groups' width).
     "fuse_stacked_qkv": Transform(
-        to_mcore=lambda ts, s: [fuse_qkv(*ts[0].chunk(3), s)],
+        to_mcore=lambda ts, s: [fuse_qkv(*ts[0].split(_qkv_rows(s)), s)],
         to_hf=lambda ts, s: [torch.cat(split_qkv(ts[0], s))],
     ),
     # SwiGLU: megatron's linear_fc1 is [gate; up] along the output dimension (MLP.forward chunks it in two).

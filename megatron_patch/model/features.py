@@ -79,8 +79,8 @@ def llama_config(c: dict, **fields) -> ModelConfig:
         rotary_percent=(c.get("rope_parameters") or {}).get("partial_rotary_factor",
                                                             c.get("partial_rotary_factor", 1.0)),
         layernorm_epsilon=c.get("rms_norm_eps", 1e-6),
-        untie_embeddings_and_output_weights=not c.get("tie_word_embeddings", False), hidden_dropout=0.0,
-        attention_dropout=c.get("attention_dropout", 0.0), **fields,
+        untie_embeddings_and_output_weights=not c.get("tie_word_embeddings", False),
+        attention_dropout=c.get("attention_dropout", 0.0), **{"hidden_dropout": 0.0, **fields},
     )
 
 
