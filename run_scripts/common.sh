@@ -6,8 +6,8 @@
 #       --tokenizer-type Llama2Tokenizer --tokenizer-model /data/tokenizer.model --output-dir /ckpt/llama2-7b
 #
 # A recipe sets RECIPE, RECIPE_SUMMARY, DEFAULT_MODEL, CPU_MODEL, DEFAULT_LR, DEFAULT_MIN_LR, DEFAULT_TRAIN_ITERS
-# and DEFAULT_TOKENIZER, sources this file, calls `parse_flags "$@"` (a fine-tuning recipe then
-# `finetune_from_load`) and ends in `launch <its own rapidformer flags>`. Environment, as in the seed's scripts:
+# and DEFAULT_TOKENIZER (a fine-tuning recipe LOAD_FINETUNES=1), sources this file, calls `parse_flags "$@"` and
+# ends in `launch <its own rapidformer flags>`. Environment, as in the seed's scripts:
 # CUDA_VISIBLE_DEVICES MASTER_ADDR MASTER_PORT NNODES NODE_RANK (defaults: every visible GPU, one node, 127.0.0.1,
 # a free port); PYTHON names the interpreter.
 
@@ -193,11 +193,16 @@ _check_environment() {
 
 # The rapidformer flags of the named flags (FLAGS), after the recipe's own.
 _rapidformer_flags() {
-  local load=$LOAD checkpoints=$OUTPUT_DIR/checkpoints description
+  local load=$LOAD checkpoints=$OUTPUT_DIR/checkpoints description finetune=()
   # The package names a checkpoint directory's files (its tracker, its model's description); the recipes ask it.
-  if [[ -z $load ]] && "$PYTHON" -m megatron_patch.checkpoint tracker "$checkpoints" >/dev/null; then
+  # A fine-tuning recipe's --load (LOAD_FINETUNES=1) starts the first run only, with --finetune; once
+  # OUTPUT/checkpoints holds a checkpoint, a rerun resumes from there as any recipe does.
+  if [[ -z $load || ${LOAD_FINETUNES:-0} == 1 ]] \
+      && "$PYTHON" -m megatron_patch.checkpoint tracker "$checkpoints" >/dev/null; then
     load=$checkpoints
     note "resuming from $checkpoints (it holds a checkpoint; another --output-dir starts anew)"
+  elif [[ -n $load && ${LOAD_FINETUNES:-0} == 1 ]]; then
+    finetune=(--finetune)
   fi
   FLAGS=()
   if [[ -n $load ]] && description=$("$PYTHON" -m megatron_patch.checkpoint description "$load"); then
@@ -229,23 +234,12 @@ _rapidformer_flags() {
   [[ -z $VOCAB_FILE ]] || FLAGS+=(--vocab-file "$VOCAB_FILE")
   [[ -z $MERGE_FILE ]] || FLAGS+=(--merge-file "$MERGE_FILE")
   [[ -z $TOKENIZER_MODEL ]] || FLAGS+=(--tokenizer-model "$TOKENIZER_MODEL")
-  [[ -z $load ]] || FLAGS+=(--load "$load")
+  [[ -z $load ]] || FLAGS+=(--load "$load" "${finetune[@]}")
   # A preempted job (SIGTERM) saves at the end of its iteration; rerunning the recipe resumes from that save.
   FLAGS+=(--save "$checkpoints" --exit-signal-handler)
   [[ -z $SAVE_INTERVAL ]] || FLAGS+=(--save-interval "$SAVE_INTERVAL")
   FLAGS+=(--log-dir "$OUTPUT_DIR/logs")
   FLAGS+=(--tensorboard-dir "$OUTPUT_DIR/tensorboard")
-}
-
-# A fine-tuning recipe's --load: its weights start the first run (FINETUNE=(--finetune)); a rerun resumes from
-# OUTPUT/checkpoints instead, once that holds a checkpoint (_rapidformer_flags then loads it).
-finetune_from_load() {
-  FINETUNE=()
-  if [[ -n $LOAD ]] && "$PYTHON" -m megatron_patch.checkpoint tracker "$OUTPUT_DIR/checkpoints" >/dev/null; then
-    LOAD=""
-  elif [[ -n $LOAD ]]; then
-    FINETUNE=(--finetune)
-  fi
 }
 
 _quote() {  # a word as the shell reads it back; plain words stay plain (printf %q would write 98\,2)

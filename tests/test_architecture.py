@@ -33,7 +33,7 @@ FORBIDDEN = {
 # they use. The package itself (megatron_patch/__init__.py), which every import of a module under it runs first, is
 # on the ground floor.
 FLOORS = (
-    ("", "errors", "compat", "startup", "staging", "layout", "unpickle"),
+    ("", "errors", "compat", "startup", "staging", "layout", "unpickle", "flags"),
     ("tokenizer", "distributed"),
     ("model", "data"),
     ("checkpoint",),

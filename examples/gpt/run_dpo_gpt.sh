@@ -19,7 +19,7 @@ RECIPE_SUMMARY="Preference-tune (DPO) a GPT-style chat model on chosen/rejected 
 --dpo."
 DEFAULT_MODEL=qwen2-0.5b CPU_MODEL=tiny-llama DEFAULT_TOKENIZER=HuggingFaceTokenizer
 DEFAULT_LR=1e-6 DEFAULT_MIN_LR=0 DEFAULT_TRAIN_ITERS=""  # the epochs decide; TRL's learning rate
+LOAD_FINETUNES=1  # --load starts the first run (--finetune); a rerun resumes from OUTPUT/checkpoints
 source "$(dirname "${BASH_SOURCE[0]}")/../../run_scripts/common.sh"
 parse_flags "$@"
-finetune_from_load
-launch --user-script "$ROOT/examples/gpt/dpo_gpt.py" --dpo --lr-decay-style cosine "${FINETUNE[@]}"
+launch --user-script "$ROOT/examples/gpt/dpo_gpt.py" --dpo --lr-decay-style cosine

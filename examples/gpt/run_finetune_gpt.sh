@@ -16,7 +16,7 @@ RECIPE=finetune_gpt
 RECIPE_SUMMARY="Fine-tune a GPT-style chat model on conversations with examples/gpt/finetune_gpt.py --sft."
 DEFAULT_MODEL=qwen2-0.5b CPU_MODEL=tiny-llama DEFAULT_TOKENIZER=HuggingFaceTokenizer
 DEFAULT_LR=1e-5 DEFAULT_MIN_LR=0 DEFAULT_TRAIN_ITERS=""  # the epochs decide
+LOAD_FINETUNES=1  # --load starts the first run (--finetune); a rerun resumes from OUTPUT/checkpoints
 source "$(dirname "${BASH_SOURCE[0]}")/../../run_scripts/common.sh"
 parse_flags "$@"
-finetune_from_load
-launch --user-script "$ROOT/examples/gpt/finetune_gpt.py" --sft --lr-decay-style cosine "${FINETUNE[@]}"
+launch --user-script "$ROOT/examples/gpt/finetune_gpt.py" --sft --lr-decay-style cosine

@@ -21,6 +21,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Literal
 
 from megatron_patch import compat
+from megatron_patch.flags import add_flags, flag, from_flags
 from megatron_patch.layout import check_layout
 from megatron_patch.model.config import ModelConfig
 
@@ -38,42 +39,53 @@ class ParallelConfig:
         'uniform'
     """
 
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    virtual_pipeline_model_parallel_size: int | None = None
+    tensor_model_parallel_size: int = flag(default=1, type=int)
+    pipeline_model_parallel_size: int = flag(default=1, type=int)
+    virtual_pipeline_model_parallel_size: int | None = flag(type=int)
     """Model chunks per pipeline rank (interleaved 1F1B); None or 1 means no interleaving."""
-    sequence_parallel: bool = False
+    sequence_parallel: bool = flag(default=False)
     """Split norm/dropout activations along the sequence over the TP group (needs TP > 1)."""
-    context_parallel_size: int = 1
-    expert_model_parallel_size: int = 1
+    context_parallel_size: int = flag(default=1, type=int)
+    expert_model_parallel_size: int = flag(default=1, type=int)
     """Ranks the experts of a MoE layer are split over (EP); the expert layers' data-parallel size is what
     world / (expert_tensor_parallel_size x EP x PP) leaves."""
-    expert_tensor_parallel_size: int | None = None
+    expert_tensor_parallel_size: int | None = flag(
+        type=int, help="tensor parallelism inside each expert (default: --tensor-model-parallel-size)")
     """Tensor parallelism inside each expert (ETP); None means the same as tensor_model_parallel_size."""
-    moe_token_dispatcher_type: Literal["allgather", "alltoall", "flex"] = "allgather"
+    moe_token_dispatcher_type: Literal["allgather", "alltoall", "flex"] = flag(
+        default="allgather", choices=["allgather", "alltoall", "flex"])
     """How tokens reach the experts of other EP ranks (megatron-core's dispatchers; Megatron-LM's default).
     "allgather" gathers every token to every EP rank and works at any layout on gloo; "alltoall" sends each rank
     only its experts' tokens (less traffic at large EP) and on gloo needs expert TP 1; "flex" needs DeepEP on GPUs."""
-    moe_grouped_gemm: bool = False
+    moe_grouped_gemm: bool = flag(default=False,
+                                  help="one grouped GEMM over a rank's experts (needs Transformer Engine)")
     """One grouped GEMM for a rank's experts (Transformer Engine's TEGroupedMLP) instead of a loop over them."""
-    recompute_granularity: Literal["full", "selective"] | None = None
+    recompute_granularity: Literal["full", "selective"] | None = flag(choices=["full", "selective"])
     """"full" recomputes whole layers, "selective" only core attention (Korthikanti et al. 2022,
     https://arxiv.org/abs/2205.05198)."""
-    recompute_method: Literal["uniform", "block"] | None = None
+    recompute_method: Literal["uniform", "block"] | None = flag(choices=["uniform", "block"])
     """With full recompute: "uniform" checkpoints groups of recompute_num_layers layers, "block" the first
     recompute_num_layers layers of each stage. Defaults to "uniform" when full recompute is on."""
-    recompute_num_layers: int | None = None
+    recompute_num_layers: int | None = flag(type=int)
     """Defaults to 1 with full recompute (every layer is checkpointed)."""
     precision: Literal["fp32", "fp16", "bf16"] = "fp32"
     """The parameters' dtype, Megatron-LM's ``params_dtype`` name (``--bf16``, ``--fp16``, ``--mixed-precision``):
     the one field every part of a run reads its precision from."""
-    attention_backend: Literal["auto", "flash", "fused", "unfused", "local"] = "auto"
+    attention_backend: Literal["auto", "flash", "fused", "unfused", "local"] = flag(
+        default="auto", choices=["auto", "flash", "fused", "unfused", "local"],
+        help="Transformer Engine's attention kernel (megatron-core's attention_backend); without Transformer Engine "
+             "megatron-core's local attention (torch SDPA) runs")
     """Transformer Engine's attention kernel (megatron-core's ``attention_backend``); without Transformer Engine the
     local spec's SDPA attention runs whatever this says (the trainers log that as ignored)."""
-    transformer_impl: Literal["transformer_engine", "local"] = "transformer_engine"
+    transformer_impl: Literal["transformer_engine", "local"] = flag(
+        default="transformer_engine", unset=None, choices=["transformer_engine", "local"],
+        help="Megatron-LM's: transformer_engine (the default) uses Transformer Engine's layers where it is installed, "
+             "megatron-core's local layers where not; local uses the local ones everywhere. Checkpoints of either "
+             "load into the other")
     """Megatron-LM's ``--transformer-impl``: Transformer Engine's layers where TE imports (megatron-core's local
     ones where it does not), or the local ones everywhere. Checkpoints of either load into the other."""
-    fused_kernels: bool = False
+    fused_kernels: bool = flag(default=False, help="torch.compile'd bias-activation and bias-dropout-add fusions (see "
+                                                   "ParallelConfig)")
     """megatron-core's torch.compile'd bias-activation (SwiGLU, tanh-GeLU) and bias-dropout-add fusions. Off by
     default: the first call compiles for seconds, which only pays off on long runs."""
 
@@ -228,23 +240,12 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
         parser = add_parallel_arguments(argparse.ArgumentParser())
         parallel = parallel_config_from_args(parser.parse_args(["--checkpoint-activations"]), num_layers=12)
     """
-    group = parser.add_argument_group("parallelism and memory")
-    group.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    group.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    group.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None)
+    add_flags(parser, ParallelConfig, "parallelism and memory")
+    # Flags that compute a field: Megatron-LM's other way to ask for virtual stages, the old recompute switch, and
+    # the precision (ParallelConfig.precision, from --bf16, --fp16 and --mixed-precision by precision_of).
+    group = parser.add_argument_group("parallelism and memory: other names")
     group.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
                        help="Megatron-LM's way to ask for virtual pipeline stages")
-    group.add_argument("--sequence-parallel", action="store_true")
-    group.add_argument("--context-parallel-size", type=int, default=1)
-    group.add_argument("--expert-model-parallel-size", type=int, default=1)
-    group.add_argument("--expert-tensor-parallel-size", type=int, default=None,
-                       help="tensor parallelism inside each expert (default: --tensor-model-parallel-size)")
-    group.add_argument("--moe-token-dispatcher-type", choices=["allgather", "alltoall", "flex"], default="allgather")
-    group.add_argument("--moe-grouped-gemm", action="store_true",
-                       help="one grouped GEMM over a rank's experts (needs Transformer Engine)")
-    group.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
-    group.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
-    group.add_argument("--recompute-num-layers", type=int, default=None)
     group.add_argument("--checkpoint-activations", action="store_true",
                        help="old name for --recompute-granularity full --recompute-method uniform")
     group.add_argument("--bf16", action="store_true")
@@ -254,15 +255,6 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
                             "given); megatron models train in fp16 with megatron-core's optimizer, plain/HF models "
                             "keep fp32 weights and run their forward under torch.autocast with a GradScaler, also "
                             "on CPUs")
-    group.add_argument("--attention-backend", choices=["auto", "flash", "fused", "unfused", "local"], default="auto",
-                       help="Transformer Engine's attention kernel (megatron-core's attention_backend); without "
-                            "Transformer Engine megatron-core's local attention (torch SDPA) runs")
-    group.add_argument("--transformer-impl", choices=["transformer_engine", "local"], default=None,
-                       help="Megatron-LM's: transformer_engine (the default) uses Transformer Engine's layers where "
-                            "it is installed, megatron-core's local layers where not; local uses the local ones "
-                            "everywhere. Checkpoints of either load into the other")
-    group.add_argument("--fused-kernels", action="store_true",
-                       help="torch.compile'd bias-activation and bias-dropout-add fusions (see ParallelConfig)")
     return parser
 
 
@@ -303,21 +295,6 @@ def parallel_config_from_args(args: argparse.Namespace, num_layers: int) -> Para
             raise ValueError("--checkpoint-activations means --recompute-granularity full; do not combine it with "
                              f"--recompute-granularity {granularity}")
         granularity = "full"
-    return ParallelConfig(
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=vpp,
-        sequence_parallel=args.sequence_parallel,
-        context_parallel_size=args.context_parallel_size,
-        expert_model_parallel_size=args.expert_model_parallel_size,
-        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
-        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
-        moe_grouped_gemm=args.moe_grouped_gemm,
-        recompute_granularity=granularity,
-        recompute_method=args.recompute_method,
-        recompute_num_layers=args.recompute_num_layers,
-        precision=precision_of(args),
-        fused_kernels=args.fused_kernels,
-        attention_backend=args.attention_backend,
-        transformer_impl=args.transformer_impl or "transformer_engine",
-    )
+    return from_flags(ParallelConfig, vars(args), virtual_pipeline_model_parallel_size=vpp,
+                      recompute_granularity=granularity, precision=precision_of(args),
+                      transformer_impl=args.transformer_impl or "transformer_engine")

@@ -38,11 +38,12 @@ from megatron_patch.errors import FlagParser, did_you_mean, option_strings
 from megatron_patch.model.config import (
     SWITCH_FLAGS, VALUE_FLAGS, HF_SIZE_KEYS, add_model_arguments, hf_size_key, model_flag_values, switch_name,
 )
+from megatron_patch.flags import add_flags, from_flags
 from megatron_patch.model.parallel import add_parallel_arguments, parallel_config_from_args, precision_of
 from megatron_patch.tokenizer.registry import add_tokenizer_args, tokenizer_options
 from megatron_patch.training.config import (
     MEMORY_FLAGS, MEMORY_HELP, ArgsView, CheckpointConfig, DataConfig, LoggingConfig, LoraConfig, ModelSpec,
-    RunConfig, TrainingConfig, add_flags, args_view, from_flags,
+    RunConfig, TrainingConfig, args_view,
 )
 from megatron_patch.training.ignored_flags import add_ignored_flags, flag_notices, refusal
 

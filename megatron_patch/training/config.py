@@ -26,49 +26,11 @@ import importlib.util
 import types
 
 from megatron_patch.checkpoint.format import CheckpointInfo
+from megatron_patch.flags import flag
 from megatron_patch.model.config import (
     SWITCH_FLAGS, VALUE_FLAGS, ModelConfig, get_model_config, model_config_from_flags, switch_name,
 )
 from megatron_patch.model.parallel import ParallelConfig
-
-
-def flag(*names: str, default=None, **options):
-    """A field set by the command line: its flags (``--field-name`` when none are named), default and argparse
-    options; a False default makes it a switch.
-
-    Example::
-
-        lr: float = flag(default=1e-4, type=float)          # --lr
-        local_rank: int | None = flag("--local-rank", "--local_rank", type=int)
-    """
-    return dataclasses.field(default=default, metadata={"flags": names, "options": options})
-
-
-def add_flags(parser, section, title: str, description: str | None = None) -> None:
-    """Add one argument per flagged field of the dataclass ``section`` to the argparse ``parser`` (its ``dest`` is
-    the field's name, which is also the name Megatron-LM's ``args`` carry).
-
-    Example::
-
-        add_flags(parser, CheckpointConfig, "checkpointing")    # --save, --load, --save-interval, ...
-    """
-    group = parser.add_argument_group(title, description)
-    for field in dataclasses.fields(section):
-        if "flags" not in field.metadata:
-            continue
-        options = dict(field.metadata["options"])
-        if field.default is False:
-            options.setdefault("action", "store_true")
-        names = field.metadata["flags"] or ("--" + field.name.replace("_", "-"),)
-        group.add_argument(*names, dest=field.name, default=field.default, **options)
-
-
-def from_flags(section, values: dict, **derived):
-    """``section`` built from parsed flag ``values`` (a dict: the parsed Namespace is never changed) and the
-    ``derived`` fields; argparse's lists become tuples, so the configuration stays hashable and frozen."""
-    fields = {f.name: values[f.name] for f in dataclasses.fields(section) if "flags" in f.metadata}
-    fields = {name: tuple(v) if isinstance(v, list) else v for name, v in fields.items()}
-    return section(**{**fields, **derived})
 
 
 def _refusals(checks) -> None:
