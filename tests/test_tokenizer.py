@@ -129,6 +129,23 @@ def test_bert_wordpiece_equals_reference_implementation(assets, tokenizer_type, 
     assert (tok.cls, tok.sep, tok.pad, tok.mask) == tuple(vocab[t] for t in ("[CLS]", "[SEP]", "[PAD]", "[MASK]"))
 
 
+def test_wordpiece_training_writes_the_same_vocabulary_every_time(assets, tmp_path):
+    """Failed before (huggingface/tokenizers issue 1794): the trainer numbered the ``##`` pieces in hash-map order,
+    so each training wrote another vocab.txt, and the BERT tests trained and fine-tuned on other token ids in each
+    session (test_examples' classifier stayed at chance in about one session in six)."""
+    from megatron_patch.data.train_tokenizer import train_tokenizer
+
+    vocabularies = []
+    for run in range(3):
+        [path] = train_tokenizer("wordpiece", assets.corpus, str(tmp_path / str(run)), vocab_size=1000)
+        with open(path, encoding="utf-8") as f:
+            vocabularies.append(f.read().splitlines())
+    assert vocabularies[1] == vocabularies[0] and vocabularies[2] == vocabularies[0]
+    with open(assets.options["BertWordPieceLowerCase"]["vocab_file"], encoding="utf-8") as f:
+        assert f.read().splitlines() == vocabularies[0]  # the session's, trained once from the same corpus
+    assert len(vocabularies[0]) == 1000 and vocabularies[0][:5] == ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+
+
 def test_sentencepiece_equals_library_and_encodes_special_tokens(assets):
     import sentencepiece
 

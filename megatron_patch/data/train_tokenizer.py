@@ -18,7 +18,7 @@ Kinds and what they write into `--output-dir` (and the `--tokenizer-type` that r
 """
 
 import os
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from megatron_patch.data.jsonl import expand_inputs, iter_jsonl_texts
 from megatron_patch.errors import FlagParser
@@ -49,17 +49,34 @@ def train_gpt2_bpe(texts: Iterator[str], output_dir: str, vocab_size: int) -> li
     return tokenizer.model.save(output_dir)  # vocab.json, merges.txt
 
 
-def train_wordpiece(texts: Iterator[str], output_dir: str, vocab_size: int, lower_case: bool = True) -> list[str]:
+def train_wordpiece(texts: Iterable[str], output_dir: str, vocab_size: int, lower_case: bool = True) -> list[str]:
+    """A WordPiece ``vocab.txt``, the same file for the same texts every time.
+
+    The tokenizers library's trainer numbers the word-continuing pieces (``##e``) in the order it meets them in a
+    hash map, which changes from run to run, and breaks ties between equally frequent merges by those numbers: the
+    same corpus gave another ``vocab.txt`` each time, and 20 runs on the test corpus gave 3 different sets of tokens
+    (huggingface/tokenizers issue 1794, checked on 0.23.3). So a first pass stops before any merge and finds
+    those pieces, and the real pass is given them, sorted, with the special tokens, which the trainer numbers first
+    in the order given. ``texts`` is read twice (an iterator is listed first).
+    """
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
 
-    tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=lower_case, strip_accents=lower_case)
-    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    trainer = trainers.WordPieceTrainer(
-        vocab_size=vocab_size, special_tokens=BERT_SPECIAL_TOKENS, show_progress=False
-    )
-    tokenizer.train_from_iterator(texts, trainer=trainer)
-    return tokenizer.model.save(output_dir)  # vocab.txt
+    if iter(texts) is texts:
+        texts = list(texts)
+
+    def train(vocab_size: int, special_tokens: list[str]) -> Tokenizer:
+        tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+        tokenizer.normalizer = normalizers.BertNormalizer(lowercase=lower_case, strip_accents=lower_case)
+        tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=special_tokens,
+                                            show_progress=False)
+        tokenizer.train_from_iterator(texts, trainer=trainer)
+        return tokenizer
+
+    # Without merges the vocabulary is the special tokens, the alphabet and the continuing pieces of its characters.
+    continuing = sorted(token for token in train(0, BERT_SPECIAL_TOKENS).get_vocab()
+                        if token.startswith("##") and len(token) == 3)
+    return train(vocab_size, BERT_SPECIAL_TOKENS + continuing).model.save(output_dir)  # vocab.txt
 
 
 def train_sentencepiece(texts: Iterator[str], output_dir: str, vocab_size: int) -> list[str]:
@@ -146,8 +163,18 @@ def train_tokenizer(
     if kind not in TRAINERS:
         raise ValueError(f"unknown tokenizer kind {kind!r}; choose one of {', '.join(TRAINERS)}")
     os.makedirs(output_dir, exist_ok=True)
-    texts = iter_jsonl_texts(expand_inputs(input), json_key)
-    return TRAINERS[kind](texts, output_dir, vocab_size, **options)
+    return TRAINERS[kind](_JsonlTexts(expand_inputs(input), json_key), output_dir, vocab_size, **options)
+
+
+class _JsonlTexts:
+    """The ``json_key`` texts of the JSONL ``paths``, read afresh by each ``iter()``: the WordPiece trainer reads its
+    texts twice, and a corpus need not fit in memory."""
+
+    def __init__(self, paths: list[str], json_key: str):
+        self.paths, self.json_key = paths, json_key
+
+    def __iter__(self) -> Iterator[str]:
+        return iter_jsonl_texts(self.paths, self.json_key)
 
 
 def main(argv: list[str] | None = None) -> int:
