@@ -174,3 +174,20 @@ def test_the_launchers_check_finds_the_prefixes_megatron_core_reads(tmp_path, wo
         # an index of no sequences: the launcher reads its header too
         (tmp_path / (word + ".idx")).write_bytes(struct.pack("<9sQBQQ", b"MMIDIDX\x00\x00", 1, 8, 0, 0))
     assert check_data_path(named) == get_blend_from_list(named)[0]
+
+
+def test_a_hugging_face_bert_is_never_given_the_ids_megatron_appends(assets, tmp_path):
+    """Megatron's BERT tokenizer appends [BOS] and [EOS] after the vocab file's ids; masking replaces tokens with any
+    id it knows, so the data for a Hugging Face BERT of that vocab file (whose embedding has no rows for them) must
+    know only the file's."""
+    from megatron_patch.training.data import _VocabFileOnly
+
+    tok = build_tokenizer("BertWordPieceLowerCase", **assets.options["BertWordPieceLowerCase"])
+    with open(assets.options["BertWordPieceLowerCase"]["vocab_file"]) as f:
+        in_file = sum(1 for line in f if line.strip())
+    assert tok.appended_ids == {in_file, in_file + 1} and tok.appended_ids <= set(tok.inv_vocab)
+    prefix = _preprocess(assets, tmp_path, "bert", assets.texts, "BertWordPieceLowerCase", split_sentences=True)
+    [train, _, _] = build_bert_datasets([prefix], split="1,0,0", seq_length=64, tokenizer=_VocabFileOnly(tok),
+                                        train_valid_test_num_samples=[2000, 0, 0], seed=3)
+    replaced = numpy.concatenate([train[i]["text"][train[i]["loss_mask"] == 1] for i in range(2000)])
+    assert len(replaced) > 1000 and replaced.max() < in_file

@@ -65,8 +65,11 @@ class BertWordPieceTokenizer(BackendTokenizer):
         vocab_file = require_file(vocab_file, "--vocab-file", type(self).__name__, "a BERT vocab.txt")
         super().__init__(vocab_file, lower_case=lower_case, vocab_extra_ids=vocab_extra_ids)
         self._vocab = read_wordpiece_vocab(vocab_file)
+        in_file = len(self._vocab)
         for token in ["[BOS]", "[EOS]"] + [f"<extra_id_{i}>" for i in range(vocab_extra_ids)]:
             self._vocab.setdefault(token, len(self._vocab))
+        # The tokens appended after the vocab file's, which a Hugging Face BERT of that file has no rows for.
+        self.appended_ids = frozenset(range(in_file, len(self._vocab)))
         self._inv_vocab = {i: t for t, i in self._vocab.items()}
         self._special_ids = {name: self._vocab[token] for name, token in SPECIAL_TOKENS.items()}
         self.additional_special_tokens_ids = [

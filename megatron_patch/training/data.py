@@ -137,6 +137,21 @@ def _tokenizer():
     return get_tokenizer()
 
 
+class _VocabFileOnly:
+    """The engine's tokenizer as megatron-core's BERT masking sees it for a Hugging Face model: without the tokens
+    Megatron's BERT tokenizers append after the vocab file's ([BOS], [EOS], as Megatron-LM's do). Masking replaces
+    one token in ten with any id of ``inv_vocab`` (BERTMaskedWordPieceDataset._get_token_mask), and a Hugging Face
+    BERT of that vocab file has no embedding row for the appended ones."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+        appended = getattr(tokenizer, "appended_ids", frozenset())
+        self.inv_vocab = {i: token for i, token in tokenizer.inv_vocab.items() if i not in appended}
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+
 def build_train_valid_test_datasets_for_huggingface(
     data_prefix, data_impl: str, splits_string: str, train_valid_test_num_samples, max_seq_length: int,
     masked_lm_prob: float, short_seq_prob: float, seed: int, skip_warmup: bool = True, binary_head: bool = True,
@@ -145,8 +160,9 @@ def build_train_valid_test_datasets_for_huggingface(
     ``attention_mask``, ``token_type_ids``, ``labels``, ``next_sentence_label``); the tokenizer is the engine's
     ``--tokenizer-type``. ``data_impl`` and ``skip_warmup`` are accepted for Rapidformer's signature (mmap only)."""
     datasets = build_bert_datasets(
-        list(data_prefix), splits_string, max_seq_length, _tokenizer(), list(train_valid_test_num_samples),
-        seed=seed, binary_head=binary_head, masked_lm_prob=masked_lm_prob, short_seq_prob=short_seq_prob,
+        list(data_prefix), splits_string, max_seq_length, _VocabFileOnly(_tokenizer()),
+        list(train_valid_test_num_samples), seed=seed, binary_head=binary_head, masked_lm_prob=masked_lm_prob,
+        short_seq_prob=short_seq_prob,
     )
     return _wrap(datasets, _as_huggingface_bert)
 
