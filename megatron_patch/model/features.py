@@ -20,8 +20,6 @@ from megatron_patch.model.conversion import Rule, Table, UnsupportedCheckpoint, 
 # LLaMA: RoPE, RMSNorm, SwiGLU, no bias anywhere; the fields most GPT families start from.
 LLAMA_TYPE = dict(family="gpt", position_embedding_type="rope", normalization="RMSNorm", activation="swiglu",
                   add_bias_linear=False, add_qkv_bias=False, qk_layernorm=False)
-
-
 # LLaMA 3.1's rope_scaling values megatron-core's RotaryEmbedding._apply_scaling hard-codes (only the factor is an
 # argument there, RotaryEmbedding._apply_scaling at core_v0.16.1); transformers reads all four from config.json.
 _LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -108,8 +106,6 @@ def attention_hf(m: ModelConfig) -> dict:
 
 
 LLAMA_LAYER = "model.layers.{}."
-
-
 LLAMA_RULES = (
     rule("model.embed_tokens.weight", "embedding.word_embeddings.weight", "pad_vocab"),
     rule(LLAMA_LAYER + "input_layernorm.weight", "decoder.layers.{}.input_layernorm.weight"),
@@ -129,12 +125,8 @@ def swiglu_mlp(hf: str, mcore: str, gate: str = "gate_proj", up: str = "up_proj"
 
 
 LLAMA_MLP = swiglu_mlp(LLAMA_LAYER + "mlp.", "decoder.layers.{}.mlp.")
-
-
 QKV_BIAS = rule(tuple(LLAMA_LAYER + f"self_attn.{p}_proj.bias" for p in "qkv"),
                  "decoder.layers.{}.self_attention.linear_qkv.bias", "fuse_qkv")
-
-
 # Qwen3's per-head RMSNorm weights ([head_dim], the same on every TP rank).
 QK_NORMS = (rule(LLAMA_LAYER + "self_attn.q_norm.weight", "decoder.layers.{}.self_attention.q_layernorm.weight"),
              rule(LLAMA_LAYER + "self_attn.k_norm.weight", "decoder.layers.{}.self_attention.k_layernorm.weight"))

@@ -28,11 +28,7 @@ def _bert(num_layers: int, hidden_size: int, num_attention_heads: int) -> ModelC
 
 
 register_model_config("bert-base")(lambda: _bert(12, 768, 12))
-
-
 register_model_config("bert-large")(lambda: _bert(24, 1024, 16))
-
-
 register_model_config("tiny-bert")(lambda: _bert(2, 64, 4).replace(
     seq_length=32, max_position_embeddings=32, vocab_size=128, make_vocab_size_divisible_by=1,
 ))

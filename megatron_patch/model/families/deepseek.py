@@ -57,8 +57,6 @@ register_model_config("deepseek-v3")(lambda: _deepseek(
     moe_router_group_topk=4, moe_router_topk_scaling_factor=2.5, q_lora_rank=1536, kv_lora_rank=512,
     **_yarn(40.0, 1.0, 1.0),
 ))
-
-
 # deepseek-ai/DeepSeek-V2-Lite: no query compression, 64 experts of 1408 and two shared, 6 per token by softmax,
 # weights not renormalised (norm_topk_prob false: --moe-router-pre-softmax); trained with a sequence-wise balance loss
 # of weight 0.001 (aux_loss_alpha, seq_aux).
@@ -69,8 +67,6 @@ register_model_config("deepseek-v2-lite")(lambda: _deepseek(
     moe_aux_loss_coeff=0.001, moe_router_load_balancing_type="seq_aux_loss", kv_lora_rank=512,
     **_yarn(40.0, 0.707, 0.707),
 ))
-
-
 # moonshotai/Moonlight-16B-A3B (model_type deepseek_v3): V2-Lite's shape with V3's router, unscaled RoPE.
 register_model_config("moonlight-16b-a3b")(lambda: _deepseek(
     "deepseek_v3", 1, num_layers=27, hidden_size=2048, ffn_hidden_size=11264, num_attention_heads=16,
@@ -78,8 +74,6 @@ register_model_config("moonlight-16b-a3b")(lambda: _deepseek(
     moe_router_topk=6, moe_ffn_hidden_size=1408, moe_shared_expert_intermediate_size=2816,
     moe_router_topk_scaling_factor=2.446, kv_lora_rank=512, layernorm_epsilon=1e-5,
 ))
-
-
 # moonshotai/Kimi-K2-Instruct (model_type deepseek_v3): 384 experts, 64 heads, one dense layer, no groups.
 register_model_config("kimi-k2")(lambda: _deepseek(
     "deepseek_v3", 1, num_layers=61, hidden_size=7168, ffn_hidden_size=18432, num_attention_heads=64,
@@ -87,8 +81,6 @@ register_model_config("kimi-k2")(lambda: _deepseek(
     moe_router_topk=8, moe_ffn_hidden_size=2048, moe_shared_expert_intermediate_size=2048,
     moe_router_topk_scaling_factor=2.827, q_lora_rank=1536, kv_lora_rank=512, **_yarn(32.0, 1.0, 1.0),
 ))
-
-
 # zai-org/GLM-4.5 (model_type glm4_moe): 160 experts of 1536 and one shared, 8 per token by biased sigmoid,
 # weights x 2.5; 96 heads of 128 in 8 KV groups with q/k/v biases and q/k norms, RoPE on half of each head; one
 # multi-token prediction layer. GLM-4.5-Air: 128 experts of 1408, one dense layer, no q/k norms, weights x 1.
@@ -99,16 +91,12 @@ register_model_config("glm-4.5")(lambda: _deepseek(
     moe_router_topk=8, moe_ffn_hidden_size=1536, moe_shared_expert_intermediate_size=1536,
     moe_router_topk_scaling_factor=2.5, mtp_num_layers=1,
 ))
-
-
 register_model_config("glm-4.5-air")(lambda: _deepseek(
     "glm4_moe", 1, num_layers=46, hidden_size=4096, ffn_hidden_size=10944, num_attention_heads=96,
     num_query_groups=8, kv_channels=128, seq_length=4096, max_position_embeddings=131072, vocab_size=151552,
     rotary_base=1000000, rotary_percent=0.5, layernorm_epsilon=1e-5, num_moe_experts=128, moe_router_topk=8,
     moe_ffn_hidden_size=1408, moe_shared_expert_intermediate_size=1408, mtp_num_layers=1,
 ))
-
-
 # Four layers, the first dense; 4 experts in 2 groups, 2 per token from 1 group, a shared expert; query rank 32,
 # latent 32, heads of 16 + 8 (RoPE) channels, values 16; YaRN.
 register_model_config("tiny-deepseek-v3")(lambda: _deepseek(
@@ -118,7 +106,6 @@ register_model_config("tiny-deepseek-v3")(lambda: _deepseek(
     moe_router_topk_scaling_factor=2.5, q_lora_rank=32, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8,
     v_head_dim=16, **_yarn(4.0, 1.0, 1.0, original=8),
 ))
-
 
 _YARN_KEYS = ("rope_type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
               "mscale", "mscale_all_dim", "type", "truncate", "attention_factor")
@@ -384,8 +371,6 @@ def _deepseek_table(m: ModelConfig, architecture: str) -> Table:
 
 register_family(model_type="deepseek_v3", config_from_hf=_deepseek_v3_from_hf, config_to_hf=_deepseek_v3_hf,
                 table=_deepseek_table, architectures=("DeepseekV3ForCausalLM",), held_by_files=_mtp_in_files)
-
-
 register_family(model_type="deepseek_v2", config_from_hf=_deepseek_v2_from_hf, config_to_hf=_deepseek_v2_hf,
                 table=_deepseek_table, architectures=("DeepseekV2ForCausalLM",))
 

@@ -34,27 +34,16 @@ def _gpt2(num_layers: int, hidden_size: int, num_attention_heads: int) -> ModelC
 
 
 register_model_config("gpt2-124m")(lambda: _gpt2(12, 768, 12))
-
-
 register_model_config("gpt2-355m")(lambda: _gpt2(24, 1024, 16))
-
-
 register_model_config("gpt2-774m")(lambda: _gpt2(36, 1280, 20))
-
-
 register_model_config("gpt2-1.5b")(lambda: _gpt2(48, 1600, 25))
-
-
 # Debug shapes: seconds on a CPU, every architectural feature switched on.
 register_model_config("tiny-gpt2")(lambda: _gpt2(2, 64, 4).replace(
     seq_length=32, max_position_embeddings=32, vocab_size=128, make_vocab_size_divisible_by=1,
 ))
 
-
 # Activation names: Hugging Face's ACT2FN key <-> ModelConfig.activation.
 _GELU_FROM_HF = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
-
-
 _GELU_TO_HF = {"gelu_tanh": "gelu_new", "gelu": "gelu"}
 
 
@@ -84,8 +73,6 @@ def _gpt2_hf(m: ModelConfig) -> dict:
 
 
 _GPT2_LAYER = "transformer.h.{}."
-
-
 _GPT2_RULES = (
     rule("transformer.wte.weight", "embedding.word_embeddings.weight", "pad_vocab"),
     rule("transformer.wpe.weight", "embedding.position_embeddings.weight"),

@@ -44,8 +44,6 @@ register_model_config("llama2-7b")(lambda: llama_like(
     num_layers=32, hidden_size=4096, ffn_hidden_size=11008, num_attention_heads=32, seq_length=4096,
     layernorm_epsilon=1e-5, vocab_size=32000,
 ))
-
-
 register_model_config("llama3.2-1b")(lambda: llama_like(
     num_layers=16, hidden_size=2048, ffn_hidden_size=8192, num_attention_heads=32, num_query_groups=8,
     seq_length=8192, max_position_embeddings=131072, rotary_base=500000, layernorm_epsilon=1e-5,
@@ -53,82 +51,56 @@ register_model_config("llama3.2-1b")(lambda: llama_like(
     # Its config.json: rope_scaling {rope_type: llama3, factor: 32, low/high_freq_factor 1/4, original 8192}.
     rope_scaling=True, rope_scaling_factor=32.0,
 ))
-
-
 register_model_config("llama3-8b")(lambda: llama_like(
     num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32, num_query_groups=8,
     seq_length=8192, rotary_base=500000, layernorm_epsilon=1e-5, vocab_size=128256,
 ))
-
-
 register_model_config("llama3.1-8b")(lambda: llama_like(
     num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32, num_query_groups=8,
     seq_length=8192, max_position_embeddings=131072, rotary_base=500000, rope_scaling=True, rope_scaling_factor=8.0,
     layernorm_epsilon=1e-5, vocab_size=128256,
 ))
-
-
 # Mistral-7B-v0.1. Its 4096-token sliding window equals seq_length, where it masks nothing: full causal attention
 # computes the same (a query at position i sees keys i-4095..i either way).
 register_model_config("mistral-7b")(lambda: llama_like(
     num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32, num_query_groups=8,
     seq_length=4096, max_position_embeddings=32768, layernorm_epsilon=1e-5, vocab_size=32000,
 ))
-
-
 register_model_config("qwen2-0.5b")(lambda: qwen2_like(
     num_layers=24, hidden_size=896, ffn_hidden_size=4864, num_attention_heads=14, num_query_groups=2,
     seq_length=4096, max_position_embeddings=32768, untie_embeddings_and_output_weights=False,
 ))
-
-
 register_model_config("qwen2-1.5b")(lambda: qwen2_like(
     num_layers=28, hidden_size=1536, ffn_hidden_size=8960, num_attention_heads=12, num_query_groups=2,
     seq_length=4096, max_position_embeddings=32768, untie_embeddings_and_output_weights=False,
 ))
-
-
 register_model_config("qwen2-7b")(lambda: qwen2_like(
     num_layers=28, hidden_size=3584, ffn_hidden_size=18944, num_attention_heads=28, num_query_groups=4,
     seq_length=4096, max_position_embeddings=32768, vocab_size=152064,
 ))
-
-
 register_model_config("qwen3-0.6b")(lambda: qwen3_like(
     num_layers=28, hidden_size=1024, ffn_hidden_size=3072, num_attention_heads=16, num_query_groups=8,
     untie_embeddings_and_output_weights=False,
 ))
-
-
 register_model_config("qwen3-1.7b")(lambda: qwen3_like(
     num_layers=28, hidden_size=2048, ffn_hidden_size=6144, num_attention_heads=16, num_query_groups=8,
     untie_embeddings_and_output_weights=False,
 ))
-
-
 register_model_config("qwen3-4b")(lambda: qwen3_like(
     num_layers=36, hidden_size=2560, ffn_hidden_size=9728, num_attention_heads=32, num_query_groups=8,
     untie_embeddings_and_output_weights=False,
 ))
-
-
 register_model_config("qwen3-8b")(lambda: qwen3_like(
     num_layers=36, hidden_size=4096, ffn_hidden_size=12288, num_attention_heads=32, num_query_groups=8,
 ))
-
-
 register_model_config("tiny-llama")(lambda: llama_like(
     num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2, seq_length=32,
     vocab_size=128, make_vocab_size_divisible_by=1,
 ))
-
-
 register_model_config("tiny-qwen2")(lambda: qwen2_like(
     num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2, seq_length=32,
     vocab_size=128, make_vocab_size_divisible_by=1,
 ))
-
-
 # Head width 32, not hidden / heads = 16: the q/k norms and the projections must follow kv_channels.
 register_model_config("tiny-qwen3")(lambda: qwen3_like(
     num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2, kv_channels=32,
@@ -181,15 +153,9 @@ def _is_llama(m: ModelConfig) -> bool:
 
 register_family(model_type="llama", config_from_hf=_llama_from_hf, config_to_hf=_llama_hf, table=llama_table,
                 architectures=("LlamaForCausalLM",), recognises=_is_llama)
-
-
 register_family(model_type="mistral", config_from_hf=_mistral_from_hf, config_to_hf=_mistral_hf, table=llama_table,
                 architectures=("MistralForCausalLM",))
-
-
 register_family(model_type="qwen2", config_from_hf=_qwen2_from_hf, config_to_hf=_llama_hf, table=llama_table,
                 architectures=("Qwen2ForCausalLM",))
-
-
 register_family(model_type="qwen3", config_from_hf=_qwen3_from_hf, config_to_hf=_llama_hf, table=llama_table,
                 architectures=("Qwen3ForCausalLM",))

@@ -56,46 +56,33 @@ register_model_config("mixtral-8x7b")(lambda: _mixtral(
     num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32, num_query_groups=8,
     seq_length=4096, max_position_embeddings=32768, layernorm_epsilon=1e-5, vocab_size=32000,
 ))
-
-
 # Qwen1.5-MoE-A2.7B (Qwen2MoeForCausalLM): 60 experts of 1408, 4 per token, a 5632-wide shared expert.
 register_model_config("qwen2-moe-a2.7b")(lambda: _qwen2_moe(
     num_layers=24, hidden_size=2048, ffn_hidden_size=5632, num_attention_heads=16, num_query_groups=16,
     seq_length=4096, max_position_embeddings=8192, num_moe_experts=60, moe_router_topk=4, moe_ffn_hidden_size=1408,
     moe_shared_expert_intermediate_size=5632,
 ))
-
-
 register_model_config("qwen3-moe-30b-a3b")(lambda: _qwen3_moe(
     num_layers=48, hidden_size=2048, ffn_hidden_size=6144, num_attention_heads=32, num_query_groups=4,
     num_moe_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768,
 ))
-
-
 # Four experts, two per token: with EP=2 each rank holds two, and tokens cross ranks.
 register_model_config("tiny-mixtral")(lambda: _mixtral(
     num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2, seq_length=32,
     vocab_size=128, make_vocab_size_divisible_by=1, num_moe_experts=4, moe_ffn_hidden_size=32,
 ))
-
-
 register_model_config("tiny-qwen2-moe")(lambda: _qwen2_moe(
     num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2, seq_length=32,
     vocab_size=128, make_vocab_size_divisible_by=1, num_moe_experts=4, moe_ffn_hidden_size=32,
     moe_shared_expert_intermediate_size=48,
 ))
-
-
 register_model_config("tiny-qwen3-moe")(lambda: _qwen3_moe(
     num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2, kv_channels=32,
     seq_length=32, max_position_embeddings=32, vocab_size=128, make_vocab_size_divisible_by=1, num_moe_experts=4,
     moe_ffn_hidden_size=32,
 ))
 
-
 _MIXTRAL_EXPERTS = Experts("block_sparse_moe.", ("w1", "w3", "w2"))
-
-
 _QWEN_EXPERTS = Experts("mlp.", ("gate_proj", "up_proj", "down_proj"))
 
 
@@ -180,12 +167,8 @@ def _qwen2_moe_hf(m: ModelConfig) -> dict:
 
 register_family(model_type="mixtral", config_from_hf=_mixtral_from_hf, config_to_hf=_mixtral_hf,
                 table=moe_table(_MIXTRAL_EXPERTS), architectures=("MixtralForCausalLM",))
-
-
 register_family(model_type="qwen2_moe", config_from_hf=_qwen2_moe_from_hf, config_to_hf=_qwen2_moe_hf,
                 table=moe_table(_QWEN_EXPERTS), architectures=("Qwen2MoeForCausalLM",))
-
-
 register_family(model_type="qwen3_moe", config_from_hf=_qwen3_moe_from_hf,
                 config_to_hf=lambda m: _qwen_moe_hf(m, "qwen3_moe", shared_expert=False),
                 table=moe_table(_QWEN_EXPERTS), architectures=("Qwen3MoeForCausalLM",))
