@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from megatron_patch.model.config import moe_layer_freq
+from megatron_patch.model.config import layer_freq, parse_window_size
 from megatron_patch.training.arguments import build_parser, parse_args, parse_flags
 from megatron_patch.training.ignored_flags import IGNORED_FLAGS, REFUSED_FLAGS
 
@@ -27,7 +27,8 @@ def _argv(flags: list[str]) -> list[str]:
     for name in flags:
         action = PARSER._option_string_actions[name]
         count = {None: 1, "?": 0, "*": 0, "+": 1}.get(action.nargs, action.nargs)
-        value = (action.choices[0] if action.choices else "1" if action.type in (int, float, moe_layer_freq) else "x")
+        value = (action.choices[0] if action.choices else "1" if action.type in (int, float, layer_freq)
+                 else "4095,0" if action.type is parse_window_size else "x")
         argv += [name, *[str(value)] * count]
     return argv
 
@@ -51,9 +52,10 @@ def test_collected_figures():
     assert len(SCRIPTS) == 35 and len(flags) == 248
     # Issue 41 accepts the 10 multi-latent attention flags, 6 router flags, --moe-layer-freq and the 2 multi-token
     # prediction flags (19 that were refused); issue 49 acts on --train-data-path and --valid-data-path (with --sft),
-    # which were refused.
+    # which were refused; issue 51 (Gemma 3) acts on --window-size, --window-attn-skip-freq and
+    # --rotary-seq-len-interpolation-factor, which were refused.
     assert (len(accepted - set(IGNORED_FLAGS)), len(accepted & set(IGNORED_FLAGS)), len(flags - accepted)) == \
-        (138, 36, 74)
+        (141, 36, 71)
 
 
 def test_flags_the_issue_names_are_megatron_lm_s(tmp_path):

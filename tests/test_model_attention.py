@@ -54,6 +54,57 @@ def test_sdpa_matches_megatron_dot_product_attention(num_query_groups):
     assert all(error < 1e-5 for error in errors.values()), errors
 
 
+def compare_sliding_window(rank, world_size):
+    """SDPAttention's window against megatron-core's DotProductAttention given transformers' sliding-window mask
+    (``sliding_window_overlay`` and ``causal_mask_function`` evaluated over every query and key), in a window layer
+    and in the full layer ``window_attn_skip_freq`` leaves; and a packed sequence against the same sequence alone."""
+    import dataclasses
+
+    import torch
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from transformers.masking_utils import causal_mask_function, sliding_window_overlay
+
+    from megatron_patch.distributed import initialize_distributed
+    from megatron_patch.model.attention import SDPAttention
+
+    initialize_distributed()
+    window, seq, batch = 5, 16, 2
+    plain = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                              attention_dropout=0.0, use_cpu_initialization=True)
+    windowed = dataclasses.replace(plain, window_size=(window - 1, 0), window_attn_skip_freq=2)
+    gen = torch.Generator().manual_seed(0)
+    query = torch.randn(seq, batch, 4, 8, generator=gen)
+    key, value = (torch.randn(seq, batch, 2, 8, generator=gen) for _ in range(2))
+    sees = sliding_window_overlay(window)
+    allowed = torch.tensor([[causal_mask_function(0, 0, q, k) and sees(0, 0, q, k) for k in range(seq)]
+                            for q in range(seq)])
+    reference = DotProductAttention(plain, 1, AttnMaskType.causal, "self")
+
+    def sdpa(layer_number):
+        return SDPAttention(windowed, layer_number, AttnMaskType.causal, "self")
+
+    errors = {
+        "window layer": sdpa(1)(query, key, value, None) - reference(query, key, value, ~allowed[None, None]),
+        "full layer": sdpa(2)(query, key, value, None) - reference(query, key, value, None),
+    }
+    # Two sequences packed (thd): the second, 11 tokens, as if alone.
+    bounds = torch.tensor([0, 5, 16], dtype=torch.int32)
+    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, max_seqlen_q=11,
+                             max_seqlen_kv=11)
+    thd = [t[:, 0] for t in (query, key, value)]  # [t, heads, d]
+    alone = sdpa(1)(*(t[5:, :1] for t in (query, key, value)), None)
+    errors["packed"] = sdpa(1)(*thd, None, packed_seq_params=packed)[5:] - alone[:, 0]
+    return {name: float(error.abs().max()) for name, error in errors.items()}
+
+
+def test_sliding_window_matches_transformers_mask():
+    [errors] = run_on_ranks(compare_sliding_window, 1)
+    assert all(error < 1e-5 for error in errors.values()), errors
+
+
 @pytest.mark.parametrize("name,overrides,mask_type", [
     ("tiny-gpt2", {}, "causal"),
     ("tiny-llama", {}, "causal"),

@@ -600,10 +600,10 @@ def megatron_to_hf(
         return save_dir
     if lora is not None:
         state = lora_export.merge_adapters(state, lora)
-    if m.layernorm_zero_centered_gamma:
+    if m.layernorm_zero_centered_gamma and not family.zero_centered_norms:
         from megatron_patch.model.layers import ZeroCenteredNorm
 
-        # --apply-layernorm-1p keeps gamma - 1 in the norms' weights (model/layers.py); Hugging Face's hold gamma.
+        # --apply-layernorm-1p keeps gamma - 1 in the norms' weights (model/layers.py); this family's hold gamma.
         for name, module in model.named_modules():
             if isinstance(module, ZeroCenteredNorm):
                 state[f"{name}.weight"] = state[f"{name}.weight"] + 1

@@ -10,7 +10,8 @@ lets PyTorch pick a flash or memory-efficient kernel on GPUs (math kernel on CPU
 boolean, True where attention is *not* allowed, broadcastable to [b, heads, sq, sk] (BERT passes [b, 1, 1, s]
 key-padding masks, HF's semantics); no mask with ``AttnMaskType.causal`` means causal. Packed sequences come in
 megatron-core's ``thd`` format (``PackedSeqParams`` with ``cu_seqlens``): each sequence attends causally to itself
-only, as if it were alone in its batch.
+only, as if it were alone in its batch. A sliding window (``config.window_size``, in the layers megatron-core's
+``is_layer_window_attention`` picks) narrows every causal mask to the last LEFT + 1 keys.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
+
+from megatron_patch.model.gpt import is_sliding_window_layer
 
 
 class SDPAttention(MegatronModule):
@@ -55,8 +58,12 @@ class SDPAttention(MegatronModule):
         if config.context_parallel_size != 1:
             raise ValueError("SDPAttention has no context parallelism; --context-parallel-size > 1 needs the "
                              "Transformer Engine layer spec")
-        if config.softmax_type != "vanilla" or config.window_size is not None:
-            raise ValueError("SDPAttention supports vanilla softmax without sliding windows only")
+        if config.softmax_type != "vanilla":
+            raise ValueError("SDPAttention supports vanilla softmax only")
+        self.window = config.window_size if is_sliding_window_layer(config, layer_number) else None
+        if self.window is not None and (attn_mask_type != AttnMaskType.causal or self.window[1] != 0):
+            raise ValueError(f"SDPAttention's sliding window looks back from a causal query only (--window-size "
+                             f"LEFT,0), not {self.window} with {attn_mask_type.name} attention")
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
         tp_size = pg_collection.tp.size()
@@ -87,9 +94,11 @@ class SDPAttention(MegatronModule):
         seq_q, batch = query.shape[:2]
         # [s, b, heads, d] -> [b, heads, s, d], the layout SDPA expects.
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        allowed = None
-        if attention_mask is not None:
-            allowed = ~attention_mask
+        allowed = None if attention_mask is None else ~attention_mask
+        if self.window is not None:
+            in_window = self._in_window(seq_q, key.shape[0], query.device)
+            allowed = in_window if allowed is None else allowed & in_window
+        if allowed is not None:
             # A query row with every key masked (padding rows of a [b,1,s,s] BERT mask) would give NaN; let it
             # attend everywhere instead. Its output is padding either way and never reaches a real token.
             allowed = allowed | ~allowed.any(dim=-1, keepdim=True)
@@ -105,6 +114,13 @@ class SDPAttention(MegatronModule):
             )
         # [b, heads, sq, d] -> [sq, b, heads * d]
         return context.permute(2, 0, 1, 3).reshape(seq_q, batch, -1)
+
+    def _in_window(self, seq_q: int, seq_k: int, device) -> torch.Tensor:
+        """[sq, sk] booleans: key j is at most LEFT before query i and not after it (queries are the last sq keys,
+        as in megatron-core's causal masks). transformers' sliding mask is the same: ``kv_idx > q_idx - window``."""
+        query = torch.arange(seq_k - seq_q, seq_k, device=device)[:, None]
+        key = torch.arange(seq_k, device=device)[None, :]
+        return (key <= query) & (key >= query - self.window[0])
 
     def _rng(self):
         # Megatron forks the model-parallel RNG for attention dropout unless activations are sequence-parallel
@@ -129,8 +145,10 @@ class SDPAttention(MegatronModule):
                     continue
                 # [s, heads, d] -> [1, heads, s, d]
                 q, k, v = (t[start:end].permute(1, 0, 2).unsqueeze(0) for t in (query, key, value))
+                in_window = None if self.window is None else self._in_window(end - start, end - start, q.device)
                 context[start:end] = torch.nn.functional.scaled_dot_product_attention(
-                    q, k, v, dropout_p=dropout_p, is_causal=end - start > 1, scale=self.softmax_scale,
+                    q, k, v, attn_mask=in_window, dropout_p=dropout_p,
+                    is_causal=in_window is None and end - start > 1, scale=self.softmax_scale,
                     enable_gqa=self.num_attention_heads_per_partition != self.num_query_groups_per_partition,
                 )[0].permute(1, 0, 2)
         return context.reshape(query.shape[0], -1)

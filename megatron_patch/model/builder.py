@@ -20,7 +20,6 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
-from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
@@ -28,6 +27,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 from megatron_patch import compat
 from megatron_patch.model.bert import BertForSequenceClassification, BertModel
 from megatron_patch.model.config import ModelConfig
+from megatron_patch.model.gpt import GPTModel
 from megatron_patch.model.parallel import ParallelConfig
 from megatron_patch.model.specs import block_spec, mtp_block_spec, norm_module
 # One padding rule for tokenizer, model and converter, or checkpoint shapes stop matching.
@@ -39,6 +39,8 @@ _ACTIVATIONS = {
     "gelu": (F.gelu, False, False),
     "gelu_tanh": (functools.partial(F.gelu, approximate="tanh"), False, True),
     "swiglu": (F.silu, True, True),
+    # megatron-core's fused GeGLU is its own tanh formula (fusions/fused_bias_geglu.py), not F.gelu's.
+    "geglu": (functools.partial(F.gelu, approximate="tanh"), True, False),
 }
 
 
@@ -147,6 +149,9 @@ def _gpt(m: ModelConfig, config: TransformerConfig, p: ParallelConfig, vocab: in
         rotary_base=m.rotary_base,
         rope_scaling=m.rope_scaling,
         rope_scaling_factor=m.rope_scaling_factor,
+        seq_len_interpolation_factor=m.rotary_seq_len_interpolation_factor,
+        rotary_base_local=m.rotary_base_local,
+        scale_embeddings=m.scale_embeddings,
         **stage,
     )
 

@@ -23,13 +23,14 @@ import typing
 from typing import Callable, Literal
 
 
-def moe_layer_freq(text: str) -> int | list[int]:
-    """``--moe-layer-freq``'s value as Megatron-LM reads it: every N-th layer, or a Python list expression of 0s
-    and 1s (evaluated from its syntax tree: list literals, ``*`` and ``+`` of integers, nothing else).
+def layer_freq(text: str) -> int | list[int]:
+    """``--moe-layer-freq``'s and ``--window-attn-skip-freq``'s value as Megatron-LM reads it (its
+    ``moe_freq_type``): every N-th layer, or a Python list expression of 0s and 1s (evaluated from its syntax tree:
+    list literals, ``*`` and ``+`` of integers, nothing else).
 
     Example::
 
-        >>> moe_layer_freq("2"), moe_layer_freq("([0]*2+[1]*3)")
+        >>> layer_freq("2"), layer_freq("([0]*2+[1]*3)")
         (2, [0, 0, 1, 1, 1])
     """
     def value(node):
@@ -48,6 +49,21 @@ def moe_layer_freq(text: str) -> int | list[int]:
         raise argparse.ArgumentTypeError(f"{text!r} is neither an integer nor a list such as ([0]*3+[1]*58)") from None
     return parsed
 
+
+def parse_window_size(text: str) -> tuple[int, int]:
+    """``--window-size``'s value: the keys a query sees before and after itself, ``LEFT,RIGHT`` (Megatron-LM's
+    tuple, also written ``(LEFT, RIGHT)``).
+
+    Example::
+
+        >>> parse_window_size("511,0"), parse_window_size("(4095, 0)")
+        ((511, 0), (4095, 0))
+    """
+    try:
+        left, right = (int(part) for part in text.strip().strip("()").split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not LEFT,RIGHT (two integers, such as 4095,0)") from None
+    return left, right
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,14 +187,21 @@ class ModelConfig:
     the factor is a field."""
     rope_scaling_factor: float = setting(8.0, flag=True, megatron_lm=True)
     """The llama3 scaling ``factor`` (``--rope-scaling-factor``): 8 for LLaMA 3.1, 32 for LLaMA 3.2."""
+    rotary_seq_len_interpolation_factor: float | None = setting(None, flag=True, megatron_lm=True)
+    """Linear RoPE scaling (``--rotary-seq-len-interpolation-factor``; transformers' ``rope_type: linear``):
+    positions divided by the factor. With ``rotary_base_local``, in the full-attention layers only (Gemma 3's 8)."""
+    rotary_base_local: int | None = setting(None, flag=True)
+    """RoPE base of the sliding-window layers where it differs from the full-attention layers' ``rotary_base``
+    (``--rotary-base-local``; Gemma 3's ``rope_local_base_freq`` 10000 beside 1000000); None: one base."""
     normalization: Literal["LayerNorm", "RMSNorm"] = setting("LayerNorm", flag=True, megatron_lm=True,
         transformer=True, shape=True)
     layernorm_epsilon: float = setting(1e-5, flag="--norm-epsilon", megatron_lm=("norm_epsilon", "layernorm_epsilon"),
         transformer=True)
-    activation: Literal["gelu", "gelu_tanh", "swiglu"] = setting("gelu",
-        switches={"--swiglu": "swiglu", "--openai-gelu": "gelu_tanh"}, shape=True)
+    activation: Literal["gelu", "gelu_tanh", "swiglu", "geglu"] = setting("gelu",
+        switches={"--swiglu": "swiglu", "--openai-gelu": "gelu_tanh", "--geglu": "geglu"}, shape=True)
     """"gelu" is erf GeLU (BERT), "gelu_tanh" the tanh approximation GPT-2 was trained with (``--openai-gelu``),
-    "swiglu" the gated SiLU MLP of LLaMA/Qwen2 (``--swiglu``)."""
+    "swiglu" the gated SiLU MLP of LLaMA/Qwen2 (``--swiglu``), "geglu" the gated tanh-GeLU MLP of Gemma
+    (``--geglu``)."""
     add_bias_linear: bool = setting(True, switches={"--disable-bias-linear": False}, megatron_lm=True, transformer=True)
     """Biases on every linear layer; ``--disable-bias-linear`` turns them off (LLaMA, Qwen2)."""
     add_qkv_bias: bool = setting(False, switches={"--add-qkv-bias": True}, megatron_lm=True, transformer=True,
@@ -187,6 +210,17 @@ class ModelConfig:
     qk_layernorm: bool = setting(False, switches={"--qk-layernorm": True}, megatron_lm=True, transformer=True)
     """A norm (of ``normalization``'s kind) over each head's query and key, before RoPE (``--qk-layernorm``,
     Qwen3); megatron-core's ``q_layernorm``/``k_layernorm`` attention submodules."""
+    window_size: tuple[int, int] | None = setting(None, flag=True, type=parse_window_size, metavar="LEFT,RIGHT",
+        megatron_lm=True, transformer=True)
+    """Sliding-window attention (``--window-size``, megatron-core's): a query sees LEFT keys before itself and RIGHT
+    after (0 in a causal model); transformers' ``sliding_window`` is LEFT + 1. None: no window."""
+    window_attn_skip_freq: int | list[int] | None = setting(None, flag=True, type=layer_freq,
+        metavar="N|([1]*K+[0]*M)", megatron_lm=True, transformer=True)
+    """Which layers keep full attention (``--window-attn-skip-freq``): every N-th for an int (N - 1 window layers to
+    one full, Gemma 3's 6), or a 1 (window) / 0 (full) per layer; None: the window is in every layer."""
+    softmax_scale: float | None = setting(None, flag=True, transformer=True)
+    """The attention scores' scale (``--softmax-scale``); None is 1 / sqrt(kv_channels). Gemma 3's is
+    ``query_pre_attn_scalar ** -0.5``."""
     untie_embeddings_and_output_weights: bool = setting(False,
         switches={"--untie-embeddings-and-output-weights": True}, megatron_lm=True, shape=True)
     """A separate output matrix instead of reusing the word embeddings (LLaMA, Qwen2 >= 7B)."""
@@ -204,6 +238,11 @@ class ModelConfig:
         megatron_lm="apply_layernorm_1p", transformer=True)
     """Norm weights store gamma - 1, initialised to 0 (``--apply-layernorm-1p``; megatron-core's
     ``layernorm_zero_centered_gamma``)."""
+    sandwich_norm: bool = setting(False, switches={"--sandwich-norm": True}, shape=True)
+    """A norm also on the attention's and the MLP's outputs, before each residual add (``--sandwich-norm``; Gemma
+    2/3's ``post_attention_layernorm`` and ``post_feedforward_layernorm``, arXiv:2105.13290's sandwich LN)."""
+    scale_embeddings: bool = setting(False, switches={"--scale-embeddings": True})
+    """Word embeddings multiplied by sqrt(hidden_size) in their own dtype (``--scale-embeddings``, Gemma's)."""
     num_moe_experts: int | None = setting(None, flag="--num-experts", megatron_lm="num_experts", transformer=True,
         shape=True)
     """Experts in every layer's MLP (``--num-experts``); None is a dense model. megatron-core's MoELayer: a router,
@@ -239,7 +278,7 @@ class ModelConfig:
     moe_token_drop_policy: Literal["probs", "position"] = setting("probs", feature="moe", flag=True, megatron_lm=True,
         transformer=True)
     """Which tokens over capacity are dropped: lowest router probability, or last in the sequence."""
-    moe_layer_freq: int | list[int] = setting(1, feature="moe", flag=True, type=moe_layer_freq,
+    moe_layer_freq: int | list[int] = setting(1, feature="moe", flag=True, type=layer_freq,
         metavar="N|([0]*K+[1]*M)", megatron_lm=True, transformer=True, shape=True)
     """Which layers are MoE layers (``--moe-layer-freq``): every N-th layer for an int, or one 0 (dense) / 1 (MoE)
     per layer, as Megatron-LM's ``"([0]*3+[1]*58)"`` gives DeepSeek-V3's first three dense layers
@@ -319,6 +358,8 @@ class ModelConfig:
         # keeping gpt2-124m's 3072-wide MLP at hidden 64 would be neither model). An attribute, not a field: ==,
         # repr, dataclasses.asdict and megatron_patch_args.json leave it out.
         self._derived = frozenset(name for name in _DERIVED_SIZES if getattr(self, name) is None)
+        if self.window_size is not None:  # a list once it has been through JSON
+            self.window_size = tuple(self.window_size)
         for name in self._derived:
             setattr(self, name, _DERIVED_SIZES[name](self))
         self.validate()
@@ -391,9 +432,41 @@ class ModelConfig:
             raise ValueError("--use-rope-scaling is built into GPT models only")
         if self.rope_scaling_factor <= 0:
             raise ValueError(f"--rope-scaling-factor must be positive, got {self.rope_scaling_factor}")
+        self._validate_gemma()
         self._validate_moe()
         self._validate_mla()
         self._validate_mtp()
+
+    def _validate_gemma(self) -> None:
+        """Sliding windows, a RoPE base per layer kind, sandwich norms and scaled embeddings: GPT models only."""
+        gpt_only = {"--window-size": self.window_size is not None, "--sandwich-norm": self.sandwich_norm,
+                    "--scale-embeddings": self.scale_embeddings}
+        if self.family != "gpt" and any(gpt_only.values()):
+            raise ValueError(f"{' '.join(f for f, on in gpt_only.items() if on)} are built into GPT models only")
+        if self.window_size is not None and (len(self.window_size) != 2 or self.window_size[0] < 0
+                                             or self.window_size[1] != 0):
+            raise ValueError(f"--window-size {self.window_size}: a causal model's window is LEFT,0 with LEFT >= 0 "
+                             "keys before each query")
+        skip = self.window_attn_skip_freq
+        if skip is not None and self.window_size is None:
+            raise ValueError("--window-attn-skip-freq says which layers skip the window; add --window-size")
+        if isinstance(skip, list) and (len(skip) != self.num_layers or set(skip) - {0, 1}):
+            raise ValueError(f"--window-attn-skip-freq {skip} must give a 1 (window) or 0 (full) for each of the "
+                             f"{self.num_layers} layers")
+        if isinstance(skip, int) and skip < 1:
+            raise ValueError(f"--window-attn-skip-freq must be at least 1, got {skip}")
+        if self.rotary_base_local is not None and (self.window_size is None or self.position_embedding_type != "rope"
+                                                   or self.multi_latent_attention):
+            raise ValueError("--rotary-base-local is the RoPE base of sliding-window layers; it needs --window-size "
+                             "and --position-embedding-type rope (without --multi-latent-attention)")
+        factor = self.rotary_seq_len_interpolation_factor
+        if factor is not None and (factor <= 0 or self.position_embedding_type != "rope"):
+            raise ValueError(f"--rotary-seq-len-interpolation-factor {factor} must be positive, with "
+                             "--position-embedding-type rope")
+        if self.softmax_scale is not None and self.softmax_scale <= 0:
+            raise ValueError(f"--softmax-scale must be positive, got {self.softmax_scale}")
+        if self.sandwich_norm and self.num_moe_experts is not None:
+            raise ValueError("--sandwich-norm puts a norm after dense MLPs only; drop it or --num-experts")
 
     def _validate_moe(self) -> None:
         moe_only = {"moe_ffn_hidden_size": self.moe_ffn_hidden_size,
@@ -459,6 +532,21 @@ class ModelConfig:
             return False
         freq = self.moe_layer_freq
         return bool(freq[layer]) if isinstance(freq, list) else layer % freq == 0
+
+    def is_window_layer(self, layer: int) -> bool:
+        """Whether layer ``layer`` (0-based) attends through the sliding window, per ``window_attn_skip_freq``
+        (megatron-core's rule, ``is_layer_window_attention``, which builds the model).
+
+        Example::
+
+            >>> m = get_model_config("tiny-llama", num_layers=7, window_size=(511, 0), window_attn_skip_freq=6)
+            >>> [m.is_window_layer(i) for i in range(7)]
+            [True, True, True, True, True, False, True]
+        """
+        if self.window_size is None:
+            return False
+        skip = self.window_attn_skip_freq
+        return True if skip is None else bool(skip[layer]) if isinstance(skip, list) else (layer + 1) % skip != 0
 
     def _validate_mla(self) -> None:
         if not self.multi_latent_attention:

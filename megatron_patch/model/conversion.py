@@ -75,6 +75,9 @@ class Family:
     held_by_files: Callable[[ModelConfig, list[str]], ModelConfig] | None = None
     """The config changed by what the weight files hold, for layers config.json announces but checkpoints may lack
     (DeepSeek-V3's multi-token prediction layers: the published checkpoint has them, transformers saves none)."""
+    zero_centered_norms: bool = False
+    """Its Hugging Face norms hold gamma - 1, as ours do with ``layernorm_zero_centered_gamma`` (Gemma's); the others'
+    hold gamma, so exporting a model trained with ``--apply-layernorm-1p`` to them adds 1."""
     outputs: dict[str, dict[str, str]] | None = None
     """What verify compares, per architecture: our output's name -> the attribute of the Hugging Face model's output
     (None: each architecture's ``logits``)."""

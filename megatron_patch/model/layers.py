@@ -1,5 +1,5 @@
-"""Small modules the layer specs need beyond megatron-core's: a sequence-parallel-safe torch norm and the
-post-LN transformer layer of the original BERT.
+"""Small modules the layer specs need beyond megatron-core's: a sequence-parallel-safe torch norm, the post-LN
+transformer layer of the original BERT, and the linear layers with a norm on their output of Gemma's sandwich norms.
 
 Example::
 
@@ -11,6 +11,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 from megatron.core.transformer.identity_op import IdentityOp
@@ -109,3 +110,38 @@ class PostLNTransformerLayer(TransformerLayer):
 
     def _forward_post_mlp(self, mlp_output_with_bias, residual):
         return self.post_mlp_layernorm(super()._forward_post_mlp(mlp_output_with_bias, residual))
+
+
+class _PostNorm:
+    """Mixed into a row-parallel linear layer by :func:`with_post_norm`."""
+
+    post_norm: type
+    unnormed: type
+    """The linear layer's own class (LoRA adapts it below the norm)."""
+
+    def __init__(self, input_size: int, output_size: int, *, config: TransformerConfig, **kwargs):
+        super().__init__(input_size, output_size, config=config, **kwargs)
+        self.post_layernorm = build_module(self.post_norm, config=config, hidden_size=output_size,
+                                           eps=config.layernorm_epsilon)
+
+    def forward(self, *args, **kwargs):
+        output, bias = super().forward(*args, **kwargs)
+        # The bias a layer hands to the fused bias-dropout-add belongs before the norm.
+        return self.post_layernorm(output if bias is None else output + bias), None
+
+
+@functools.cache
+def with_post_norm(linear: type, norm: type) -> type:
+    """``linear`` (a row-parallel layer: attention's ``linear_proj``, the MLP's ``linear_fc2``) whose output passes
+    through a ``norm`` before the residual add: Gemma 2/3's ``post_attention_layernorm`` and
+    ``post_feedforward_layernorm``.
+
+    Example::
+
+        MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=with_post_norm(RowParallelLinear, TorchNorm))
+
+    The norm is the submodule ``post_layernorm`` (``...linear_proj.post_layernorm.weight``, Megatron-Bridge's name).
+    The output is whole again after the row-parallel reduction (or one sequence slice of it with sequence
+    parallelism, and a norm works per token), so TP needs nothing more; the norm's weight is replicated.
+    """
+    return type(f"PostNorm{linear.__name__}", (_PostNorm, linear), {"post_norm": norm, "unnormed": linear})

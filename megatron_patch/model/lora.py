@@ -133,7 +133,14 @@ _CLASSES: dict[type, type] = {}
 
 def _adapted_class(cls: type) -> type:
     if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"Lora{cls.__name__}", (_LoraLinear, cls), {})
+        if hasattr(cls, "unnormed"):
+            # A sandwich norm's linear layer (layers.with_post_norm): the adapter adds to the projection, before the
+            # norm, as PEFT's does to o_proj and down_proj, which the norm follows as a module of its own.
+            from megatron_patch.model.layers import with_post_norm
+
+            _CLASSES[cls] = with_post_norm(_adapted_class(cls.unnormed), cls.post_norm)
+        else:
+            _CLASSES[cls] = type(f"Lora{cls.__name__}", (_LoraLinear, cls), {})
     return _CLASSES[cls]
 
 
@@ -164,7 +171,7 @@ def apply_lora(chunks: list[torch.nn.Module], settings: LoraSettings, seed: int)
         for param in chunk.parameters():
             param.requires_grad_(False)
         for key, name, module in _layers(chunk, settings.targets):
-            if type(module) not in (ColumnParallelLinear, RowParallelLinear):
+            if getattr(type(module), "unnormed", type(module)) not in (ColumnParallelLinear, RowParallelLinear):
                 raise UserError(f"--lora-rank: {name} is a {type(module).__name__}; adapters wrap megatron-core's "
                                 "local ColumnParallelLinear/RowParallelLinear only: give --transformer-impl local")
             column = isinstance(module, ColumnParallelLinear)

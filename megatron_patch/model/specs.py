@@ -33,7 +33,10 @@ from megatron.core.transformer.transformer_layer import (
 from megatron_patch.compat import dense_mlp_submodule
 from megatron_patch.model.attention import SDPAttention
 from megatron_patch.model.config import ModelConfig
-from megatron_patch.model.layers import PostLNTransformerLayer, PostLNTransformerLayerSubmodules, TorchNorm
+from megatron_patch.model.gpt import LayerKindSelfAttention
+from megatron_patch.model.layers import (
+    PostLNTransformerLayer, PostLNTransformerLayerSubmodules, TorchNorm, with_post_norm,
+)
 from megatron_patch.model.names import FUSED_NORM_NAMES
 from megatron_patch.model.parallel import ParallelConfig
 
@@ -107,13 +110,17 @@ def layer_spec(model_config: ModelConfig, parallel_config: ParallelConfig | None
     qk_norm = (provider.layer_norm(rms_norm=model_config.normalization == "RMSNorm", for_qk=True)
                if model_config.qk_layernorm else IdentityOp)
     mla = model_config.multi_latent_attention
+    # Gemma's sandwich norms: a norm on the output of each sublayer's last projection, before the residual add.
+    row_linear = (with_post_norm(provider.row_parallel_linear(), norm) if model_config.sandwich_norm
+                  else provider.row_parallel_linear())
     self_attention = _mla_attention(model_config, provider) if mla else ModuleSpec(
-        module=SelfAttention,
+        # A RoPE base per layer kind comes as a pair of tables, of which each layer takes its own.
+        module=LayerKindSelfAttention if model_config.rotary_base_local is not None else SelfAttention,
         params={"attn_mask_type": _ATTN_MASK_TYPE[model_config.family]},
         submodules=SelfAttentionSubmodules(
             linear_qkv=norm_linear,
             core_attention=provider.core_attention(),
-            linear_proj=provider.row_parallel_linear(),
+            linear_proj=row_linear,
             q_layernorm=qk_norm,
             k_layernorm=qk_norm,
         ),
@@ -129,7 +136,7 @@ def layer_spec(model_config: ModelConfig, parallel_config: ParallelConfig | None
         )
     else:
         mlp = dense_mlp_submodule(
-            MLPSubmodules(linear_fc1=norm_linear, linear_fc2=provider.row_parallel_linear()))
+            MLPSubmodules(linear_fc1=norm_linear, linear_fc2=row_linear))
     common = dict(self_attention=self_attention, self_attn_bda=get_bias_dropout_add, mlp=mlp,
                   mlp_bda=get_bias_dropout_add)
     if post_ln:

@@ -70,7 +70,6 @@ _MEGATRON_FSDP = ("Megatron FSDP is not used here; --zero-3-memory-optimization 
                   "(plain/HF models), --use-distributed-optimizer shards optimizer state (megatron models)")
 _ROUTER = ("this router option of megatron-core's MoE layer is not exposed here; the router is top-k by softmax or "
            "sigmoid (--moe-router-score-function), in the parameters' precision")
-_WINDOW = "sliding-window attention is not built here"
 _GPT_OSS = "gpt-oss's attention and activation variants are not built here"
 _PMP_DATA = ("Pai-Megatron-Patch's dataset switch: give Megatron .bin/.idx prefixes with --data-path (--mock-data "
              "for synthetic data; --sft for conversations)")
@@ -98,7 +97,7 @@ REFUSED_FLAGS = {
     "--moe-layer-recompute": "give --recompute-granularity full (MoE layers are recomputed with the rest)",
     "--enable-shared-expert": "Pai-Megatron-Patch's switch: give --moe-shared-expert-intermediate-size N",
     "--shared-moe-ffn-hidden-size": "Pai-Megatron-Patch's name: give --moe-shared-expert-intermediate-size N",
-    **dict.fromkeys(["--window-size", "--window-attn-skip-freq", "--sliding-window"], _WINDOW),
+    "--sliding-window": "Pai-Megatron-Patch's window of N tokens: give --window-size N-1,0 (megatron-core's)",
     **dict.fromkeys(["--enable-gpt-oss", "--softmax-type", "--quick-geglu", "--glu-linear-offset",
                      "--activation-func-clamp-value"], _GPT_OSS),
     **dict.fromkeys(["--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
@@ -110,7 +109,6 @@ REFUSED_FLAGS = {
                            "--recompute-granularity selective or full",
     "--no-position-embedding": "deprecated in Megatron-LM too: give --position-embedding-type rope",
     "--use-rotary-position-embeddings": "deprecated in Megatron-LM too: give --position-embedding-type rope",
-    "--rotary-seq-len-interpolation-factor": "rotary position interpolation is not built here",
     "--fp8-recipe": "fp8 here is Transformer Engine's delayed scaling (--fp8-format); other recipes are not built",
     "--step-batch-size-schedule": "give --rampup-batch-size START INCR SAMPLES (megatron-core's ramp-up)",
     "--decoder-seq-length": "encoder-decoder models are not built here; give --seq-length",
