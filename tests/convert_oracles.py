@@ -45,6 +45,17 @@ HF_MODELS = {
                                 eos_token_id=0, rope_parameters=dict(rope_type="default", rope_theta=10000.0,
                                                                      partial_rotary_factor=0.5), **_SMALL),
              "Phi3ForCausalLM"),
+    # Gemma 3: a window of 5 tokens in the sliding layers (each pipeline stage of two has one of each kind), their
+    # own RoPE base, linear scaling by 8 in the full layers, head_dim 16 beside hidden / heads = 8, scores scaled by
+    # 24 ** -0.5, weights of std 0.2 so the window and both RoPEs move the logits far beyond the test's 1e-4.
+    "gemma3": ("Gemma3TextConfig", dict(num_hidden_layers=4, hidden_size=32, num_attention_heads=4,
+                                        num_key_value_heads=2, head_dim=16, intermediate_size=48, sliding_window=5,
+                                        layer_types=["sliding_attention", "full_attention"] * 2,
+                                        query_pre_attn_scalar=24, initializer_range=0.2, pad_token_id=0,
+                                        bos_token_id=0, eos_token_id=0, rope_parameters=dict(
+                                            full_attention=dict(rope_type="linear", factor=8.0, rope_theta=1e6),
+                                            sliding_attention=dict(rope_type="default", rope_theta=1e4)), **_SMALL),
+               "Gemma3ForCausalLM"),
     "bert-pretraining": ("BertConfig", _BERT, "BertForPreTraining"),
     "bert-mlm": ("BertConfig", _BERT, "BertForMaskedLM"),
     "bert-encoder": ("BertConfig", _BERT, "BertModel"),

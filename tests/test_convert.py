@@ -1,7 +1,7 @@
-"""HF -> Megatron -> HF for GPT-2, LLaMA (GQA, LLaMA 3.1's scaled RoPE), Mistral, Qwen2, Qwen3, Phi-3 and BERT (three
-kinds): megatron-core's forward equals transformers' at TP=1, TP=2, PP=2 and TP=2 x PP=2, every tensor comes back
-bit for bit, through both checkpoint formats and after a resharded save, and the decoders' greedy tokens at TP=2
-are transformers' own; Hugging Face options our model cannot compute are refused by name."""
+"""HF -> Megatron -> HF for GPT-2, LLaMA (GQA, LLaMA 3.1's scaled RoPE), Mistral, Qwen2, Qwen3, Phi-3, Gemma 3 and
+BERT (three kinds): megatron-core's forward equals transformers' at TP=1, TP=2, PP=2 and TP=2 x PP=2, every tensor
+comes back bit for bit, through both checkpoint formats and after a resharded save, and the decoders' greedy tokens
+at TP=2 are transformers' own; Hugging Face options our model cannot compute are refused by name."""
 
 import pytest
 
@@ -62,7 +62,7 @@ def test_forward_matches_transformers_at_every_layout(converted, name):
         assert_bit_exact(hf, out)
 
 
-DECODERS = ["llama-gqa", "llama3.1", "mistral", "qwen2", "qwen3", "phi3"]
+DECODERS = ["llama-gqa", "llama3.1", "mistral", "qwen2", "qwen3", "phi3", "gemma3"]
 
 
 @pytest.mark.parametrize("name", DECODERS)
@@ -82,6 +82,7 @@ _LLAMA3 = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_fac
                original_max_position_embeddings=8192)
 _LLAMA = dict(model_type="llama", num_hidden_layers=2, hidden_size=32, intermediate_size=48, num_attention_heads=4,
               max_position_embeddings=64, vocab_size=100)
+_GEMMA3 = dict(model_type="gemma3_text", sliding_window=4)
 
 
 @pytest.mark.parametrize("fields,message", [
@@ -96,6 +97,12 @@ _LLAMA = dict(model_type="llama", num_hidden_layers=2, hidden_size=32, intermedi
     (dict(model_type="phi3", sliding_window=47), "sliding_window=47"),
     (dict(model_type="phi3", rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0] * 4,
                                                   long_factor=[1.0] * 4)), "RoPE scaling 'longrope'"),
+    (dict(_GEMMA3, final_logit_softcapping=30.0), "final_logit_softcapping=30.0"),
+    (dict(_GEMMA3, use_bidirectional_attention=True), "use_bidirectional_attention=True"),
+    (dict(_GEMMA3, rope_parameters=dict(full_attention=dict(rope_type="yarn", rope_theta=1e6))),
+     "full_attention RoPE is 'yarn'"),
+    (dict(_GEMMA3, layer_types=["sliding_attention", "chunked_attention"]), "chunked_attention"),
+    (dict(_GEMMA3, sliding_window=None), "sliding_window=None"),
 ])
 def test_options_our_model_cannot_compute_are_refused_by_name(fields, message):
     config = {**_LLAMA, **fields}
@@ -111,6 +118,14 @@ def test_options_our_model_cannot_compute_are_refused_by_name(fields, message):
     # Files written before transformers 5: a top-level rope_theta and rope_scaling.
     (dict(rope_theta=500000.0, rope_scaling={k: v for k, v in _LLAMA3.items() if k != "rope_theta"}),
      dict(rope_scaling=True, rotary_base=500000)),
+    # Gemma 3 as its hub files were first written: top-level RoPE keys and a window pattern instead of layer_types.
+    (dict(model_type="gemma3_text", num_hidden_layers=12, sliding_window=512, sliding_window_pattern=6,
+          rope_theta=1e6, rope_local_base_freq=1e4, rope_scaling=dict(rope_type="linear", factor=8.0),
+          query_pre_attn_scalar=256),
+     dict(window_size=(511, 0), window_attn_skip_freq=6, rotary_base=1000000, rotary_base_local=10000,
+          rotary_seq_len_interpolation_factor=8.0, softmax_scale=1 / 16, sandwich_norm=True)),
+    (dict(_GEMMA3, layer_types=["full_attention", "sliding_attention"]),
+     dict(window_size=(3, 0), window_attn_skip_freq=[0, 1], rotary_seq_len_interpolation_factor=None)),
 ])
 def test_config_fields_from_hugging_face(fields, expected):
     config = {**_LLAMA, **fields}

@@ -84,7 +84,8 @@ def test_registry_is_keyed_by_model_type():
 NAMED_OF_TYPE = {"gpt2": "tiny-gpt2", "llama": "tiny-llama", "mistral": "mistral-7b", "qwen2": "tiny-qwen2",
                  "qwen3": "tiny-qwen3", "mixtral": "tiny-mixtral", "qwen2_moe": "tiny-qwen2-moe",
                  "qwen3_moe": "tiny-qwen3-moe", "bert": "tiny-bert", "deepseek_v3": "tiny-deepseek-v3",
-                 "deepseek_v2": "deepseek-v2-lite", "glm4_moe": "glm-4.5", "phi3": "tiny-phi3"}
+                 "deepseek_v2": "deepseek-v2-lite", "glm4_moe": "glm-4.5", "phi3": "tiny-phi3",
+                 "gemma3_text": "tiny-gemma3"}
 
 
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))

@@ -341,14 +341,18 @@ def peft_loss(rank, world_size, hf_dir, adapter_dir, sequences, padded_vocab):
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).item()
 
 
-@pytest.mark.parametrize("targets", [["q_proj", "v_proj", "down_proj"], ["q_proj", "k_proj", "v_proj", "o_proj",
-                                                                        "gate_proj", "up_proj", "down_proj"]],
-                         ids=["llama-default-q-v", "all-linears"])
-def test_a_peft_adapter_converts_and_trains_on_from_peft_s_loss(tmp_path, targets):
+_ALL_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+# Gemma 3's o_proj and down_proj are followed by sandwich norms: PEFT's adapters add before them.
+@pytest.mark.parametrize("model,targets", [("llama-gqa", ["q_proj", "v_proj", "down_proj"]),
+                                           ("llama-gqa", _ALL_LINEARS), ("gemma3", _ALL_LINEARS)],
+                         ids=["llama-default-q-v", "all-linears", "gemma3-all-linears"])
+def test_a_peft_adapter_converts_and_trains_on_from_peft_s_loss(tmp_path, model, targets):
     from megatron_patch.checkpoint.format import read_info
     from tests.convert_oracles import cli, make_hf_model, train_converted, training_sequences
 
-    hf, converted = make_hf_model("llama-gqa", str(tmp_path / "hf")), str(tmp_path / "converted")
+    hf, converted = make_hf_model(model, str(tmp_path / "hf")), str(tmp_path / "converted")
     peft_dir, lora = str(tmp_path / "peft"), str(tmp_path / "lora")
     assert run_on_ranks(cli, 1, args=(["hf-to-megatron", "--hf-dir", hf, "--save-dir", converted,
                                        "--no-progress"],)) == [0]

@@ -1,5 +1,5 @@
-"""GPT-2, LLaMA (GQA), Qwen2, BERT and the mixture-of-experts models give the single-process loss and gradients
-under every parallel layout.
+"""GPT-2, LLaMA (GQA), Qwen2, Gemma 3, BERT and the mixture-of-experts models give the single-process loss and
+gradients under every parallel layout.
 
 Each family runs once on one process (the oracle) and once on four processes that go through TP=2, PP=2,
 TP=2 x PP=2, PP=2 x VPP=2, sequence parallelism and full/selective recompute in turn (data parallelism fills
@@ -51,6 +51,8 @@ FAMILIES = {
     "qwen2": ("tiny-qwen2", dict(num_query_groups=2)),
     "qwen3": ("tiny-qwen3", {}),
     "llama3.1": ("tiny-llama", dict(rope_scaling=True, rope_scaling_factor=8.0, rotary_base=500000)),
+    # Sliding windows with a RoPE of their own beside full layers, sandwich norms, scaled embeddings, GeGLU.
+    "gemma3": ("tiny-gemma3", {}),
     "bert-post-ln": ("tiny-bert", {}),
     "bert-pre-ln": ("tiny-bert", dict(bert_layernorm_style="pre", untie_embeddings_and_output_weights=True)),
 }

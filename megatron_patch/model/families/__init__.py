@@ -12,4 +12,4 @@ experts) is in ``megatron_patch.model.features``.
 """
 
 # Each registers itself; in this order, the converter's registry lists them as it always has.
-from megatron_patch.model.families import gpt2, llama, moe, deepseek, bert, phi3  # noqa: F401
+from megatron_patch.model.families import gpt2, llama, moe, deepseek, bert, phi3, gemma3  # noqa: F401
