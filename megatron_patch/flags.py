@@ -17,6 +17,8 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import typing
+from typing import Literal
 
 
 def flag(*names: str, default=None, unset=dataclasses.MISSING, **options):
@@ -42,14 +44,30 @@ def add_flags(parser, section, title: str, description: str | None = None) -> No
         add_flags(parser, CheckpointConfig, "checkpointing")    # --save, --load, --save-interval, ...
     """
     group = parser.add_argument_group(title, description)
+    hints = typing.get_type_hints(section)
     for field in dataclasses.fields(section):
         if "flags" not in field.metadata:
             continue
-        options = dict(field.metadata["options"])
+        options = {**literal_choices(hints[field.name]), **field.metadata["options"]}
         if field.default is False:
             options.setdefault("action", "store_true")
         names = field.metadata["flags"] or ("--" + field.name.replace("_", "-"),)
         group.add_argument(*names, dest=field.name, default=field.metadata["unset"], **options)
+
+
+def literal_choices(hint) -> dict:
+    """``{"choices": [...]}`` for a field typed by a ``Literal`` (or an optional one), so that a flag's choices are
+    written once, in its type; ``{}`` for any other type.
+
+    Example::
+
+        >>> literal_choices(Literal["full", "selective"] | None)
+        {'choices': ['full', 'selective']}
+    """
+    members = typing.get_args(hint) if typing.get_origin(hint) is not Literal else (hint,)
+    choices = [value for member in members if typing.get_origin(member) is Literal
+               for value in typing.get_args(member)]
+    return {"choices": choices} if choices else {}
 
 
 def from_flags(section, values: dict, **derived):

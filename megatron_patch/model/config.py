@@ -22,6 +22,8 @@ import dataclasses
 import typing
 from typing import Callable, Literal
 
+from megatron_patch.flags import literal_choices
+
 
 def layer_freq(text: str) -> int | list[int]:
     """``--moe-layer-freq``'s and ``--window-attn-skip-freq``'s value as Megatron-LM reads it (its
@@ -141,8 +143,8 @@ def _settings(cls) -> dict[str, Setting]:
 
 def _flag_options(hint) -> dict:
     """argparse's keywords for a field of type ``hint``: a Literal's choices, or the int or float it holds."""
-    if typing.get_origin(hint) is Literal:
-        return {"choices": list(typing.get_args(hint))}
+    if literal_choices(hint):
+        return literal_choices(hint)
     (kind,) = {t for t in typing.get_args(hint) or (hint,) if t is not type(None)}
     return {"type": kind}
 

@@ -52,18 +52,17 @@ class ParallelConfig:
     expert_tensor_parallel_size: int | None = flag(
         type=int, help="tensor parallelism inside each expert (default: --tensor-model-parallel-size)")
     """Tensor parallelism inside each expert (ETP); None means the same as tensor_model_parallel_size."""
-    moe_token_dispatcher_type: Literal["allgather", "alltoall", "flex"] = flag(
-        default="allgather", choices=["allgather", "alltoall", "flex"])
+    moe_token_dispatcher_type: Literal["allgather", "alltoall", "flex"] = flag(default="allgather")
     """How tokens reach the experts of other EP ranks (megatron-core's dispatchers; Megatron-LM's default).
     "allgather" gathers every token to every EP rank and works at any layout on gloo; "alltoall" sends each rank
     only its experts' tokens (less traffic at large EP) and on gloo needs expert TP 1; "flex" needs DeepEP on GPUs."""
     moe_grouped_gemm: bool = flag(default=False,
                                   help="one grouped GEMM over a rank's experts (needs Transformer Engine)")
     """One grouped GEMM for a rank's experts (Transformer Engine's TEGroupedMLP) instead of a loop over them."""
-    recompute_granularity: Literal["full", "selective"] | None = flag(choices=["full", "selective"])
+    recompute_granularity: Literal["full", "selective"] | None = flag()
     """"full" recomputes whole layers, "selective" only core attention (Korthikanti et al. 2022,
     https://arxiv.org/abs/2205.05198)."""
-    recompute_method: Literal["uniform", "block"] | None = flag(choices=["uniform", "block"])
+    recompute_method: Literal["uniform", "block"] | None = flag()
     """With full recompute: "uniform" checkpoints groups of recompute_num_layers layers, "block" the first
     recompute_num_layers layers of each stage. Defaults to "uniform" when full recompute is on."""
     recompute_num_layers: int | None = flag(type=int)
@@ -72,13 +71,13 @@ class ParallelConfig:
     """The parameters' dtype, Megatron-LM's ``params_dtype`` name (``--bf16``, ``--fp16``, ``--mixed-precision``):
     the one field every part of a run reads its precision from."""
     attention_backend: Literal["auto", "flash", "fused", "unfused", "local"] = flag(
-        default="auto", choices=["auto", "flash", "fused", "unfused", "local"],
+        default="auto",
         help="Transformer Engine's attention kernel (megatron-core's attention_backend); without Transformer Engine "
              "megatron-core's local attention (torch SDPA) runs")
     """Transformer Engine's attention kernel (megatron-core's ``attention_backend``); without Transformer Engine the
     local spec's SDPA attention runs whatever this says (the trainers log that as ignored)."""
     transformer_impl: Literal["transformer_engine", "local"] = flag(
-        default="transformer_engine", unset=None, choices=["transformer_engine", "local"],
+        default="transformer_engine", unset=None,
         help="Megatron-LM's: transformer_engine (the default) uses Transformer Engine's layers where it is installed, "
              "megatron-core's local layers where not; local uses the local ones everywhere. Checkpoints of either "
              "load into the other")

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import types
+from typing import Literal
 
 from megatron_patch.checkpoint.format import CheckpointInfo
 from megatron_patch.flags import flag
@@ -90,7 +91,7 @@ class TrainingConfig:
              "num_microbatches_calculator); with --train-iters too, which Megatron-LM 0.16.1 refuses (logged)")
     lr: float = flag(default=1e-4, type=float)
     min_lr: float = flag(default=0.0, type=float)
-    lr_decay_style: str = flag(default="linear", choices=["constant", "linear", "cosine", "inverse-square-root"])
+    lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root"] = flag(default="linear")
     lr_decay_iters: int | None = flag(type=int)
     lr_warmup_iters: int = flag(default=0, type=int)
     lr_warmup_fraction: float | None = flag(type=float)
@@ -112,8 +113,8 @@ class TrainingConfig:
         "--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler", default=False,
         help="on resume, keep the checkpoint's learning-rate schedule whatever the flags say; with neither flag a "
              "resume whose flags change the schedule is refused, as in Megatron-LM")
-    optimizer: str = flag(default="adam", choices=["adam"],
-                          help="Adam (AdamW-style decoupled weight decay, megatron-core's); no other is built here")
+    optimizer: Literal["adam"] = flag(
+        default="adam", help="Adam (AdamW-style decoupled weight decay, megatron-core's); no other is built here")
     weight_decay: float = flag(default=0.01, type=float)
     clip_grad: float = flag(default=1.0, type=float)
     adam_beta1: float = flag(default=0.9, type=float)
@@ -144,10 +145,10 @@ class TrainingConfig:
     cross_entropy_loss_fusion: bool = flag(
         default=False, help="megatron models: megatron-core's fused vocab-parallel cross-entropy (torch.compile'd; "
                             "the same loss)")
-    fp8_format: str | None = flag(choices=["e4m3", "hybrid"],
-                                  help="fp8 matmuls through Transformer Engine (needs it and an fp8-capable GPU)")
+    fp8_format: Literal["e4m3", "hybrid"] | None = flag(
+        help="fp8 matmuls through Transformer Engine (needs it and an fp8-capable GPU)")
     fp8_amax_history_len: int = flag(default=1, type=int)
-    fp8_amax_compute_algo: str = flag(default="most_recent", choices=["most_recent", "max"])
+    fp8_amax_compute_algo: Literal["most_recent", "max"] = flag(default="most_recent")
     fp8_param_gather: bool = flag(default=False,
                                   help="keep parameters in fp8 and all-gather them in fp8 (with --fp8-format)")
     manual_gc: bool = flag(
@@ -164,8 +165,8 @@ class TrainingConfig:
     exit_signal_handler: bool = flag(
         default=False, help="on SIGTERM (preemption) finish the current iteration, save a checkpoint under --save "
                             "and exit with status 0")
-    empty_unused_memory_level: int = flag(
-        default=0, type=int, choices=[0, 1, 2],
+    empty_unused_memory_level: Literal[0, 1, 2] = flag(
+        default=0, type=int,
         help="GPUs: empty the CUDA caching allocator after each step's backward (1) and also after its optimizer "
              "step (2)")
     profile: bool = flag(default=False, help="GPUs: run CUDA's profiler (for nsys) from --profile-step-start to "
@@ -262,8 +263,8 @@ class DataConfig:
     dataset_name: str | None = flag(help="old Rapidformer name read by user scripts (default: --data-name)")
     seq_length: int | None = None
     """``--seq-length``, or the model's (``--model-name``'s, ``--load``'s)."""
-    data_impl: str = flag(default="mmap", choices=["mmap"],
-                          help="megatron-core's indexed datasets are memory-mapped; only mmap exists")
+    data_impl: Literal["mmap"] = flag(default="mmap",
+                                      help="megatron-core's indexed datasets are memory-mapped; only mmap exists")
     split: str = flag(default="969,30,1")
     data_cache_path: str | None = flag()
     mock_data: bool = flag(default=False)
@@ -296,13 +297,12 @@ class DataConfig:
         "--no-sft-packing", default=True, action="store_false",
         help="one conversation per --seq-length sample, padded; by default conversations are packed into "
              "--seq-length sequences (best-fit decreasing), each attending to itself only, positions from 0")
-    sft_overlong: str | None = flag(
-        choices=["truncate", "skip"],
+    sft_overlong: Literal["truncate", "skip"] | None = flag(
         help="a conversation longer than --seq-length is cut to it (truncate) or left out (skip), and counted in "
              "the log; without the flag such a conversation stops the run before it starts")
-    sft_loss: str = flag(default="assistant", choices=["assistant", "last-turn", "all"],
-                         help="the tokens a .jsonl given with --sft trains on: every assistant turn, the last "
-                              "one, or every token (preprocess-data --sft-loss)")
+    sft_loss: Literal["assistant", "last-turn", "all"] = flag(
+        default="assistant", help="the tokens a .jsonl given with --sft trains on: every assistant turn, the last "
+                                  "one, or every token (preprocess-data --sft-loss)")
     chat_template: str | None = flag(
         metavar="FILE", help="a jinja chat template rendering the .jsonl conversations given with --sft, instead of "
                              "the tokenizer's own (preprocess-data --chat-template)")
@@ -311,15 +311,15 @@ class DataConfig:
                                          "reference model's log-probabilities come from one pass before training")
     dpo_beta: float = flag(default=0.1, type=float, help="DPO's beta, the weight of the log-probability ratios "
                                                          "against the reference (TRL's beta)")
-    dpo_loss_type: str = flag(default="sigmoid", choices=["sigmoid", "ipo"],
-                              help="sigmoid: -log sigmoid(beta * margin) (DPO); ipo: (margin per token - 1/(2 beta))^2")
+    dpo_loss_type: Literal["sigmoid", "ipo"] = flag(
+        default="sigmoid", help="sigmoid: -log sigmoid(beta * margin) (DPO); ipo: (margin per token - 1/(2 beta))^2")
     dpo_sft_loss_weight: float = flag(
         default=0.0, type=float, help="adds this weight times the chosen answer's negative log-likelihood per token "
                                       "to each pair's loss (NeMo-RL's sft_loss_weight, averaged per token; TRL's "
                                       "'sft' loss type); 0: none")
-    dpo_overlong: str | None = flag(
-        choices=["skip"], help="a preference pair whose two sequences do not fit --seq-length is left out, and "
-                               "counted in the log; without the flag such a pair stops the run before it starts")
+    dpo_overlong: Literal["skip"] | None = flag(
+        help="a preference pair whose two sequences do not fit --seq-length is left out, and "
+             "counted in the log; without the flag such a pair stops the run before it starts")
 
     def __post_init__(self):
         # Megatron-LM's cyclic loader reshuffles every epoch and its external one leaves batching to the user script;
@@ -369,8 +369,8 @@ class CheckpointConfig:
     ckpt_fully_parallel_load: bool = flag(
         default=False, help="the data-parallel replicas share the reading of the weights they all hold, each "
                             "reading a part and sending it to the others")
-    ckpt_format: str = flag(
-        default="torch_dist", choices=["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"],
+    ckpt_format: Literal["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"] = flag(
+        default="torch_dist",
         help="megatron models are saved in torch_dist (megatron-core dist_checkpointing, loadable at any TP/PP); "
              "the other formats are refused")
 
@@ -541,8 +541,8 @@ class RunConfig:
     """One run, as parsed and validated once per process (``arguments.parse_run``): Rapidformer's own flags
     here, the rest in the sections."""
 
-    task: str | None = flag(choices=["pretraining", "sequence_classification"],
-                            help="black-box task: the model and data come from flags, no user code")
+    task: Literal["pretraining", "sequence_classification"] | None = flag(
+        help="black-box task: the model and data come from flags, no user code")
     user_script: str | None = flag(help="white-box: a Python file run on every rank")
     pretrained_model_name_or_path: str | None = flag(
         help="a local Hugging Face model directory (config.json, weights, tokenizer files)")
