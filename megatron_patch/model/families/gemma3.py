@@ -20,7 +20,9 @@ from __future__ import annotations
 
 from megatron_patch.model.config import ModelConfig, hf_sizes, model_of_type, register_model_config, register_model_type
 from megatron_patch.model.conversion import Table, UnsupportedCheckpoint, register_family, require, rule
-from megatron_patch.model.features import LLAMA_LAYER, QK_NORMS, attention_hf, output_layer, swiglu_mlp
+from megatron_patch.model.features import (
+    LLAMA_LAYER, LLAMA_RULES, QK_NORMS, attention_hf, output_layer, swiglu_mlp,
+)
 
 register_model_type("gemma3_text", family="gpt", position_embedding_type="rope", normalization="RMSNorm",
                     layernorm_zero_centered_gamma=True, activation="geglu", add_bias_linear=False,
@@ -139,19 +141,18 @@ def _gemma3_hf(m: ModelConfig) -> dict:
 def _gemma3_table(m: ModelConfig, architecture: str) -> Table:
     head, ignored = output_layer(m)
     layer = "decoder.layers.{}."
+    # LLaMA's embedding, input norm, q/k/v and o_proj, and its final norm; its post_attention_layernorm is the norm
+    # before the MLP, which Gemma calls pre_feedforward_layernorm.
+    embedding_to_o_proj, final_norm = LLAMA_RULES[:4], LLAMA_RULES[-1]
     return Table((
-        rule("model.embed_tokens.weight", "embedding.word_embeddings.weight", "pad_vocab"),
-        rule(LLAMA_LAYER + "input_layernorm.weight", layer + "input_layernorm.weight"),
-        rule(tuple(LLAMA_LAYER + f"self_attn.{p}_proj.weight" for p in "qkv"),
-             layer + "self_attention.linear_qkv.weight", "fuse_qkv"),
+        *embedding_to_o_proj,
         *QK_NORMS,
-        rule(LLAMA_LAYER + "self_attn.o_proj.weight", layer + "self_attention.linear_proj.weight"),
         rule(LLAMA_LAYER + "post_attention_layernorm.weight",
              layer + "self_attention.linear_proj.post_layernorm.weight"),
         rule(LLAMA_LAYER + "pre_feedforward_layernorm.weight", layer + "pre_mlp_layernorm.weight"),
         *swiglu_mlp(LLAMA_LAYER + "mlp.", layer + "mlp."),
         rule(LLAMA_LAYER + "post_feedforward_layernorm.weight", layer + "mlp.linear_fc2.post_layernorm.weight"),
-        rule("model.norm.weight", "decoder.final_layernorm.weight"),
+        final_norm,
     ) + head, ignored_hf=ignored)
 
 
