@@ -84,6 +84,12 @@ def _hf_parameters(config) -> int:
         model_class, hf_config = transformers.GPT2Model, transformers.GPT2Config(
             vocab_size=config.vocab_size, n_positions=config.max_positions, n_embd=config.hidden_size,
             n_layer=config.num_layers, n_head=config.num_attention_heads, n_inner=config.ffn_hidden_size, **special)
+    elif config.sandwich_norm:
+        from megatron_patch.model.conversion import family_for
+
+        # Gemma 3's own config.json fields of this config (the converter's writer): its norms after attention and MLP.
+        fields = family_for({"model_type": "gemma3_text"}).config_to_hf(config)
+        model_class, hf_config = transformers.Gemma3ForCausalLM, transformers.Gemma3TextConfig(**{**fields, **common})
     elif config.multi_latent_attention or config.moe_router_score_function == "sigmoid":
         from megatron_patch.model.conversion import family_for
 

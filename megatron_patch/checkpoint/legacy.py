@@ -57,7 +57,7 @@ def _stage_of(name: str, model_config: ModelConfig, pp: int) -> tuple[list[int],
 
 
 def _is_gated_fc1(name: str, model_config: ModelConfig) -> bool:
-    return model_config.activation == "swiglu" and re.search(r"\.mlp\.linear_fc1\.(weight|bias)$", name) is not None
+    return model_config.gated_mlp and re.search(r"\.mlp\.linear_fc1\.(weight|bias)$", name) is not None
 
 
 def _tp_slice(tensor: torch.Tensor, dim: int | None, gated: bool, tp_rank: int, tp: int) -> torch.Tensor:

@@ -33,14 +33,15 @@ from megatron_patch.model.specs import block_spec, mtp_block_spec, norm_module
 # One padding rule for tokenizer, model and converter, or checkpoint shapes stop matching.
 from megatron_patch.tokenizer.registry import padded_vocab_size as padded_vocab_size  # re-exported
 
-# activation -> (activation_func, gated_linear_unit, whether megatron-core's fused kernel computes the same).
+# activation -> (activation_func, whether megatron-core's fused kernel computes the same); the gated ones
+# (ModelConfig.gated_mlp) are megatron-core's gated_linear_unit.
 # Its fused bias-GeLU is the tanh approximation (fusions/fused_bias_gelu.py), so erf-GeLU models never use it.
 _ACTIVATIONS = {
-    "gelu": (F.gelu, False, False),
-    "gelu_tanh": (functools.partial(F.gelu, approximate="tanh"), False, True),
-    "swiglu": (F.silu, True, True),
+    "gelu": (F.gelu, False),
+    "gelu_tanh": (functools.partial(F.gelu, approximate="tanh"), True),
+    "swiglu": (F.silu, True),
     # megatron-core's fused GeGLU is its own tanh formula (fusions/fused_bias_geglu.py), not F.gelu's.
-    "geglu": (functools.partial(F.gelu, approximate="tanh"), True, False),
+    "geglu": (functools.partial(F.gelu, approximate="tanh"), False),
 }
 
 
@@ -55,12 +56,12 @@ def to_transformer_config(model_config: ModelConfig, parallel_config: ParallelCo
     """
     parallel_config.validate(model_config)
     m, p = model_config, parallel_config
-    activation_func, gated, fusable = _ACTIVATIONS[m.activation]
+    activation_func, fusable = _ACTIVATIONS[m.activation]
     interleaved = p.virtual_pipeline_model_parallel_size is not None
     config_class = MLATransformerConfig if m.uses("mla") else TransformerConfig
     return config_class(
         **m.settings("transformer"),
-        gated_linear_unit=gated,
+        gated_linear_unit=m.gated_mlp,
         activation_func=activation_func,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,

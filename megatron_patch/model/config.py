@@ -406,6 +406,12 @@ class ModelConfig:
         return {s.name: getattr(self, s.name) for s in SETTINGS.values() if getattr(s, where) and self.uses(s.feature)}
 
     @property
+    def gated_mlp(self) -> bool:
+        """Whether the MLP's first projection stacks a gate and an up projection (SwiGLU, GeGLU): megatron-core's
+        ``gated_linear_unit``."""
+        return self.activation in ("swiglu", "geglu")
+
+    @property
     def max_positions(self) -> int:
         return self.max_position_embeddings or self.seq_length
 

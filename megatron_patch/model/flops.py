@@ -32,7 +32,7 @@ def num_floating_point_operations(
     m = model_config
     h, layers = m.hidden_size, m.num_layers
     query_projection_ratio = m.kv_channels * m.num_attention_heads / h
-    gated_linear_multiplier = 3 / 2 if m.activation == "swiglu" else 1
+    gated_linear_multiplier = 3 / 2 if m.gated_mlp else 1
     # A token passes through its top-k experts and the shared expert (Megatron-LM's count; the router left out).
     mlp_width = (m.moe_router_topk * m.moe_ffn_hidden_size + (m.moe_shared_expert_intermediate_size or 0)
                  if m.num_moe_experts else m.ffn_hidden_size)
@@ -54,7 +54,7 @@ def _norm_parameters(m: ModelConfig) -> int:
 
 
 def _mlp_parameters(m: ModelConfig, f: int) -> int:
-    h, fc1_out = m.hidden_size, 2 * f if m.activation == "swiglu" else f
+    h, fc1_out = m.hidden_size, 2 * f if m.gated_mlp else f
     return h * fc1_out + f * h + ((fc1_out + h) if m.add_bias_linear else 0)
 
 
@@ -112,7 +112,8 @@ def layer_parameters(m: ModelConfig, layer: int = 0, active: bool = False) -> in
                + (_mlp_parameters(m, shared) if shared else 0) + (h if m.moe_shared_expert_gate else 0))
     else:
         mlp = _mlp_parameters(m, m.ffn_hidden_size)
-    return _attention_parameters(m) + mlp + 2 * _norm_parameters(m)
+    # The norms before attention and MLP, and with sandwich norms (Gemma's) the two after them.
+    return _attention_parameters(m) + mlp + (4 if m.sandwich_norm else 2) * _norm_parameters(m)
 
 
 def mtp_parameters(m: ModelConfig) -> int:

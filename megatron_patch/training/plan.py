@@ -152,7 +152,7 @@ class Plan:
         model/lora.py). A mixture of experts' MLPs are not adapted."""
         m, r = self.model, self.lora.rank
         d = m.kv_channels or m.hidden_size // m.num_attention_heads
-        ffn_out = m.ffn_hidden_size * (2 if m.activation == "swiglu" else 1)
+        ffn_out = m.ffn_hidden_size * (2 if m.gated_mlp else 1)
         # layer -> (replicated, split) parameters of its adapter
         shapes = {"linear_qkv": (m.hidden_size, (m.num_attention_heads + 2 * m.num_query_groups) * d),
                   "linear_proj": (m.hidden_size, m.num_attention_heads * d),
