@@ -160,7 +160,11 @@ def test_a_description_with_unresolved_sizes_still_reads(tmp_path):
                     "kv_lora_rank": 512, "qk_head_dim": 128, "qk_pos_emb_head_dim": 64, "v_head_dim": 128,
                     "rope_type": "rope", "rotary_scaling_factor": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0,
                     "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
-                    "mtp_num_layers": None, "mtp_loss_scaling_factor": 0.1}
+                    "mtp_num_layers": None, "mtp_loss_scaling_factor": 0.1,
+                    # issue 51's Gemma 3: sliding windows, a RoPE base per layer kind, sandwich norms
+                    "rotary_seq_len_interpolation_factor": None, "rotary_base_local": None, "window_size": None,
+                    "window_attn_skip_freq": None, "softmax_scale": None, "sandwich_norm": False,
+                    "scale_embeddings": False}
     assert written["model_config"] == {**_UNRESOLVED_TINY_GPT2["model_config"], "ffn_hidden_size": 256,
                                        "num_query_groups": 4, "kv_channels": 16, "qk_layernorm": False,
                                        "rope_scaling": False, "rope_scaling_factor": 8.0, **moe_defaults}
