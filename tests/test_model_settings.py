@@ -110,7 +110,7 @@ def test_every_field_is_declared_once_in_each_translation():
 ])
 def test_a_field_written_by_hand_beside_its_setting_is_seen(path, function, injected):
     sources = _package_sources()
-    before = {"model/builder.py": "        gated_linear_unit=gated,\n",
+    before = {"model/builder.py": "        gated_linear_unit=m.gated_mlp,\n",
               "checkpoint/format.py": "        megatron_patch=json.dumps(info.to_json()),\n"}[path]
     assert sources[path].count(before) == 1
     sources[path] = sources[path].replace(before, f"        {injected},\n{before}")
