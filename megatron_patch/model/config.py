@@ -143,8 +143,9 @@ def _settings(cls) -> dict[str, Setting]:
 
 def _flag_options(hint) -> dict:
     """argparse's keywords for a field of type ``hint``: a Literal's choices, or the int or float it holds."""
-    if literal_choices(hint):
-        return literal_choices(hint)
+    choices = literal_choices(hint)
+    if choices:
+        return choices
     (kind,) = {t for t in typing.get_args(hint) or (hint,) if t is not type(None)}
     return {"type": kind}
 
@@ -458,11 +459,8 @@ class ModelConfig:
         skip = self.window_attn_skip_freq
         if skip is not None and self.window_size is None:
             raise ValueError("--window-attn-skip-freq says which layers skip the window; add --window-size")
-        if isinstance(skip, list) and (len(skip) != self.num_layers or set(skip) - {0, 1}):
-            raise ValueError(f"--window-attn-skip-freq {skip} must give a 1 (window) or 0 (full) for each of the "
-                             f"{self.num_layers} layers")
-        if isinstance(skip, int) and skip < 1:
-            raise ValueError(f"--window-attn-skip-freq must be at least 1, got {skip}")
+        if skip is not None:
+            self._check_layer_freq("--window-attn-skip-freq", skip, "a 1 (window) or 0 (full)")
         if self.rotary_base_local is not None and (self.window_size is None or self.position_embedding_type != "rope"
                                                    or self.multi_latent_attention):
             raise ValueError("--rotary-base-local is the RoPE base of sliding-window layers; it needs --window-size "
@@ -475,6 +473,13 @@ class ModelConfig:
             raise ValueError(f"--softmax-scale must be positive, got {self.softmax_scale}")
         if self.sandwich_norm and self.num_moe_experts is not None:
             raise ValueError("--sandwich-norm puts a norm after dense MLPs only; drop it or --num-experts")
+
+    def _check_layer_freq(self, flag: str, freq: int | list[int], per_layer: str) -> None:
+        """A :func:`layer_freq` value: every N-th layer (N >= 1), or ``per_layer`` for each layer."""
+        if isinstance(freq, list) and (len(freq) != self.num_layers or set(freq) - {0, 1}):
+            raise ValueError(f"{flag} {freq} must give {per_layer} for each of the {self.num_layers} layers")
+        if isinstance(freq, int) and freq < 1:
+            raise ValueError(f"{flag} must be at least 1, got {freq}")
 
     def _validate_moe(self) -> None:
         moe_only = {"moe_ffn_hidden_size": self.moe_ffn_hidden_size,
@@ -503,12 +508,7 @@ class ModelConfig:
                              "--moe-shared-expert-intermediate-size")
         if self.moe_pad_expert_input_to_capacity and self.moe_expert_capacity_factor is None:
             raise ValueError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
-        freq = self.moe_layer_freq
-        if isinstance(freq, list) and (len(freq) != self.num_layers or set(freq) - {0, 1}):
-            raise ValueError(f"--moe-layer-freq {freq} must give a 0 (dense) or 1 (MoE) for each of the "
-                             f"{self.num_layers} layers")
-        if isinstance(freq, int) and freq < 1:
-            raise ValueError(f"--moe-layer-freq must be at least 1, got {freq}")
+        self._check_layer_freq("--moe-layer-freq", self.moe_layer_freq, "a 0 (dense) or 1 (MoE)")
         groups, group_topk = self.moe_router_num_groups, self.moe_router_group_topk
         if (groups is None) != (group_topk is None):
             raise ValueError("--moe-router-num-groups and --moe-router-group-topk go together; give both or neither")

@@ -59,9 +59,9 @@ class LayerKindSelfAttention(SelfAttention):
 
 def _times_sqrt_hidden(embedding: torch.nn.Module, inputs, output: torch.Tensor) -> torch.Tensor:
     # transformers' Gemma3TextScaledWordEmbedding rounds the scale to the weights' dtype first (48.0 stays 48.0,
-    # sqrt(1152) does not), then multiplies.
-    scale = torch.tensor(embedding.config.hidden_size ** 0.5, dtype=embedding.word_embeddings.weight.dtype)
-    return output * scale.to(output.device)
+    # sqrt(1152) does not), then multiplies. The rounded value as a Python number: no tensor to copy to the device.
+    scale = torch.tensor(embedding.config.hidden_size ** 0.5, dtype=embedding.word_embeddings.weight.dtype).item()
+    return output * scale
 
 
 class GPTModel(_GPTModel):

@@ -72,14 +72,13 @@ def _rope(c: dict) -> dict:
     params = c.get("rope_parameters") or {}
     full = params.get(_FULL) or {**(c.get("rope_scaling") or {}), "rope_theta": c.get("rope_theta", 1e6)}
     sliding = params.get(_SLIDING) or {"rope_theta": c.get("rope_local_base_freq", 1e4)}
-    for kind, p, allowed in ((_FULL, full, ("default", "linear")), (_SLIDING, sliding, ("default",))):
-        rope_type = p.get("rope_type", p.get("type", "default"))
-        if rope_type not in allowed:
-            raise UnsupportedCheckpoint(f"config.json's {kind} RoPE is {rope_type!r}; only {list(allowed)} convert "
+    types = {kind: p.get("rope_type", p.get("type", "default")) for kind, p in ((_FULL, full), (_SLIDING, sliding))}
+    for kind, allowed in ((_FULL, ("default", "linear")), (_SLIDING, ("default",))):
+        if types[kind] not in allowed:
+            raise UnsupportedCheckpoint(f"config.json's {kind} RoPE is {types[kind]!r}; only {list(allowed)} convert "
                                         "exactly")
-    linear = full.get("rope_type", full.get("type")) == "linear"
     return dict(rotary_base=_theta(full, _FULL), rotary_base_local=_theta(sliding, _SLIDING),
-                rotary_seq_len_interpolation_factor=float(full["factor"]) if linear else None)
+                rotary_seq_len_interpolation_factor=float(full["factor"]) if types[_FULL] == "linear" else None)
 
 
 def _windows(c: dict) -> dict:
@@ -98,10 +97,13 @@ def _windows(c: dict) -> dict:
     if not isinstance(window, int) or window < 1:
         raise UnsupportedCheckpoint(f"config.json has sliding_window={window!r} with sliding layers; it needs the "
                                     "window's tokens")
-    every = windowed.index(0) + 1 if 0 in windowed else None
-    regular = every is not None and windowed == [int((i + 1) % every != 0) for i in range(len(windowed))]
-    return dict(window_size=(window - 1, 0),
-                window_attn_skip_freq=every if regular else None if every is None else windowed)
+    if 0 not in windowed:
+        skip = None  # the window is in every layer
+    else:
+        every = windowed.index(0) + 1
+        regular = windowed == [int((i + 1) % every != 0) for i in range(len(windowed))]
+        skip = every if regular else windowed  # every N-th layer full, or the pattern as it is
+    return dict(window_size=(window - 1, 0), window_attn_skip_freq=skip)
 
 
 def _gemma3_from_hf(c: dict) -> ModelConfig:
